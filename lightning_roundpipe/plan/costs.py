@@ -1,0 +1,218 @@
+"""Per-layer costs: the only input the planning layer needs about a model.
+
+A model is an ordered list of layers ``0..L-1`` (for a causal LM: the embedding,
+the decoder blocks, then norm + LM head + loss as the last layer). For each
+layer we know, measured or estimated:
+
+* ``forward``: time of its forward pass for one micro-batch;
+* ``backward``: time of its backward pass for one micro-batch, *without*
+  recomputation (a recomputing stage pays ``forward + backward``);
+* ``memory``: device memory needed to run that layer's forward and backward
+  for one micro-batch (weights, gradients and saved activations);
+* ``weight_bytes``: size of the layer's weights as uploaded to a device.
+
+Stage costs are contiguous sums. They are always computed as differences of
+prefix sums (see :class:`_Prefix`) so that the partitioner, the plan and the
+simulator agree to the last bit on what a stage costs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LayerCosts", "PlanError"]
+
+
+class PlanError(ValueError):
+    """Raised for invalid planning input: costs, plans, or impossible constraints."""
+
+
+def _as_values(name: str, values: Sequence[float] | None, n: int | None) -> tuple[float, ...] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)):
+        raise PlanError(f"LayerCosts.{name} must be a sequence of numbers, got a string")
+    out = tuple(values)
+    if n is not None and len(out) != n:
+        raise PlanError(
+            f"LayerCosts.{name} has {len(out)} entries but forward has {n}; "
+            "give one value per layer"
+        )
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise PlanError(f"LayerCosts.{name}[{i}] must be a number, got {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise PlanError(
+                f"LayerCosts.{name}[{i}] must be finite and >= 0, got {v!r}"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Costs of each layer of a model, in pipeline order.
+
+    Args:
+        forward: forward time of each layer for one micro-batch (any time unit).
+        backward: backward time of each layer for one micro-batch, without
+            recomputation.
+        memory: device memory needed to run each layer for one micro-batch
+            (bytes or any unit shared with ``memory_limit``); ``None`` means
+            unknown, and no memory constraint is applied.
+        weight_bytes: bytes of each layer's weights as uploaded; ``None`` if
+            unknown.
+    """
+
+    forward: Sequence[float]
+    backward: Sequence[float]
+    memory: Sequence[float] | None = None
+    weight_bytes: Sequence[float] | None = None
+    _prefix: _Prefix = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fwd = _as_values("forward", self.forward, None)
+        assert fwd is not None
+        if not fwd:
+            raise PlanError("LayerCosts needs at least one layer; forward is empty")
+        n = len(fwd)
+        object.__setattr__(self, "forward", fwd)
+        object.__setattr__(self, "backward", _as_values("backward", self.backward, n))
+        object.__setattr__(self, "memory", _as_values("memory", self.memory, n))
+        object.__setattr__(self, "weight_bytes", _as_values("weight_bytes", self.weight_bytes, n))
+        object.__setattr__(self, "_prefix", _Prefix(self))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_layers(self) -> int:
+        """Number of layers ``L``."""
+        return len(self.forward)
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    # ----------------------------------------------------------- stage costs
+    def forward_time(self, start: int, stop: int) -> float:
+        """Time of a forward stage over layers ``[start, stop)``."""
+        p = self._prefix.fwd
+        return p[stop] - p[start]
+
+    def backward_time(self, start: int, stop: int) -> float:
+        """Backward time over ``[start, stop)`` without recomputation."""
+        p = self._prefix.bwd
+        return p[stop] - p[start]
+
+    def recompute_backward_time(self, start: int, stop: int) -> float:
+        """Time of a backward stage (recompute + backward) or of the fused stage
+        (forward + backward) over layers ``[start, stop)``: both run the
+        forward and the backward of every layer once."""
+        p = self._prefix.both
+        return p[stop] - p[start]
+
+    def stage_memory(self, start: int, stop: int) -> float:
+        """Device memory of a stage over ``[start, stop)`` (0 when unknown)."""
+        p = self._prefix.mem
+        return p[stop] - p[start]
+
+    def stage_weight_bytes(self, start: int, stop: int) -> float:
+        """Weight bytes of layers ``[start, stop)`` (0 when unknown)."""
+        if self.weight_bytes is None:
+            return 0
+        return sum(self.weight_bytes[start:stop])
+
+    # ------------------------------------------------------------ conversion
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; :meth:`from_dict` reads it back."""
+        out: dict[str, Any] = {"forward": list(self.forward), "backward": list(self.backward)}
+        if self.memory is not None:
+            out["memory"] = list(self.memory)
+        if self.weight_bytes is not None:
+            out["weight_bytes"] = list(self.weight_bytes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerCosts:
+        """Build from a mapping with keys ``forward``, ``backward`` and optionally
+        ``memory`` and ``weight_bytes``."""
+        unknown = set(data) - {"forward", "backward", "memory", "weight_bytes"}
+        if unknown:
+            raise PlanError(
+                f"unknown LayerCosts keys {sorted(unknown)}; "
+                "expected forward, backward, memory, weight_bytes"
+            )
+        for key in ("forward", "backward"):
+            if key not in data:
+                raise PlanError(f"LayerCosts needs the key {key!r}")
+        return cls(
+            forward=data["forward"],
+            backward=data["backward"],
+            memory=data.get("memory"),
+            weight_bytes=data.get("weight_bytes"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> LayerCosts:
+        """Read costs from a JSON file written by :meth:`save` (or by hand)."""
+        with open(path, encoding="utf-8") as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise PlanError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{path}: expected a JSON object with forward/backward lists")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write costs as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def uniform(
+        cls,
+        num_layers: int,
+        *,
+        forward: float = 1.0,
+        backward: float = 2.0,
+        head_forward: float | None = None,
+        head_backward: float | None = None,
+        memory: float | None = None,
+        head_memory: float | None = None,
+    ) -> LayerCosts:
+        """Identical layers, optionally with a different last layer (an LM head).
+
+        ``uniform(13, head_forward=3, head_backward=6)`` is twelve blocks and an
+        LM head three times slower than a block.
+        """
+        if num_layers < 1:
+            raise PlanError(f"num_layers must be >= 1, got {num_layers}")
+        fwd = [forward] * num_layers
+        bwd = [backward] * num_layers
+        mem = None if memory is None else [memory] * num_layers
+        if head_forward is not None:
+            fwd[-1] = head_forward
+        if head_backward is not None:
+            bwd[-1] = head_backward
+        if head_memory is not None:
+            if mem is None:
+                raise PlanError("head_memory needs memory for the other layers too")
+            mem[-1] = head_memory
+        return cls(fwd, bwd, mem)
+
+
+class _Prefix:
+    """Prefix sums of a :class:`LayerCosts`; index ``i`` is the sum of layers ``< i``."""
+
+    __slots__ = ("both", "bwd", "fwd", "mem")
+
+    def __init__(self, costs: LayerCosts) -> None:
+        fwd, bwd = costs.forward, costs.backward
+        self.fwd = [0.0, *accumulate(fwd)]
+        self.bwd = [0.0, *accumulate(bwd)]
+        self.both = [0.0, *accumulate(f + b for f, b in zip(fwd, bwd))]
+        mem = costs.memory if costs.memory is not None else [0] * len(fwd)
+        self.mem = [0, *accumulate(mem)]

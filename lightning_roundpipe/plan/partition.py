@@ -1,0 +1,382 @@
+"""The automatic partitioner: the stage plan that minimises round-robin pipeline time.
+
+For ``N`` devices and ``M`` micro-batches, a plan with ``S`` stage slots whose
+slowest slot takes ``t_max`` per micro-batch keeps the devices busy for about
+``(M*S + N*(N-1)) * t_max`` (work plus fill and drain). :func:`partition`
+returns a plan minimising exactly that, with every stage's memory within
+``memory_limit``.
+
+Why it is exact. The slowest slot of any plan is a contiguous sum of forward
+times (a forward stage) or of forward+backward times (the fused stage or a
+backward stage). For a fixed bound ``T`` on the slot time, the fewest slots is
+found greedily: the fused stage takes as many top layers as fit (fewer layers
+below it can only need fewer stages), then forward stages are packed from the
+bottom and backward stages from the top, each as full as fits. So the optimum
+is ``min over candidates T of (M*S(T) + N*(N-1)) * T`` where ``S(T)`` is
+non-increasing in ``T``.
+
+Why it is fast. The research code packs greedily for every one of the
+``O(L^2)`` candidates, ``O(L^3)`` in all. Here candidates are sorted once and a
+divide-and-conquer over them evaluates ``S(T)`` only where the step function
+can still beat the best objective found so far: an interval whose two ends
+need the same number of slots cannot contain anything better than its left
+end, and an interval whose lower bound ``(M*S(right) + N*(N-1)) * T(left)``
+is not below the best is skipped. Each ``S(T)`` costs ``O(S log L)`` with
+binary searches over prefix sums.
+
+Ties. Among plans with the same objective the one with the smaller ``t_max``
+wins (more balanced stages, less memory per stage); for a given ``t_max`` the
+greedy packing fixes the plan, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+from itertools import accumulate
+
+from .costs import LayerCosts, PlanError
+from .stages import StagePlan
+
+__all__ = ["balanced_partition", "partition"]
+
+
+def _check_counts(num_devices: int, num_microbatches: int) -> None:
+    for name, v in (("num_devices", num_devices), ("num_microbatches", num_microbatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def _fmt(x: float) -> str:
+    if isinstance(x, int) or float(x).is_integer():
+        x = int(x)
+        if x >= 1 << 20:
+            return f"{x} ({x / (1 << 30):.2f} GiB)"
+        return str(x)
+    return f"{x:.6g}"
+
+
+def check_memory(costs: LayerCosts, memory_limit: float | None) -> None:
+    """Raise :class:`PlanError` naming the first layer that alone exceeds
+    ``memory_limit`` (no stage could hold it)."""
+    if memory_limit is None or costs.memory is None:
+        return
+    if not (memory_limit > 0):
+        raise PlanError(f"memory_limit must be > 0, got {memory_limit!r}")
+    for i, m in enumerate(costs.memory):
+        if m > memory_limit:
+            raise PlanError(
+                f"layer {i} needs {_fmt(m)} of device memory for one micro-batch, more than "
+                f"memory_limit {_fmt(memory_limit)}; no stage can hold it. Raise the memory "
+                "limit (device_memory_limit) or shrink the micro-batch (raise num_microbatches)"
+            )
+
+
+# ---------------------------------------------------------------- greedy steps
+def _furthest(p: Sequence[float], i: int, limit: float, hi: int) -> int:
+    """Largest ``j`` in ``[i, hi]`` with ``p[j] - p[i] <= limit``.
+
+    The bisection finds it up to rounding of ``p[i] + limit``; the two loops
+    settle it with the exact difference the rest of the code uses."""
+    j = bisect_right(p, p[i] + limit, i, hi + 1) - 1
+    while j > i and p[j] - p[i] > limit:
+        j -= 1
+    while j < hi and p[j + 1] - p[i] <= limit:
+        j += 1
+    return j
+
+
+def _nearest(p: Sequence[float], i: int, limit: float, lo: int) -> int:
+    """Smallest ``j`` in ``[lo, i]`` with ``p[i] - p[j] <= limit``."""
+    j = bisect_left(p, p[i] - limit, lo, i + 1)
+    while j < i and p[i] - p[j] > limit:
+        j += 1
+    while j > lo and p[i] - p[j - 1] <= limit:
+        j -= 1
+    return j
+
+
+def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, int] | None:
+    """Fewest slots with every slot time ``<= t`` (and memory ``<= limit``).
+
+    Returns ``(forward stages, first fused layer, backward stages)``, or None
+    if ``t`` is below some single layer's cost."""
+    pre = costs._prefix
+    both, fwd, mem = pre.both, pre.fwd, pre.mem
+    n = costs.num_layers
+    top = _nearest(both, n, t, 0)
+    if limit is not None:
+        top = max(top, _nearest(mem, n, limit, 0))
+    if top == n:
+        return None
+    nf, i = 0, 0
+    while i < top:
+        j = _furthest(fwd, i, t, top)
+        if limit is not None:
+            j = min(j, _furthest(mem, i, limit, top))
+        if j == i:
+            return None
+        nf += 1
+        i = j
+    nb, i = 0, top
+    while i > 0:
+        j = _nearest(both, i, t, 0)
+        if limit is not None:
+            j = max(j, _nearest(mem, i, limit, 0))
+        if j == i:
+            return None
+        nb += 1
+        i = j
+    return nf, top, nb
+
+
+def _plan_at(costs: LayerCosts, t: float, limit: float | None) -> StagePlan:
+    """The greedy plan for slot-time bound ``t`` (which must be feasible)."""
+    pre = costs._prefix
+    both, fwd, mem = pre.both, pre.fwd, pre.mem
+    n = costs.num_layers
+    top = _nearest(both, n, t, 0)
+    if limit is not None:
+        top = max(top, _nearest(mem, n, limit, 0))
+    forward, i = [], 0
+    while i < top:
+        j = _furthest(fwd, i, t, top)
+        if limit is not None:
+            j = min(j, _furthest(mem, i, limit, top))
+        forward.append(j - i)
+        i = j
+    backward, i = [], top
+    while i > 0:
+        j = _nearest(both, i, t, 0)
+        if limit is not None:
+            j = max(j, _nearest(mem, i, limit, 0))
+        backward.append(i - j)
+        i = j
+    return StagePlan(tuple(forward), n - top, tuple(backward))
+
+
+def _candidates(costs: LayerCosts) -> list[float]:
+    """Sorted distinct slot times a plan's ``t_max`` can take (contiguous sums of
+    forward times and of forward+backward times), from the cheapest feasible one
+    (the costliest single layer's forward+backward) to running everything fused."""
+    pre = costs._prefix
+    n = costs.num_layers
+    both = pre.both
+    lo = max(both[i + 1] - both[i] for i in range(n))
+    hi = both[n] - both[0]
+    seen: set[float] = set()
+    for p in (pre.fwd, both):
+        for i in range(n):
+            pi = p[i]
+            seen.update([x - pi for x in p[i + 1 :]])
+    return sorted(c for c in seen if lo <= c <= hi)
+
+
+def partition(
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    memory_limit: float | None = None,
+) -> StagePlan:
+    """The stage plan minimising ``(M*S + N*(N-1)) * t_max`` within ``memory_limit``.
+
+    Args:
+        costs: per-layer costs (see :class:`LayerCosts`).
+        num_devices: ``N``, the number of devices in the pool.
+        num_microbatches: ``M``, micro-batches per iteration.
+        memory_limit: device memory available to one stage for one micro-batch,
+            in the unit of ``costs.memory``; ``None`` for no limit.
+
+    Raises:
+        PlanError: bad arguments, or a single layer that exceeds ``memory_limit``.
+    """
+    _check_counts(num_devices, num_microbatches)
+    check_memory(costs, memory_limit)
+    limit = memory_limit if costs.memory is not None else None
+    cands = _candidates(costs)
+    m, c = num_microbatches, num_devices * (num_devices - 1)
+
+    slots: dict[int, int] = {}
+
+    def s_at(k: int) -> int:
+        s = slots.get(k)
+        if s is None:
+            packed = _pack(costs, cands[k], limit)
+            assert packed is not None, "candidates start at a feasible slot time"
+            s = slots[k] = packed[0] + 1 + packed[2]
+        return s
+
+    best_k = 0
+    best_g = (m * s_at(0) + c) * cands[0]
+
+    def consider(k: int) -> None:
+        nonlocal best_k, best_g
+        g = (m * s_at(k) + c) * cands[k]
+        if g < best_g or (g == best_g and cands[k] < cands[best_k]):
+            best_k, best_g = k, g
+
+    last = len(cands) - 1
+    consider(last)
+    # Intervals (lo, hi) of candidate indices whose interior is still open.
+    stack = [(0, last)]
+    while stack:
+        lo, hi = stack.pop()
+        if hi - lo <= 1 or s_at(lo) == s_at(hi):
+            continue  # equal ends: the interior needs as many slots, at a larger t
+        bound = (m * s_at(hi) + c) * cands[lo + 1]
+        if bound > best_g or (bound == best_g and cands[lo + 1] >= cands[best_k]):
+            continue
+        mid = (lo + hi) // 2
+        consider(mid)
+        stack.append((mid, hi))
+        stack.append((lo, mid))  # popped first: smaller t_max explored first
+    return _rebalance(costs, _plan_at(costs, cands[best_k], limit), limit)
+
+
+# ------------------------------------------------------- reference (research)
+def _pack_linear(costs: LayerCosts, t: float, limit: float | None) -> StagePlan | None:
+    """Greedy packing by a layer-by-layer scan, the way the research code does it."""
+    pre = costs._prefix
+    both, fwd, mem = pre.both, pre.fwd, pre.mem
+    n = costs.num_layers
+    lim = math.inf if limit is None else limit
+
+    def fits(p: Sequence[float], a: int, b: int, bound: float) -> bool:
+        return p[b] - p[a] <= bound
+
+    top = n
+    while top > 0 and fits(both, top - 1, n, t) and fits(mem, top - 1, n, lim):
+        top -= 1
+    if top == n:
+        return None
+    forward, i = [], 0
+    while i < top:
+        j = i
+        while j < top and fits(fwd, i, j + 1, t) and fits(mem, i, j + 1, lim):
+            j += 1
+        if j == i:
+            return None
+        forward.append(j - i)
+        i = j
+    backward, i = [], top
+    while i > 0:
+        j = i
+        while j > 0 and fits(both, j - 1, i, t) and fits(mem, j - 1, i, lim):
+            j -= 1
+        if j == i:
+            return None
+        backward.append(i - j)
+        i = j
+    return StagePlan(tuple(forward), n - top, tuple(backward))
+
+
+def partition_exhaustive(
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    memory_limit: float | None = None,
+) -> StagePlan:
+    """Reference partitioner: greedy packing for every contiguous sum, ``O(L^3)``.
+
+    Same objective and tie rule as :func:`partition`; kept as the baseline
+    that tests and ``benchmarks/partition.py`` compare against."""
+    _check_counts(num_devices, num_microbatches)
+    check_memory(costs, memory_limit)
+    limit = memory_limit if costs.memory is not None else None
+    pre = costs._prefix
+    n = costs.num_layers
+    m, c = num_microbatches, num_devices * (num_devices - 1)
+    best: tuple[float, float, StagePlan] | None = None
+    for p in (pre.fwd, pre.both):
+        for i in range(n):
+            for j in range(i + 1, n + 1):
+                t = p[j] - p[i]
+                plan = _pack_linear(costs, t, limit)
+                if plan is None:
+                    continue
+                g = (m * plan.num_slots + c) * t
+                if best is None or (g, t) < (best[0], best[1]):
+                    best = (g, t, plan)
+    assert best is not None
+    return _rebalance(costs, best[2], limit)
+
+
+# ------------------------------------------------------------ min-max cuts
+def _min_max_cut(
+    values: Sequence[float],
+    num_parts: int,
+    memory: Sequence[float] | None = None,
+    limit: float | None = None,
+) -> list[int]:
+    """Cut ``values`` into exactly ``num_parts`` non-empty contiguous parts
+    (``num_parts <= len(values)``) minimising the heaviest part, each part's
+    memory within ``limit``. Layer counts, in order."""
+    n = len(values)
+    pre = [0.0, *accumulate(values)]
+    mem = None if memory is None or limit is None else [0.0, *accumulate(memory)]
+    lo = max(pre[i + 1] - pre[i] for i in range(n))
+    cands = sorted({pre[j] - pre[i] for i in range(n) for j in range(i + 1, n + 1)})
+    cands = cands[bisect_left(cands, lo) :]
+
+    def greedy(t: float) -> list[int]:
+        out, i = [], 0
+        while i < n:
+            j = _furthest(pre, i, t, n)
+            if mem is not None:
+                j = min(j, _furthest(mem, i, limit, n))
+            out.append(j - i)
+            i = j
+        return out
+
+    a, b = 0, len(cands) - 1  # smallest t with at most num_parts parts
+    while a < b:
+        mid = (a + b) // 2
+        if len(greedy(cands[mid])) <= num_parts:
+            b = mid
+        else:
+            a = mid + 1
+    counts = greedy(cands[a])
+    while len(counts) < num_parts:  # splitting a part never makes anything worse
+        k = max(range(len(counts)), key=lambda i: (counts[i], -i))
+        half = counts[k] // 2
+        counts[k : k + 1] = [counts[k] - half, half]
+    return counts
+
+
+def _rebalance(costs: LayerCosts, plan: StagePlan, limit: float | None) -> StagePlan:
+    """Same stage counts and fused stage, forward and backward cuts balanced.
+
+    Greedy packing leaves a light last stage (``9,3``); evening it out
+    (``6,6``) keeps the objective and shortens the real pipeline, since a
+    round-robin slot that finishes early still hands over sooner. The
+    result is checked with the plan's own arithmetic and dropped if it is
+    not at least as good."""
+    top = plan.num_layers - plan.fused
+    if top == 0:
+        return plan
+    f = costs.forward[:top]
+    fb = [a + b for a, b in zip(costs.forward[:top], costs.backward[:top])]
+    mem = None if costs.memory is None else list(costs.memory[:top])
+    forward = _min_max_cut(f, len(plan.forward), mem, limit)
+    backward = _min_max_cut(fb[::-1], len(plan.backward), None if mem is None else mem[::-1], limit)
+    new = StagePlan(tuple(forward), plan.fused, tuple(backward))
+    old_t, new_t = plan.max_stage_time(costs), new.max_stage_time(costs)
+    if new_t > old_t:
+        return plan
+    if limit is not None and max(new.stage_memory(costs)) > limit:
+        return plan
+    return new
+
+
+def balanced_partition(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Cut ``weights`` into exactly ``num_parts`` contiguous parts minimising the
+    heaviest part; returns the layer count of each part.
+
+    Used for the stage-bound baselines (GPipe, 1F1B, looped schedules). When
+    there are more parts than layers the surplus parts hold zero layers."""
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise PlanError(f"num_parts must be an integer >= 1, got {num_parts!r}")
+    n = len(weights)
+    counts = _min_max_cut(weights, min(num_parts, n)) if n else []
+    return counts + [0] * (num_parts - len(counts))

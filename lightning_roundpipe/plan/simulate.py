@@ -1,0 +1,490 @@
+"""Event-driven schedule simulator: RoundPipe against stage-bound pipeline schedules.
+
+Every schedule is turned into the same thing: for each device an ordered list
+of operations (a stage for one micro-batch: forward, recompute, backward
+parts), each depending on the operations whose outputs it consumes. The
+engine starts each device's next operation as soon as the device is free and
+its inputs have arrived; an input produced on another device arrives
+``comm_time`` later (the copy overlaps compute on both devices).
+
+Schedules (``schedule=``):
+
+* ``"roundpipe"``: asymmetric forward/fused/backward slots dispatched
+  round-robin (:mod:`.dispatch`); any device runs any stage.
+* ``"gpipe"``: one stage per device; all forwards, then all backwards.
+* ``"1f1b"``: one stage per device; warm-up forwards, then one forward / one
+  backward alternately (PipeDream-Flush).
+* ``"interleaved-1f1b"``: ``v`` stages per device (stage ``s`` on device
+  ``s mod N``), Megatron-LM's interleaved order; needs ``M`` divisible by ``N``.
+* ``"looped-bfs"``: ``v`` stages per device, breadth first: every micro-batch
+  through one local stage before the next.
+
+Baselines use activation checkpointing at stage granularity by default
+(``recompute=True``): a backward op recomputes its stage, then runs backward.
+
+Bubble ratio = idle device time / (makespan x N), split into *fill* (before a
+device's first op), *drain* (after its last op) and *steady* (idle time in
+between). For RoundPipe with ``async_optimizer=True`` the result also carries
+``async_bubble_ratio``: the idle fraction per iteration in the steady state of
+back-to-back iterations, when one iteration's drain overlaps the next one's
+fill (the optimizer runs one step behind, so no flush separates them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .costs import LayerCosts, PlanError
+from .dispatch import dispatch
+from .partition import balanced_partition, partition
+from .stages import StagePlan
+
+__all__ = ["SCHEDULES", "Schedule", "Segment", "SimulationResult", "simulate"]
+
+Schedule = Literal["roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"]
+SCHEDULES: tuple[str, ...] = ("roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+
+SegmentKind = Literal["F", "R", "B"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A busy interval of one device: ``kind`` is ``"F"`` (forward), ``"R"``
+    (recompute) or ``"B"`` (backward) of ``stage`` for ``microbatch``."""
+
+    device: int
+    start: float
+    end: float
+    kind: SegmentKind
+    stage: str
+    microbatch: int
+    iteration: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Outcome of :func:`simulate`.
+
+    Attributes:
+        schedule: the schedule's name.
+        num_devices, num_microbatches, iterations: the simulated setting.
+        makespan: time from the first op's start to the last op's end.
+        busy: busy time of each device.
+        bubble_ratio: idle time / (makespan x N).
+        fill_ratio, drain_ratio, steady_ratio: the bubble split by where idle
+            time falls (they add up to ``bubble_ratio``).
+        async_bubble_ratio: RoundPipe with the asynchronous optimizer only: the
+            steady-state idle fraction when iterations run back to back.
+        timeline: every busy segment, by start time.
+        plan: RoundPipe's stage plan; ``stages``: a baseline's layers per stage.
+    """
+
+    schedule: str
+    num_devices: int
+    num_microbatches: int
+    iterations: int
+    makespan: float
+    busy: tuple[float, ...]
+    bubble_ratio: float
+    fill_ratio: float
+    drain_ratio: float
+    steady_ratio: float
+    timeline: tuple[Segment, ...]
+    plan: StagePlan | None = None
+    stages: tuple[int, ...] | None = None
+    async_bubble_ratio: float | None = None
+
+    def device_timeline(self, device: int) -> list[Segment]:
+        """The segments one device ran, in time order."""
+        return [s for s in self.timeline if s.device == device]
+
+    @property
+    def work(self) -> float:
+        """Total busy device time."""
+        return sum(self.busy)
+
+
+# ---------------------------------------------------------------- the engine
+@dataclass
+class _Op:
+    key: tuple
+    device: int
+    parts: list[tuple[SegmentKind, float]]
+    stage: str
+    microbatch: int
+    iteration: int = 0
+    deps: list[tuple] = field(default_factory=list)
+
+
+def _run(queues: list[list[_Op]], comm_time: float) -> dict[tuple, tuple[float, float]]:
+    """List-schedule each device's queue in order; returns ``key -> (start, end)``."""
+    device_of: dict[tuple, int] = {op.key: op.device for q in queues for op in q}
+    done: dict[tuple, tuple[float, float]] = {}
+    free = [0.0] * len(queues)
+    pos = [0] * len(queues)
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progress = False
+        for d, q in enumerate(queues):
+            while pos[d] < len(q):
+                op = q[pos[d]]
+                ready = free[d]
+                for dep in op.deps:
+                    fin = done.get(dep)
+                    if fin is None:
+                        break
+                    arrive = fin[1] + (comm_time if device_of[dep] != d else 0.0)
+                    ready = max(ready, arrive)
+                else:
+                    end = ready + sum(t for _, t in op.parts)
+                    done[op.key] = (ready, end)
+                    free[d] = end
+                    pos[d] += 1
+                    remaining -= 1
+                    progress = True
+                    continue
+                break
+        if not progress:
+            stuck = [q[pos[d]] for d, q in enumerate(queues) if pos[d] < len(q)]
+            raise PlanError(
+                "schedule deadlocks; waiting ops: "
+                + ", ".join(f"dev {op.device} {op.stage} mb {op.microbatch}" for op in stuck)
+            )
+    return done
+
+
+def _result(
+    name: str,
+    queues: list[list[_Op]],
+    done: dict[tuple, tuple[float, float]],
+    num_microbatches: int,
+    iterations: int,
+    **extra,
+) -> SimulationResult:
+    n = len(queues)
+    segments: list[Segment] = []
+    busy = [0.0] * n
+    first = [None] * n
+    last = [0.0] * n
+    for d, q in enumerate(queues):
+        for op in q:
+            start, end = done[op.key]
+            t = start
+            for kind, dur in op.parts:
+                if dur > 0:
+                    segments.append(
+                        Segment(d, t, t + dur, kind, op.stage, op.microbatch, op.iteration)
+                    )
+                t += dur
+            busy[d] += end - start
+            if end > start:
+                if first[d] is None:
+                    first[d] = start
+                last[d] = max(last[d], end)
+    makespan = max(last, default=0.0)
+    segments.sort(key=lambda s: (s.start, s.device))
+    if makespan <= 0:
+        ratios = (0.0, 0.0, 0.0, 0.0)
+    else:
+        total = makespan * n
+        fill = sum(makespan if f is None else f for f in first)
+        drain = sum(0.0 if f is None else makespan - e for f, e in zip(first, last))
+        idle = total - sum(busy)
+        steady = max(0.0, idle - fill - drain)
+        ratios = (idle / total, fill / total, drain / total, steady / total)
+    return SimulationResult(
+        schedule=name,
+        num_devices=n,
+        num_microbatches=num_microbatches,
+        iterations=iterations,
+        makespan=makespan,
+        busy=tuple(busy),
+        bubble_ratio=ratios[0],
+        fill_ratio=ratios[1],
+        drain_ratio=ratios[2],
+        steady_ratio=ratios[3],
+        timeline=tuple(segments),
+        **extra,
+    )
+
+
+# ----------------------------------------------------------------- RoundPipe
+def _roundpipe_queues(
+    costs: LayerCosts,
+    plan: StagePlan,
+    n: int,
+    m: int,
+    mr: int | None,
+    iterations: int,
+    async_optimizer: bool,
+) -> list[list[_Op]]:
+    queues: list[list[_Op]] = [[] for _ in range(n)]
+    stages = plan.stages
+    last_slot = len(stages) - 1
+    g0 = 0
+    grad_ops: list[list[tuple[int, int, tuple]]] = []  # per iteration: (start, stop, key)
+    for it in range(iterations):
+        dp = dispatch(plan, n, m, mr, start_device=g0)
+        g0 = dp.next_device
+        finals: list[tuple[int, int, tuple]] = []
+        for step in dp.steps:
+            st = stages[step.slot]
+            fwd = costs.forward_time(st.start, st.stop)
+            bwd = costs.backward_time(st.start, st.stop)
+            if st.kind == "forward":
+                parts: list[tuple[SegmentKind, float]] = [("F", fwd)]
+            elif st.kind == "fused":
+                parts = [("F", fwd), ("B", bwd)]
+            else:
+                parts = [("R", fwd), ("B", bwd)]
+            for mb in step.microbatches:
+                op = _Op((it, step.slot, mb), step.device, parts, st.label, mb, it)
+                if step.slot > 0:
+                    op.deps.append((it, step.slot - 1, mb))
+                if mb == step.mb_start and it > 0:
+                    if not async_optimizer and step.slot == 0:
+                        # synchronous optimizer: the step waits for every gradient
+                        op.deps.extend((it - 1, last_slot, k) for k in range(m))
+                    elif async_optimizer and it > 1:
+                        # staleness 1: weights of these layers need iteration it-2's
+                        # gradients of the same layers (the optimizer is assumed to keep up)
+                        op.deps.extend(
+                            key for a, b, key in grad_ops[it - 2] if a < st.stop and st.start < b
+                        )
+                queues[step.device].append(op)
+            if st.kind != "forward":
+                finals.append((st.start, st.stop, (it, step.slot, step.mb_stop - 1)))
+        grad_ops.append(finals)
+    return queues
+
+
+def _simulate_roundpipe(
+    costs: LayerCosts,
+    n: int,
+    m: int,
+    comm_time: float,
+    plan: StagePlan | None,
+    mr: int | None,
+    async_optimizer: bool,
+    iterations: int,
+    memory_limit: float | None,
+) -> SimulationResult:
+    if plan is None:
+        plan = partition(costs, n, m, memory_limit=memory_limit)
+    plan.validate(costs.num_layers)
+    queues = _roundpipe_queues(costs, plan, n, m, mr, iterations, async_optimizer)
+    done = _run(queues, comm_time)
+    extra: dict = {"plan": plan}
+    if async_optimizer:
+        extra["async_bubble_ratio"] = _steady_async_bubble(costs, plan, n, m, mr, comm_time)
+    return _result("roundpipe", queues, done, m, iterations, **extra)
+
+
+def _steady_async_bubble(
+    costs: LayerCosts, plan: StagePlan, n: int, m: int, mr: int | None, comm_time: float
+) -> float:
+    """Idle fraction per iteration once iterations run back to back.
+
+    Simulates ``K = N + 2`` iterations (enough for the rotation offset to
+    cycle) and measures the period between the ends of the first and the last."""
+    k = n + 2
+    queues = _roundpipe_queues(costs, plan, n, m, mr, k, True)
+    done = _run(queues, comm_time)
+    ends = [0.0] * k
+    work = 0.0
+    for q in queues:
+        for op in q:
+            start, end = done[op.key]
+            ends[op.iteration] = max(ends[op.iteration], end)
+            if op.iteration == 0:
+                work += end - start
+    period = (ends[-1] - ends[0]) / (k - 1)
+    if period <= 0:
+        return 0.0
+    return max(0.0, 1.0 - work / (n * period))
+
+
+# ----------------------------------------------------------------- baselines
+def _baseline_order(name: str, n: int, m: int, v: int, d: int) -> list[tuple[str, int, int]]:
+    """``(F|B, stage, micro-batch)`` in the order device ``d`` runs them."""
+    local = [c * n + d for c in range(v)]
+    if name == "gpipe":
+        s = local[0]
+        return [("F", s, mb) for mb in range(m)] + [("B", s, mb) for mb in range(m)]
+    if name == "1f1b":
+        s = local[0]
+        warm = min(n - d - 1, m)
+        order = [("F", s, mb) for mb in range(warm)]
+        for i in range(m - warm):
+            order.append(("F", s, warm + i))
+            order.append(("B", s, i))
+        order += [("B", s, mb) for mb in range(m - warm, m)]
+        return order
+    if name == "looped-bfs":
+        order = [("F", s, mb) for s in local for mb in range(m)]
+        order += [("B", s, mb) for s in reversed(local) for mb in range(m)]
+        return order
+    # interleaved-1f1b (Megatron-LM): forward k runs chunk (k // N) % v on
+    # micro-batch (k // (N v)) N + k % N; backwards walk the chunks in reverse.
+    total = v * m
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        return ("F", local[(k // n) % v], (k // (n * v)) * n + k % n)
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        return ("B", local[v - 1 - (k // n) % v], (k // (n * v)) * n + k % n)
+
+    warm = min((n - d - 1) * 2 + (v - 1) * n, total)
+    order = [fwd(k) for k in range(warm)]
+    for i in range(total - warm):
+        order.append(fwd(warm + i))
+        order.append(bwd(i))
+    order += [bwd(k) for k in range(total - warm, total)]
+    return order
+
+
+def _simulate_baseline(
+    name: str,
+    costs: LayerCosts,
+    n: int,
+    m: int,
+    comm_time: float,
+    stages: Sequence[int] | None,
+    stages_per_device: int | None,
+    recompute: bool,
+) -> SimulationResult:
+    bound = name in ("gpipe", "1f1b")
+    if stages is None:
+        v = 1 if bound else (2 if stages_per_device is None else stages_per_device)
+        if v < 1:
+            raise PlanError(f"stages_per_device must be >= 1, got {v}")
+        weights = [
+            (2 * f if recompute else f) + b for f, b in zip(costs.forward, costs.backward)
+        ]
+        stages = balanced_partition(weights, v * n)
+    stages = tuple(stages)
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in stages):
+        raise PlanError(f"stages must be layer counts >= 0, got {list(stages)}")
+    if sum(stages) != costs.num_layers:
+        raise PlanError(
+            f"stages {list(stages)} hold {sum(stages)} layers but the model has "
+            f"{costs.num_layers}; the counts must add up to the number of layers"
+        )
+    if bound and len(stages) != n:
+        raise PlanError(
+            f"{name} binds one stage to each device: got {len(stages)} stages for {n} devices"
+        )
+    if len(stages) % n:
+        raise PlanError(
+            f"{name} needs a multiple of num_devices ({n}) stages, got {len(stages)}"
+        )
+    v = len(stages) // n
+    if stages_per_device is not None and not bound and stages_per_device != v:
+        raise PlanError(
+            f"stages_per_device ({stages_per_device}) does not match {len(stages)} stages "
+            f"on {n} devices"
+        )
+    if name == "interleaved-1f1b" and m % n:
+        raise PlanError(
+            f"interleaved-1f1b needs num_microbatches ({m}) to be a multiple of "
+            f"num_devices ({n})"
+        )
+    bounds = [0]
+    for c in stages:
+        bounds.append(bounds[-1] + c)
+    last = len(stages) - 1
+    queues: list[list[_Op]] = []
+    for d in range(n):
+        q = []
+        for kind, s, mb in _baseline_order(name, n, m, v, d):
+            a, b = bounds[s], bounds[s + 1]
+            fwd, bwd = costs.forward_time(a, b), costs.backward_time(a, b)
+            if kind == "F":
+                op = _Op(("F", s, mb), d, [("F", fwd)], f"S{s}", mb)
+                if s > 0:
+                    op.deps.append(("F", s - 1, mb))
+            else:
+                parts: list[tuple[SegmentKind, float]] = (
+                    [("R", fwd), ("B", bwd)] if recompute else [("B", bwd)]
+                )
+                op = _Op(("B", s, mb), d, parts, f"S{s}", mb)
+                op.deps.append(("B", s + 1, mb) if s < last else ("F", s, mb))
+            q.append(op)
+        queues.append(q)
+    done = _run(queues, comm_time)
+    return _result(name, queues, done, m, 1, stages=stages)
+
+
+# -------------------------------------------------------------------- public
+def simulate(
+    schedule: Schedule,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    comm_time: float = 0.0,
+    plan: StagePlan | str | None = None,
+    async_optimizer: bool = False,
+    stages: Sequence[int] | None = None,
+    *,
+    microbatches_per_round: int | None = None,
+    stages_per_device: int | None = None,
+    recompute: bool = True,
+    memory_limit: float | None = None,
+    iterations: int = 1,
+) -> SimulationResult:
+    """Simulate one schedule on ``num_devices`` devices.
+
+    Args:
+        schedule: one of ``"roundpipe"``, ``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"looped-bfs"``.
+        costs: per-layer costs.
+        num_devices: ``N``.
+        num_microbatches: ``M`` per iteration.
+        comm_time: time for an activation (or its gradient) to move between two
+            devices; charged when consecutive stages of a micro-batch run on
+            different devices, overlapped with compute.
+        plan: RoundPipe only: a stage plan (or its compact text); default the
+            partitioner's plan for ``costs``.
+        async_optimizer: RoundPipe only: iterations overlap (staleness-1
+            optimizer) and ``async_bubble_ratio`` is reported.
+        stages: baselines only: layers per stage (zero allowed), stage ``s``
+            bound to device ``s mod N``; default a min-max balanced cut.
+        microbatches_per_round: RoundPipe only: ``M_R`` (default ``N``).
+        stages_per_device: looped baselines: stages per device when ``stages``
+            is not given (default 2).
+        recompute: baselines only: backward ops recompute their stage first
+            (activation checkpointing), as RoundPipe's backward stages do.
+        memory_limit: RoundPipe only: passed to the partitioner.
+        iterations: RoundPipe only: iterations to simulate back to back.
+    """
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    for name, val in (("num_devices", num_devices), ("num_microbatches", num_microbatches),
+                      ("iterations", iterations)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise PlanError(f"{name} must be an integer >= 1, got {val!r}")
+    if not comm_time >= 0:
+        raise PlanError(f"comm_time must be >= 0, got {comm_time!r}")
+    if isinstance(plan, str):
+        plan = StagePlan.parse(plan, costs.num_layers)
+    if schedule == "roundpipe":
+        if stages is not None:
+            raise PlanError("stages= is for the stage-bound baselines; RoundPipe takes plan=")
+        return _simulate_roundpipe(
+            costs, num_devices, num_microbatches, comm_time, plan,
+            microbatches_per_round, async_optimizer, iterations, memory_limit,
+        )
+    if plan is not None:
+        raise PlanError(f"plan= is for RoundPipe; {schedule} takes stages=")
+    if iterations != 1:
+        raise PlanError(f"{schedule} is simulated for one iteration; iterations must be 1")
+    return _simulate_baseline(
+        schedule, costs, num_devices, num_microbatches, comm_time, stages,
+        stages_per_device, recompute,
+    )

@@ -1,0 +1,290 @@
+"""Stage plans: how the layers are cut into forward, fused and backward stages.
+
+A RoundPipe iteration runs, for every micro-batch, the *stage slots*
+``F1..F_Sf, B1, B2..B_Sb`` in that order:
+
+* forward stages ``F1..F_Sf`` cover layers ``[0, L - fused)`` bottom-up;
+* the fused stage ``B1`` covers the last ``fused`` layers ``[L - fused, L)`` and
+  runs forward, loss and backward in one go (its forward is the recompute);
+* backward stages ``B2..B_Sb`` cover ``[0, L - fused)`` again, top-down; each
+  recomputes its layers from its saved input, then runs their backward.
+
+Forward and backward cuts are independent ("asymmetric"). The compact text
+form lists forward counts, the fused count and the backward counts from the
+top: ``"7,7,7,7|1|3,3,3,3,3,3,3,3,2,2"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .costs import LayerCosts, PlanError
+
+__all__ = ["Stage", "StageKind", "StagePlan"]
+
+StageKind = Literal["forward", "fused", "backward"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage slot of a plan, in dispatch order.
+
+    Attributes:
+        index: position in the slot sequence (0-based).
+        label: ``"F3"``, ``"B1"`` (the fused stage) or ``"B4"``.
+        kind: ``"forward"``, ``"fused"`` or ``"backward"``.
+        start, stop: the layer range ``[start, stop)``.
+    """
+
+    index: int
+    label: str
+    kind: StageKind
+    start: int
+    stop: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop - self.start
+
+    def time(self, costs: LayerCosts) -> float:
+        """Time of this stage for one micro-batch."""
+        if self.kind == "forward":
+            return costs.forward_time(self.start, self.stop)
+        return costs.recompute_backward_time(self.start, self.stop)
+
+    def memory(self, costs: LayerCosts) -> float:
+        """Device memory of this stage for one micro-batch (0 when unknown)."""
+        return costs.stage_memory(self.start, self.stop)
+
+
+def _counts(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(values)
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise PlanError(f"{name} stage {i + 1} has a layer count of {v!r}; counts are integers")
+        if v < 1:
+            raise PlanError(
+                f"{name} stage {i + 1} has {v} layers; every stage needs at least one layer"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Forward / fused / backward cut of ``L`` layers.
+
+    Args:
+        forward: layer counts of the forward stages, bottom-up.
+        fused: number of layers in the fused stage (the top ``fused`` layers).
+        backward: layer counts of the backward stages after the fused one,
+            from the top down.
+
+    The plan is validated on construction: counts are positive and both the
+    forward and the backward counts cover the layers below the fused stage.
+    """
+
+    forward: tuple[int, ...]
+    fused: int
+    backward: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward", _counts("forward", self.forward))
+        object.__setattr__(self, "backward", _counts("backward", self.backward))
+        if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 1:
+            raise PlanError(
+                f"the fused stage has {self.fused!r} layers; it needs at least one layer "
+                "(the last layer, which computes the loss)"
+            )
+        below_f, below_b = sum(self.forward), sum(self.backward)
+        if below_f != below_b:
+            raise PlanError(
+                f"forward stages cover {below_f} layers but backward stages cover {below_b}; "
+                "both must cover exactly the layers below the fused stage "
+                f"({self}: forward {list(self.forward)}, backward {list(self.backward)})"
+            )
+
+    # ------------------------------------------------------------- text form
+    def __str__(self) -> str:
+        return f"{','.join(map(str, self.forward))}|{self.fused}|{','.join(map(str, self.backward))}"
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int | None = None) -> StagePlan:
+        """Parse the compact form ``"forward counts|fused count|backward counts"``.
+
+        If ``num_layers`` is given the plan is also checked against it.
+        """
+        parts = text.strip().split("|")
+        if len(parts) != 3:
+            raise PlanError(
+                f"cannot parse plan {text!r}: expected three '|'-separated parts "
+                "'forward counts|fused count|backward counts', e.g. '3,3|1|2,2,2'"
+            )
+
+        def ints(part: str, what: str) -> list[int]:
+            part = part.strip()
+            if not part:
+                return []
+            try:
+                return [int(tok) for tok in part.split(",")]
+            except ValueError:
+                raise PlanError(
+                    f"cannot parse plan {text!r}: {what} part {part!r} is not a "
+                    "comma-separated list of integers"
+                ) from None
+
+        fused = ints(parts[1], "fused")
+        if len(fused) != 1:
+            raise PlanError(f"cannot parse plan {text!r}: the fused part must be one integer")
+        plan = cls(tuple(ints(parts[0], "forward")), fused[0], tuple(ints(parts[2], "backward")))
+        if num_layers is not None:
+            plan.validate(num_layers)
+        return plan
+
+    @classmethod
+    def from_ranges(
+        cls,
+        forward: Sequence[tuple[int, int]],
+        fused: tuple[int, int],
+        backward: Sequence[tuple[int, int]],
+        num_layers: int | None = None,
+    ) -> StagePlan:
+        """Build from explicit ``(start, stop)`` layer ranges, checking that they
+        are contiguous and cover the model (forward bottom-up from layer 0,
+        the fused stage up to the last layer, backward top-down to layer 0)."""
+        total = fused[1] if num_layers is None else num_layers
+        if fused[1] != total:
+            raise PlanError(
+                f"the fused stage must end at the last layer ({total}), but it is {fused}"
+            )
+        pos = 0
+        for i, (a, b) in enumerate(forward):
+            if a != pos:
+                raise PlanError(
+                    f"forward stage {i + 1} starts at layer {a} but the previous stage ends at "
+                    f"{pos}; forward stages must be contiguous from layer 0"
+                )
+            if b <= a:
+                raise PlanError(f"forward stage {i + 1} has an empty range ({a}, {b})")
+            pos = b
+        if fused[0] != pos:
+            raise PlanError(
+                f"the fused stage starts at layer {fused[0]} but the forward stages end at "
+                f"{pos}; they must meet"
+            )
+        top = fused[0]
+        for j, (a, b) in enumerate(backward):
+            if b != top:
+                raise PlanError(
+                    f"backward stage B{j + 2} ends at layer {b} but the stage above it starts at "
+                    f"{top}; backward stages must be contiguous from the fused stage down"
+                )
+            if b <= a:
+                raise PlanError(f"backward stage B{j + 2} has an empty range ({a}, {b})")
+            top = a
+        if top != 0:
+            raise PlanError(
+                f"backward stages stop at layer {top}; they must reach layer 0"
+            )
+        return cls(
+            tuple(b - a for a, b in forward),
+            fused[1] - fused[0],
+            tuple(b - a for a, b in backward),
+        )
+
+    # ------------------------------------------------------------ structure
+    @property
+    def num_layers(self) -> int:
+        """Number of layers ``L`` covered by the plan."""
+        return sum(self.forward) + self.fused
+
+    @property
+    def num_slots(self) -> int:
+        """Number of stage slots ``S`` (forward + fused + backward stages)."""
+        return len(self.forward) + 1 + len(self.backward)
+
+    @property
+    def forward_stages(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each forward stage, bottom-up."""
+        out, pos = [], 0
+        for n in self.forward:
+            out.append((pos, pos + n))
+            pos += n
+        return out
+
+    @property
+    def fused_stage(self) -> tuple[int, int]:
+        """``(start, stop)`` of the fused stage."""
+        n = self.num_layers
+        return (n - self.fused, n)
+
+    @property
+    def backward_stages(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each backward stage after the fused one, top-down."""
+        out, top = [], self.num_layers - self.fused
+        for n in self.backward:
+            out.append((top - n, top))
+            top -= n
+        return out
+
+    @property
+    def stages(self) -> list[Stage]:
+        """All stage slots in dispatch order."""
+        out: list[Stage] = []
+        for i, (a, b) in enumerate(self.forward_stages):
+            out.append(Stage(len(out), f"F{i + 1}", "forward", a, b))
+        a, b = self.fused_stage
+        out.append(Stage(len(out), "B1", "fused", a, b))
+        for j, (a, b) in enumerate(self.backward_stages):
+            out.append(Stage(len(out), f"B{j + 2}", "backward", a, b))
+        return out
+
+    def validate(self, num_layers: int) -> None:
+        """Raise :class:`PlanError` unless the plan covers exactly ``num_layers``."""
+        if self.num_layers != num_layers:
+            raise PlanError(
+                f"plan {self} covers {self.num_layers} layers (forward {sum(self.forward)} + "
+                f"fused {self.fused}) but the model has {num_layers}; the forward and fused "
+                "counts must add up to the number of layers"
+            )
+
+    # -------------------------------------------------------------- metrics
+    def stage_times(self, costs: LayerCosts) -> list[float]:
+        """Time of each slot for one micro-batch, in dispatch order."""
+        self.validate(costs.num_layers)
+        return [s.time(costs) for s in self.stages]
+
+    def max_stage_time(self, costs: LayerCosts) -> float:
+        """``t_max``: the slowest slot's time for one micro-batch."""
+        return max(self.stage_times(costs))
+
+    def stage_memory(self, costs: LayerCosts) -> list[float]:
+        """Device memory of each slot, in dispatch order (zeros when unknown)."""
+        self.validate(costs.num_layers)
+        return [s.memory(costs) for s in self.stages]
+
+    def objective(self, costs: LayerCosts, num_devices: int, num_microbatches: int) -> float:
+        """Round-robin pipeline time ``(M*S + N*(N-1)) * t_max`` that the
+        partitioner minimises."""
+        n, m = num_devices, num_microbatches
+        return (m * self.num_slots + n * (n - 1)) * self.max_stage_time(costs)
+
+    def describe(self, costs: LayerCosts | None = None) -> str:
+        """A readable multi-line form with layer ranges (and times with ``costs``)."""
+        lines = [f"StagePlan {self}  ({self.num_layers} layers, {self.num_slots} slots)"]
+        for st in self.stages:
+            rng = (
+                f"layer {st.start}"
+                if st.num_layers == 1
+                else f"layers {st.start}-{st.stop - 1}"
+            )
+            what = {"forward": "forward", "fused": "forward+loss+backward", "backward":
+                    "recompute+backward"}[st.kind]
+            line = f"  {st.label:>4}  {what:<22} {rng}"
+            if costs is not None:
+                line += f"  time {st.time(costs):.4g}"
+                if costs.memory is not None:
+                    line += f"  memory {st.memory(costs):.4g}"
+            lines.append(line)
+        return "\n".join(lines)
