@@ -1,6 +1,35 @@
+"""Planning layer: pure Python, no ``torch.cuda``, no threads.
+
+What to run where, decided before anything runs: per-layer costs, the stage
+plan and its partitioner, the round-robin dispatch, transfer windows, and a
+schedule simulator with the baselines RoundPipe is compared against.
+"""
+
 from .costs import LayerCosts, PlanError
-from .partition import balanced_partition, partition
-from .stages import Stage, StagePlan
 from .dispatch import DispatchPlan, DispatchStep, dispatch
+from .partition import balanced_partition, partition, partition_exhaustive
+from .plot import plot_timeline
 from .simulate import SCHEDULES, Segment, SimulationResult, simulate
+from .stages import Stage, StagePlan
 from .windows import TransferPiece, TransferWindow, transfer_windows
+
+__all__ = [
+    "SCHEDULES",
+    "DispatchPlan",
+    "DispatchStep",
+    "LayerCosts",
+    "PlanError",
+    "Segment",
+    "SimulationResult",
+    "Stage",
+    "StagePlan",
+    "TransferPiece",
+    "TransferWindow",
+    "balanced_partition",
+    "dispatch",
+    "partition",
+    "partition_exhaustive",
+    "plot_timeline",
+    "simulate",
+    "transfer_windows",
+]

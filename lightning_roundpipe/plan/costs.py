@@ -33,7 +33,9 @@ class PlanError(ValueError):
     """Raised for invalid planning input: costs, plans, or impossible constraints."""
 
 
-def _as_values(name: str, values: Sequence[float] | None, n: int | None) -> tuple[float, ...] | None:
+def _as_values(
+    name: str, values: Sequence[float] | None, n: int | None
+) -> tuple[float, ...] | None:
     if values is None:
         return None
     if isinstance(values, (str, bytes)):
@@ -48,9 +50,7 @@ def _as_values(name: str, values: Sequence[float] | None, n: int | None) -> tupl
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise PlanError(f"LayerCosts.{name}[{i}] must be a number, got {v!r}")
         if not math.isfinite(v) or v < 0:
-            raise PlanError(
-                f"LayerCosts.{name}[{i}] must be finite and >= 0, got {v!r}"
-            )
+            raise PlanError(f"LayerCosts.{name}[{i}] must be finite and >= 0, got {v!r}")
     return out
 
 

@@ -103,7 +103,7 @@ class DispatchPlan:
         lines = []
         for d in range(self.num_devices):
             row = [
-                cells[i].center(width) if s.device == d else "." .center(width)
+                cells[i].center(width) if s.device == d else ".".center(width)
                 for i, s in enumerate(self.steps)
             ]
             lines.append(f"{f'dev {d}':<{label_w}} | " + " ".join(row))

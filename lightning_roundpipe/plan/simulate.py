@@ -364,9 +364,7 @@ def _simulate_baseline(
         v = 1 if bound else (2 if stages_per_device is None else stages_per_device)
         if v < 1:
             raise PlanError(f"stages_per_device must be >= 1, got {v}")
-        weights = [
-            (2 * f if recompute else f) + b for f, b in zip(costs.forward, costs.backward)
-        ]
+        weights = [(2 * f if recompute else f) + b for f, b in zip(costs.forward, costs.backward)]
         stages = balanced_partition(weights, v * n)
     stages = tuple(stages)
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in stages):
@@ -381,9 +379,7 @@ def _simulate_baseline(
             f"{name} binds one stage to each device: got {len(stages)} stages for {n} devices"
         )
     if len(stages) % n:
-        raise PlanError(
-            f"{name} needs a multiple of num_devices ({n}) stages, got {len(stages)}"
-        )
+        raise PlanError(f"{name} needs a multiple of num_devices ({n}) stages, got {len(stages)}")
     v = len(stages) // n
     if stages_per_device is not None and not bound and stages_per_device != v:
         raise PlanError(
@@ -392,8 +388,7 @@ def _simulate_baseline(
         )
     if name == "interleaved-1f1b" and m % n:
         raise PlanError(
-            f"interleaved-1f1b needs num_microbatches ({m}) to be a multiple of "
-            f"num_devices ({n})"
+            f"interleaved-1f1b needs num_microbatches ({m}) to be a multiple of num_devices ({n})"
         )
     bounds = [0]
     for c in stages:
@@ -465,8 +460,11 @@ def simulate(
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    for name, val in (("num_devices", num_devices), ("num_microbatches", num_microbatches),
-                      ("iterations", iterations)):
+    for name, val in (
+        ("num_devices", num_devices),
+        ("num_microbatches", num_microbatches),
+        ("iterations", iterations),
+    ):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise PlanError(f"{name} must be an integer >= 1, got {val!r}")
     if not comm_time >= 0:
@@ -477,14 +475,27 @@ def simulate(
         if stages is not None:
             raise PlanError("stages= is for the stage-bound baselines; RoundPipe takes plan=")
         return _simulate_roundpipe(
-            costs, num_devices, num_microbatches, comm_time, plan,
-            microbatches_per_round, async_optimizer, iterations, memory_limit,
+            costs,
+            num_devices,
+            num_microbatches,
+            comm_time,
+            plan,
+            microbatches_per_round,
+            async_optimizer,
+            iterations,
+            memory_limit,
         )
     if plan is not None:
         raise PlanError(f"plan= is for RoundPipe; {schedule} takes stages=")
     if iterations != 1:
         raise PlanError(f"{schedule} is simulated for one iteration; iterations must be 1")
     return _simulate_baseline(
-        schedule, costs, num_devices, num_microbatches, comm_time, stages,
-        stages_per_device, recompute,
+        schedule,
+        costs,
+        num_devices,
+        num_microbatches,
+        comm_time,
+        stages,
+        stages_per_device,
+        recompute,
     )

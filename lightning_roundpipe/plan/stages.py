@@ -107,7 +107,8 @@ class StagePlan:
 
     # ------------------------------------------------------------- text form
     def __str__(self) -> str:
-        return f"{','.join(map(str, self.forward))}|{self.fused}|{','.join(map(str, self.backward))}"
+        fwd, bwd = ",".join(map(str, self.forward)), ",".join(map(str, self.backward))
+        return f"{fwd}|{self.fused}|{bwd}"
 
     @classmethod
     def parse(cls, text: str, num_layers: int | None = None) -> StagePlan:
@@ -184,9 +185,7 @@ class StagePlan:
                 raise PlanError(f"backward stage B{j + 2} has an empty range ({a}, {b})")
             top = a
         if top != 0:
-            raise PlanError(
-                f"backward stages stop at layer {top}; they must reach layer 0"
-            )
+            raise PlanError(f"backward stages stop at layer {top}; they must reach layer 0")
         return cls(
             tuple(b - a for a, b in forward),
             fused[1] - fused[0],
@@ -274,13 +273,12 @@ class StagePlan:
         """A readable multi-line form with layer ranges (and times with ``costs``)."""
         lines = [f"StagePlan {self}  ({self.num_layers} layers, {self.num_slots} slots)"]
         for st in self.stages:
-            rng = (
-                f"layer {st.start}"
-                if st.num_layers == 1
-                else f"layers {st.start}-{st.stop - 1}"
-            )
-            what = {"forward": "forward", "fused": "forward+loss+backward", "backward":
-                    "recompute+backward"}[st.kind]
+            rng = f"layer {st.start}" if st.num_layers == 1 else f"layers {st.start}-{st.stop - 1}"
+            what = {
+                "forward": "forward",
+                "fused": "forward+loss+backward",
+                "backward": "recompute+backward",
+            }[st.kind]
             line = f"  {st.label:>4}  {what:<22} {rng}"
             if costs is not None:
                 line += f"  time {st.time(costs):.4g}"

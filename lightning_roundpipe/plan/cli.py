@@ -1,0 +1,201 @@
+"""Command line for the planning layer.
+
+``python -m lightning_roundpipe.plan partition ...`` prints the partitioner's
+plan; ``python -m lightning_roundpipe.plan simulate ...`` prints a bubble table
+for one or more schedules and can write timeline PNGs. Costs come inline
+(``--forward 0.1,1x12,3 --backward 0.2,2x12,6``; ``VxK`` repeats ``V`` ``K``
+times) or from a JSON file (``--costs costs.json`` with ``forward``,
+``backward`` and optionally ``memory`` lists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .costs import LayerCosts, PlanError
+from .partition import partition
+from .simulate import SCHEDULES, SimulationResult, simulate
+from .stages import StagePlan
+
+__all__ = ["main"]
+
+
+def _numbers(text: str) -> list[float]:
+    out: list[float] = []
+    for tok in text.split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        value, _, count = tok.partition("x")
+        try:
+            v = float(value)
+            k = int(count) if count else 1
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{tok!r} is not a number or VALUExCOUNT (e.g. 1.5 or 2x12)"
+            ) from None
+        out.extend([v] * k)
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    vals = _numbers(text)
+    if any(not v.is_integer() for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integer layer counts")
+    return [int(v) for v in vals]
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("layer costs")
+    src.add_argument("--costs", type=Path, help="JSON file with forward/backward[/memory] lists")
+    src.add_argument("--forward", type=_numbers, help="forward time per layer, e.g. 0.1,1x12,3")
+    src.add_argument("--backward", type=_numbers, help="backward time per layer (no recompute)")
+    src.add_argument("--memory", type=_numbers, help="device memory per layer and micro-batch")
+    p.add_argument("-N", "--devices", type=int, required=True, help="number of devices")
+    p.add_argument("-M", "--microbatches", type=int, required=True, help="micro-batches")
+    p.add_argument("--memory-limit", type=float, help="device memory per stage (memory's unit)")
+
+
+def _costs(args: argparse.Namespace) -> LayerCosts:
+    if args.costs is not None:
+        if args.forward or args.backward or args.memory:
+            raise PlanError("give either --costs FILE or --forward/--backward, not both")
+        return LayerCosts.load(args.costs)
+    if not args.forward or not args.backward:
+        raise PlanError("layer costs needed: --costs FILE, or --forward and --backward lists")
+    return LayerCosts(args.forward, args.backward, args.memory)
+
+
+def _limit(args: argparse.Namespace) -> float | None:
+    lim = args.memory_limit
+    return None if lim is None else (int(lim) if float(lim).is_integer() else lim)
+
+
+def _cmd_partition(args: argparse.Namespace, out) -> None:
+    costs = _costs(args)
+    t0 = time.perf_counter()
+    plan = partition(costs, args.devices, args.microbatches, memory_limit=_limit(args))
+    took = time.perf_counter() - t0
+    n, m, s = args.devices, args.microbatches, plan.num_slots
+    out.write(f"{plan}\n")
+    out.write(plan.describe(costs) + "\n")
+    out.write(
+        f"t_max {plan.max_stage_time(costs):.6g}, objective (M*S + N*(N-1)) * t_max = "
+        f"{plan.objective(costs, n, m):.6g}, ideal bubble N(N-1)/(M*S+N(N-1)) = "
+        f"{n * (n - 1) / (m * s + n * (n - 1)):.2%}\n"
+    )
+    out.write(f"partitioned {costs.num_layers} layers in {took * 1e3:.3f} ms\n")
+
+
+def _row(res: SimulationResult) -> list[str]:
+    shape = str(res.plan) if res.plan is not None else ",".join(map(str, res.stages or ()))
+    asy = "-" if res.async_bubble_ratio is None else f"{res.async_bubble_ratio:.2%}"
+    return [
+        res.schedule,
+        f"{res.makespan:.6g}",
+        f"{res.bubble_ratio:.2%}",
+        f"{res.fill_ratio:.2%}",
+        f"{res.drain_ratio:.2%}",
+        f"{res.steady_ratio:.2%}",
+        asy,
+        shape,
+    ]
+
+
+def format_table(results: Sequence[SimulationResult]) -> str:
+    """A plain-text bubble table, one row per result."""
+    head = ["schedule", "makespan", "bubble", "fill", "drain", "steady", "async", "stages"]
+    rows = [head] + [_row(r) for r in results]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cmd_simulate(args: argparse.Namespace, out) -> None:
+    costs = _costs(args)
+    names = args.schedule or list(SCHEDULES)
+    if "all" in names:
+        names = list(SCHEDULES)
+    results = []
+    for name in names:
+        rp = name == "roundpipe"
+        plan = StagePlan.parse(args.plan, costs.num_layers) if (rp and args.plan) else None
+        results.append(
+            simulate(
+                name,
+                costs,
+                args.devices,
+                args.microbatches,
+                comm_time=args.comm_time,
+                plan=plan,
+                async_optimizer=rp and args.async_optimizer,
+                stages=None if rp else args.stages,
+                microbatches_per_round=args.round_size if rp else None,
+                stages_per_device=None
+                if rp or name in ("gpipe", "1f1b")
+                else args.stages_per_device,
+                memory_limit=_limit(args) if rp else None,
+            )
+        )
+    out.write(format_table(results) + "\n")
+    if args.png is not None:
+        from .plot import plot_timeline
+
+        for res in results:
+            path = args.png
+            if len(results) > 1:
+                path = path.with_name(f"{path.stem}-{res.schedule}{path.suffix or '.png'}")
+            plot_timeline(res, path)
+            out.write(f"wrote {path}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_roundpipe.plan",
+        description="RoundPipe planning: partition layers into stages, simulate schedules.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("partition", help="print the partitioner's stage plan")
+    _add_common(p)
+    s = sub.add_parser("simulate", help="simulate schedules and print a bubble table")
+    _add_common(s)
+    s.add_argument(
+        "--schedule",
+        action="append",
+        choices=[*SCHEDULES, "all"],
+        help="schedule to simulate (repeatable; default all)",
+    )
+    s.add_argument("--plan", help="RoundPipe plan in compact form, e.g. 3,3|1|2,2,2")
+    s.add_argument("--stages", type=_ints, help="baselines: layers per stage, e.g. 4,3,3,3")
+    s.add_argument("--stages-per-device", type=int, help="looped baselines (default 2)")
+    s.add_argument("--round-size", type=int, help="RoundPipe micro-batches per round")
+    s.add_argument("--comm-time", type=float, default=0.0, help="activation hop time")
+    s.add_argument(
+        "--async",
+        dest="async_optimizer",
+        action="store_true",
+        help="RoundPipe with the asynchronous optimizer (iterations overlap)",
+    )
+    s.add_argument("--png", type=Path, help="write timeline PNG(s) to this path")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out=None) -> int:
+    """Run the command line; returns the exit status."""
+    out = out or sys.stdout
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "partition":
+            _cmd_partition(args, out)
+        else:
+            _cmd_simulate(args, out)
+    except (PlanError, ImportError, OSError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return 0

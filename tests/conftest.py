@@ -1,0 +1,31 @@
+import threading
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` when no CUDA device is present."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # the planning tests do not need torch
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak():
+    """Every test must leave no thread of its own running."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    for t in leaked:
+        t.join(timeout=5)
+    leaked = [t for t in leaked if t.is_alive()]
+    assert not leaked, f"threads outlived the test: {[t.name for t in leaked]}"

@@ -1,0 +1,156 @@
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_roundpipe.plan.cli import main
+
+
+def run(args):
+    out = io.StringIO()
+    code = main(args, out=out)
+    return code, out.getvalue()
+
+
+def test_partition_inline_costs():
+    code, text = run(
+        ["partition", "--forward", "1x12,3", "--backward", "2x12,6", "-N", "4", "-M", "8"]
+    )
+    assert code == 0
+    assert text.splitlines()[0] == "6,6|1|3,3,3,3"
+    assert "objective (M*S + N*(N-1)) * t_max = 612" in text
+    assert "B1  forward+loss+backward  layer 12" in text
+
+
+def test_partition_from_json_with_memory(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"forward": [1] * 8, "backward": [2] * 8, "memory": [2] * 8}))
+    code, text = run(
+        ["partition", "--costs", str(path), "-N", "2", "-M", "4", "--memory-limit", "4"]
+    )
+    assert code == 0
+    assert "memory 4" in text
+
+
+def test_simulate_table_and_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    code, text = run(
+        [
+            "simulate",
+            "--forward",
+            "1x12,3",
+            "--backward",
+            "2x12,6",
+            "-N",
+            "4",
+            "-M",
+            "8",
+            "--schedule",
+            "roundpipe",
+            "--schedule",
+            "looped-bfs",
+            "--async",
+            "--png",
+            str(png),
+        ]
+    )
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0].split() == [
+        "schedule",
+        "makespan",
+        "bubble",
+        "fill",
+        "drain",
+        "steady",
+        "async",
+        "stages",
+    ]
+    assert lines[2].startswith("roundpipe ")
+    assert lines[3].startswith("looped-bfs ")
+    assert (tmp_path / "t-roundpipe.png").exists() and (tmp_path / "t-looped-bfs.png").exists()
+
+
+def test_simulate_all_by_default():
+    code, text = run(
+        [
+            "simulate",
+            "--forward",
+            "1x8",
+            "--backward",
+            "2x8",
+            "-N",
+            "2",
+            "-M",
+            "4",
+            "--plan",
+            "4,3|1|4,3",
+        ]
+    )
+    assert code == 0
+    assert [ln.split()[0] for ln in text.splitlines()[2:]] == [
+        "roundpipe",
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "looped-bfs",
+    ]
+    assert "4,3|1|4,3" in text
+
+
+def test_errors_exit_2_with_message(capsys):
+    code, _ = run(
+        [
+            "partition",
+            "--forward",
+            "1,1",
+            "--backward",
+            "1,1",
+            "--memory",
+            "1,9",
+            "--memory-limit",
+            "4",
+            "-N",
+            "2",
+            "-M",
+            "2",
+        ]
+    )
+    assert code == 2
+    assert "layer 1 needs 9 of device memory" in capsys.readouterr().err
+    code, _ = run(["partition", "-N", "2", "-M", "2"])
+    assert code == 2
+    assert "--costs FILE, or --forward and --backward" in capsys.readouterr().err
+
+
+def test_bad_number_list_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["partition", "--forward", "1,x", "--backward", "1,1", "-N", "1", "-M", "1"])
+    assert exc.value.code == 2
+    assert "is not a number or VALUExCOUNT" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_roundpipe.plan",
+            "partition",
+            "--forward",
+            "1x4",
+            "--backward",
+            "2x4",
+            "-N",
+            "1",
+            "-M",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert proc.stdout.splitlines()[0] == "|4|"

@@ -1,0 +1,215 @@
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_roundpipe.plan import (
+    SCHEDULES,
+    LayerCosts,
+    PlanError,
+    StagePlan,
+    dispatch,
+    partition,
+    simulate,
+)
+
+
+def balanced_roundpipe(n_blocks):
+    """Blocks with f=1, b=2 and a plan whose every slot takes 3: forward stages
+    of 3 layers, backward stages of 1 layer, a one-layer fused stage."""
+    costs = LayerCosts.uniform(3 * n_blocks + 1)
+    plan = StagePlan((3,) * n_blocks, 1, (1,) * (3 * n_blocks))
+    assert set(plan.stage_times(costs)) == {3}
+    return costs, plan
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_roundpipe_bubble_formula(n, rounds):
+    costs, plan = balanced_roundpipe(4)
+    m, s = n * rounds, plan.num_slots
+    res = simulate("roundpipe", costs, n, m, plan=plan)
+    assert res.bubble_ratio == pytest.approx(n * (n - 1) / (m * s + n * (n - 1)))
+    assert res.steady_ratio == pytest.approx(0.0)
+    # fill and drain are symmetric: N(N-1)/2 slots each
+    assert res.fill_ratio == pytest.approx(res.drain_ratio)
+    assert res.makespan == pytest.approx((m * s + n * (n - 1)) * 3 / n)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_roundpipe_async_overlaps_fill_and_drain(n):
+    costs, plan = balanced_roundpipe(4)
+    res = simulate("roundpipe", costs, n, 2 * n, plan=plan, async_optimizer=True)
+    assert res.bubble_ratio > 0.0
+    assert res.async_bubble_ratio == pytest.approx(0.0, abs=1e-9)
+    sync = simulate("roundpipe", costs, n, 2 * n, plan=plan)
+    assert sync.async_bubble_ratio is None
+
+
+def test_sync_iterations_flush_and_async_iterations_overlap():
+    costs, plan = balanced_roundpipe(2)
+    one = simulate("roundpipe", costs, 4, 4, plan=plan)
+    sync3 = simulate("roundpipe", costs, 4, 4, plan=plan, iterations=3)
+    async3 = simulate("roundpipe", costs, 4, 4, plan=plan, iterations=3, async_optimizer=True)
+    assert sync3.makespan == pytest.approx(3 * one.makespan)
+    assert async3.makespan < sync3.makespan
+    assert {s.iteration for s in async3.timeline} == {0, 1, 2}
+
+
+BASELINE_CASES = [
+    (name, v, n, m)
+    for name, v in [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved-1f1b", 2),
+        ("interleaved-1f1b", 3),
+        ("looped-bfs", 2),
+        ("looped-bfs", 3),
+    ]
+    for n in (2, 3, 4)
+    for m in (4, 8, 12)
+    if name != "interleaved-1f1b" or m % n == 0  # Megatron's interleaving needs N | M
+]
+
+
+@pytest.mark.parametrize(("name", "v", "n", "m"), BASELINE_CASES)
+def test_baselines_match_textbook_bubbles(name, v, n, m):
+    costs = LayerCosts.uniform(v * n)  # one layer per stage: balanced
+    res = simulate(name, costs, n, m, stages=[1] * (v * n))
+    # (N-1)/(v*M + N-1) == N(N-1)/(S*M + N(N-1)) with S = v*N stages
+    assert res.bubble_ratio == pytest.approx((n - 1) / (v * m + n - 1))
+
+
+def test_roundpipe_beats_looped_bfs_with_a_heavy_lm_head():
+    costs = LayerCosts.uniform(13, head_forward=3, head_backward=6)
+    for n, m in [(4, 8), (4, 16), (8, 16)]:
+        rp = simulate("roundpipe", costs, n, m)
+        bfs = simulate("looped-bfs", costs, n, m)
+        assert rp.makespan < bfs.makespan
+        assert rp.bubble_ratio < bfs.bubble_ratio
+
+
+def test_work_is_conserved_and_devices_never_overlap():
+    costs = LayerCosts.uniform(13, head_forward=3, head_backward=6)
+    n, m = 4, 8
+    per_mb = sum(costs.forward) * 2 + sum(costs.backward)
+    for name in SCHEDULES:
+        res = simulate(name, costs, n, m, comm_time=0.5)
+        if name == "roundpipe":
+            fused = res.plan.fused_stage
+            expected = m * (per_mb - costs.forward_time(*fused))  # the fused stage skips recompute
+        else:
+            expected = m * per_mb
+        assert res.work == pytest.approx(expected)
+        for d in range(n):
+            segs = res.device_timeline(d)
+            for a, b in itertools.pairwise(segs):
+                assert b.start >= a.end - 1e-9
+        assert res.bubble_ratio == pytest.approx(
+            res.fill_ratio + res.drain_ratio + res.steady_ratio
+        )
+
+
+def test_roundpipe_respects_dependencies_and_comm_time():
+    costs = LayerCosts.uniform(10, head_forward=2, head_backward=4)
+    n, m, comm = 3, 6, 0.7
+    res = simulate("roundpipe", costs, n, m, comm_time=comm)
+    plan = res.plan
+    labels = [s.label for s in plan.stages]
+    spans = {}
+    for seg in res.timeline:
+        key = (seg.stage, seg.microbatch)
+        a, b, _ = spans.get(key, (seg.start, seg.end, seg.device))
+        spans[key] = (min(a, seg.start), max(b, seg.end), seg.device)
+    for i in range(1, len(labels)):
+        for mb in range(m):
+            _, prev_end, prev_dev = spans[(labels[i - 1], mb)]
+            start, _, dev = spans[(labels[i], mb)]
+            assert start >= prev_end + (comm if dev != prev_dev else 0.0) - 1e-9
+    # devices follow the dispatch plan
+    dp = dispatch(plan, n, m)
+    for step in dp.steps:
+        for mb in step.microbatches:
+            assert spans[(step.stage, mb)][2] == step.device
+
+
+def test_comm_time_slows_every_multi_device_schedule():
+    costs = LayerCosts.uniform(16)
+    for name in SCHEDULES:
+        fast = simulate(name, costs, 4, 8)
+        slow = simulate(name, costs, 4, 8, comm_time=0.5)
+        assert slow.makespan > fast.makespan
+
+
+def test_single_device_has_no_bubble():
+    costs = LayerCosts.uniform(6)
+    for name in ("roundpipe", "gpipe", "1f1b"):
+        assert simulate(name, costs, 1, 3, comm_time=5.0).bubble_ratio == pytest.approx(0.0)
+
+
+def test_zero_layer_stage_is_allowed_for_baselines():
+    costs = LayerCosts.uniform(3)
+    res = simulate("looped-bfs", costs, 2, 4, stages=[1, 1, 1, 0])
+    assert res.stages == (1, 1, 1, 0)
+    assert not [s for s in res.timeline if s.stage == "S3"]
+
+
+def test_default_baseline_stages_are_balanced():
+    costs = LayerCosts.uniform(13, head_forward=3, head_backward=6)
+    assert simulate("gpipe", costs, 4, 8).stages == (4, 4, 4, 1)
+    assert len(simulate("looped-bfs", costs, 4, 8, stages_per_device=3).stages) == 12
+
+
+def test_plan_as_text_and_partitioner_default():
+    costs = LayerCosts.uniform(13, head_forward=3, head_backward=6)
+    res = simulate("roundpipe", costs, 4, 8, plan="6,6|1|3,3,3,3")
+    assert res.plan == partition(costs, 4, 8)
+    assert simulate("roundpipe", costs, 4, 8).plan == res.plan
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (("zero-bubble",), {}, "unknown schedule 'zero-bubble'; choose one of roundpipe"),
+        (("gpipe",), {"stages": [3, 3, 2]}, "gpipe binds one stage to each device: got 3 stages"),
+        (("looped-bfs",), {"stages": [2, 2, 2, 1, 1]}, r"needs a multiple of num_devices \(4\)"),
+        (("looped-bfs",), {"stages": [2, 2, 2, 1]}, r"hold 7 layers but the model has 8"),
+        (
+            ("interleaved-1f1b",),
+            {"num_microbatches": 6},
+            r"needs num_microbatches \(6\) to be a multiple of num_devices \(4\)",
+        ),
+        (("roundpipe",), {"stages": [2, 2, 2, 2]}, "stages= is for the stage-bound baselines"),
+        (("gpipe",), {"plan": "7|1|7"}, "plan= is for RoundPipe"),
+        (("roundpipe",), {"plan": "3|1|3"}, "covers 4 layers"),
+        (("roundpipe",), {"comm_time": -1.0}, "comm_time must be >= 0"),
+        (("roundpipe",), {"num_microbatches": 2}, r"num_microbatches \(2\) must be >= number"),
+        (("gpipe",), {"iterations": 2}, "iterations must be 1"),
+    ],
+)
+def test_errors(args, kwargs, match):
+    params = {"num_devices": 4, "num_microbatches": 8}
+    params.update(kwargs)
+    with pytest.raises(PlanError, match=match):
+        simulate(*args, LayerCosts.uniform(8), **params)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_layers=st.integers(2, 14),
+    n=st.integers(1, 4),
+    rounds=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_roundpipe_never_worse_than_its_model(n_layers, n, rounds, seed):
+    """The simulated makespan of the partitioner's plan never exceeds the
+    (M*S + N(N-1)) * t_max / N that the partitioner optimises (no comm)."""
+    rng = random.Random(seed)
+    fwd = [rng.uniform(0.2, 2.0) for _ in range(n_layers)]
+    bwd = [2 * f for f in fwd]
+    costs = LayerCosts(fwd, bwd)
+    m = n * rounds
+    res = simulate("roundpipe", costs, n, m)
+    assert res.makespan <= res.plan.objective(costs, n, m) / n + 1e-9
