@@ -1,0 +1,15 @@
+"""Runtime: host-resident state, device workers, streams and the controller."""
+
+from .device import layer_seed
+from .engine import EngineClosedError, RoundPipeEngine, estimate_costs
+from .store import HandoffTimeout
+from .worker import WorkerError
+
+__all__ = [
+    "EngineClosedError",
+    "HandoffTimeout",
+    "RoundPipeEngine",
+    "WorkerError",
+    "estimate_costs",
+    "layer_seed",
+]

@@ -1,0 +1,196 @@
+"""Per-device execution context: streams, events, RNG and pinned memory.
+
+A CUDA worker owns a compute stream and four copy streams: activations up and
+down at high priority (they are on the critical path), weights up and
+gradients down at low priority. A CPU worker runs the same code with
+:class:`_NullStream` and :class:`_NullEvent`, which do nothing: every CPU
+operation is synchronous on the worker's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["DeviceContext", "layer_seed", "pin", "seeded"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a well-spread 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def layer_seed(seed: int, iteration: int, layer: int, microbatch: int) -> int:
+    """The RNG seed for one layer's forward on one micro-batch.
+
+    Randomness (dropout) depends only on these four numbers, never on the device
+    or the order in which workers ran, so results do not change with the
+    number of devices and recompute reproduces the forward's masks."""
+    h = _mix(seed & _MASK64)
+    for v in (iteration, layer, microbatch):
+        h = _mix(h ^ (v & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+_RNG_LOCKS: dict[tuple[str, int], threading.Lock] = {}
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _rng_lock(device: torch.device) -> threading.Lock:
+    key = (device.type, device.index or 0)
+    with _RNG_LOCKS_GUARD:
+        lock = _RNG_LOCKS.get(key)
+        if lock is None:
+            lock = _RNG_LOCKS[key] = threading.Lock()
+        return lock
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+    return torch.default_generator
+
+
+@contextlib.contextmanager
+def seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Run a block with the device's default generator seeded to ``seed``.
+
+    Workers sharing a physical device (and every CPU worker) share its
+    default generator, so the block holds that device's RNG lock; the
+    generator's previous state is restored afterwards, so the caller's own
+    random stream is left as it was. On CUDA the RNG is consumed when kernels
+    are launched, so the lock covers launches only, not execution."""
+    gen = _generator(device)
+    with _rng_lock(device):
+        state = gen.get_state()
+        gen.manual_seed(seed)
+        try:
+            yield
+        finally:
+            gen.set_state(state)
+
+
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event`` on CPU devices."""
+
+    __slots__ = ()
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream`` on CPU devices."""
+
+    __slots__ = ()
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_NULL_EVENT = _NullEvent()
+_NULL_STREAM = _NullStream()
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``t`` (only when CUDA is available)."""
+    if torch.cuda.is_available() and not t.is_pinned():
+        return t.pin_memory()
+    return t
+
+
+class DeviceContext:
+    """Streams and events of one worker on one device.
+
+    Attributes:
+        device: the torch device.
+        compute: stream for layer compute.
+        act_up, act_down: activation copies (high priority).
+        weight_up, grad_down: weight uploads and gradient downloads (low priority).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            hi, lo = -100, 0  # clamped by CUDA to its greatest / least priority
+            self.compute = torch.cuda.Stream(device)
+            self.act_up = torch.cuda.Stream(device, priority=hi)
+            self.act_down = torch.cuda.Stream(device, priority=hi)
+            self.weight_up = torch.cuda.Stream(device, priority=lo)
+            self.grad_down = torch.cuda.Stream(device, priority=lo)
+        else:
+            self.compute = self.act_up = self.act_down = _NULL_STREAM
+            self.weight_up = self.grad_down = _NULL_STREAM
+
+    def on(self, stream) -> contextlib.AbstractContextManager:
+        """Context that makes ``stream`` current (no-op on CPU)."""
+        if self.is_cuda:
+            return torch.cuda.stream(stream)
+        return contextlib.nullcontext()
+
+    def event(self):
+        """A new event (a shared no-op on CPU)."""
+        if self.is_cuda:
+            return torch.cuda.Event()
+        return _NULL_EVENT
+
+    def record(self, stream):
+        """Record and return an event on ``stream``."""
+        ev = self.event()
+        ev.record(stream)
+        return ev
+
+    def upload(
+        self, t: torch.Tensor, stream, dtype: torch.dtype | None = None, fresh: bool = False
+    ) -> torch.Tensor:
+        """Copy a host tensor to the device on ``stream`` (asynchronous from
+        pinned memory). The result is marked as used by the compute stream so
+        the caching allocator does not reuse it early. On CPU the host tensor
+        itself is returned (cast if ``dtype`` differs), or a copy of it with
+        ``fresh=True`` (for values a layer might modify in place)."""
+        if not self.is_cuda:
+            if dtype is not None and t.dtype != dtype:
+                return t.to(dtype)
+            return t.clone() if fresh else t
+        with torch.cuda.stream(stream):
+            out = t.to(self.device, non_blocking=True)
+            if dtype is not None and out.dtype != dtype:
+                out = out.to(dtype)
+        out.record_stream(self.compute)
+        return out
+
+    def download(self, t: torch.Tensor, stream) -> torch.Tensor:
+        """Copy a device tensor to (pinned) host memory on ``stream``; the copy
+        is complete once an event recorded on ``stream`` afterwards is."""
+        if not self.is_cuda:
+            return t
+        with torch.cuda.stream(stream):
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out.copy_(t, non_blocking=True)
+        t.record_stream(stream)
+        return out

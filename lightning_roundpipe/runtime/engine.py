@@ -1,0 +1,432 @@
+"""The RoundPipe engine: the controller that runs a stage plan on a pool of devices.
+
+The caller's thread is the controller. ``forward_backward`` splits the batch
+into micro-batches, puts their inputs into the host activation store, and
+dispatches the iteration's stage slots round-robin to the device workers
+(:mod:`.worker`); it returns the loss as soon as every micro-batch's loss is
+known, while backward stages may still be running. The next call continues
+the rotation where this one stopped. ``synchronize`` waits for all
+outstanding work and exposes the accumulated fp32 gradients as ``.grad``;
+``step(fn)`` runs an optimizer step on the host and refreshes the master copy.
+
+    engine = RoundPipeEngine(layers, devices=[torch.device("cpu")] * 3, num_microbatches=4)
+    loss = engine.forward_backward(inputs, labels=labels, loss_fn=loss_fn)
+    engine.step(optimizer.step)
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition
+from .host import HostState
+from .nested import batch_size_of, map_tensors, split_microbatches
+from .store import EngineFailure, Store
+from .worker import Call, Layout, Task, Worker, WorkerError
+
+__all__ = ["EngineClosedError", "RoundPipeEngine", "estimate_costs"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed; create a new one."""
+
+
+def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> LayerCosts:
+    """Size-based layer costs used until measurements exist.
+
+    Forward time is taken proportional to a layer's parameter count (matmul
+    FLOPs per token are ~2 x parameters) with a small floor so parameter-free
+    layers still cost something; backward is twice the forward for layers with
+    trainable weights (input and weight gradients) and equal to it otherwise.
+    Memory is weights plus gradients in the compute dtype."""
+    size = torch.empty(0, dtype=compute_dtype).element_size()
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    floor = max(1.0, 1e-3 * max(counts, default=1))
+    fwd, bwd, mem = [], [], []
+    for layer, n in zip(layers, counts, strict=True):
+        f = n + floor
+        trainable = any(p.requires_grad for p in layer.parameters())
+        fwd.append(f)
+        bwd.append(2 * f if trainable else f)
+        grads = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        mem.append((n + grads) * size)
+    return LayerCosts(fwd, bwd, memory=mem, weight_bytes=[n * size for n in counts])
+
+
+def _as_device(d: torch.device | str | int) -> torch.device:
+    if isinstance(d, torch.device):
+        return d
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    return torch.device(d)
+
+
+class _Runtime:
+    """State shared by the controller and the workers.
+
+    It holds no reference to the engine, so an engine that is dropped without
+    ``close()`` is garbage collected and its finalizer stops the threads."""
+
+    def __init__(self, host: HostState, store: Store) -> None:
+        self.host = host
+        self.store = store
+        self.workers: list[Worker] = []
+        self.submitted = 0
+        self.done = 0
+        self.done_keys: set[tuple] = set()
+        self.closed = False
+
+    def task_done(self, task: Task) -> None:
+        with self.store.lock:
+            self.done += 1
+            self.done_keys.add(task.key)
+            self.store.lock.notify_all()
+
+    def is_done(self, key: tuple) -> bool:
+        return key in self.done_keys
+
+    def shutdown(self, join_timeout: float = 30.0) -> list[str]:
+        """Stop and join every worker; returns the names of threads that did not stop."""
+        if self.closed:
+            return []
+        self.closed = True
+        self.store.fail(EngineClosedError("the RoundPipe engine was closed"))
+        for w in self.workers:
+            w.stop()
+            w.wake()
+        stuck = []
+        deadline = time.monotonic() + join_timeout
+        for w in self.workers:
+            if w.thread.is_alive() or w.thread.ident is not None:
+                w.thread.join(max(0.0, deadline - time.monotonic()))
+            if w.thread.is_alive():
+                stuck.append(w.thread.name)
+        self.store.clear()
+        self.host.release()
+        return stuck
+
+
+class RoundPipeEngine:
+    """Runs a layer list as a RoundPipe pipeline on a pool of devices.
+
+    Args:
+        layers: the model as an ordered list of modules; the output of layer
+            ``i`` (a tensor or a tuple/dict of tensors) is the input of layer
+            ``i + 1``. Their parameters stay the optimizer copy, on the host.
+        devices: one worker per entry (``torch.device``, ``"cuda:0"``, ``0``,
+            ``"cpu"``); entries may repeat to let several workers share one
+            device.
+        num_microbatches: ``M``, micro-batches per ``forward_backward``; must be
+            ``>= len(devices)``.
+        plan: a :class:`StagePlan` or its compact text; default: the partitioner's
+            plan from size-based estimates.
+        microbatches_per_round: ``M_R`` (default: the number of devices).
+        compute_dtype: dtype of the master copy and of device compute
+            (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
+        seed: base seed; layer randomness (dropout) depends only on
+            ``(seed, iteration, layer, micro-batch)``.
+        watchdog_timeout: seconds any hand-off may take before the wait fails
+            with a description of what never arrived.
+        device_memory_limit: bytes a stage may use on a CUDA device (default:
+            half of the free memory at start, the other half being for the
+            prefetched next stage and activations).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        devices: Sequence[torch.device | str | int],
+        num_microbatches: int,
+        plan: StagePlan | str | None = None,
+        *,
+        microbatches_per_round: int | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        watchdog_timeout: float = 600.0,
+        device_memory_limit: int | None = None,
+    ) -> None:
+        # ---- validate everything before touching any state
+        if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
+            raise TypeError("layers must be a sequence of nn.Module (e.g. an nn.Sequential)")
+        layers = list(layers)
+        if not layers:
+            raise ValueError("layers is empty; the engine needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not an nn.Module")
+        devs = [_as_device(d) for d in devices]
+        if not devs:
+            raise ValueError("devices is empty; give at least one device")
+        for d in devs:
+            if d.type not in ("cpu", "cuda"):
+                raise ValueError(f"device {d} is not supported; use CUDA devices or 'cpu'")
+            if d.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {d} requested but CUDA is not available")
+        if compute_dtype not in _DTYPES:
+            raise ValueError(
+                f"compute_dtype {compute_dtype} is not supported; use one of "
+                "torch.float32, torch.bfloat16, torch.float16"
+            )
+        if not watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
+        n, m = len(devs), num_microbatches
+        if isinstance(plan, str):
+            plan = StagePlan.parse(plan, len(layers))
+        elif plan is not None:
+            plan.validate(len(layers))
+        costs = estimate_costs(layers, compute_dtype)
+        limit = self._memory_limit(devs, costs, device_memory_limit)
+        if plan is None:
+            plan = partition(costs, n, m, memory_limit=limit)
+        elif limit is not None:
+            worst = max(range(plan.num_slots), key=lambda i: plan.stage_memory(costs)[i])
+            need = plan.stage_memory(costs)[worst]
+            if need > limit:
+                raise PlanError(
+                    f"stage {plan.stages[worst].label} of plan {plan} needs about {need} bytes "
+                    f"of device memory but the limit is {limit}; give a plan with smaller "
+                    "stages, or plan=None to let the partitioner respect the limit"
+                )
+        dispatch(plan, n, m, microbatches_per_round)  # validates M, M_R against N
+
+        # ---- state
+        self.plan = plan
+        self.devices = devs
+        self.num_microbatches = m
+        self.microbatches_per_round = microbatches_per_round
+        self.seed = seed
+        self.layers = layers
+        self._iteration = 0
+        self._g0 = 0
+        self._layout = Layout.of(plan.stages)
+        self._host = HostState(layers, compute_dtype)
+        self._stateful = {
+            st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
+            for st in plan.stages
+        }
+        self._last_task: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+        rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
+        for i, d in enumerate(devs):
+            rt.workers.append(
+                Worker(i, d, self._host, rt.store, self._layout, rt.task_done, rt.is_done)
+            )
+        self._finalizer = weakref.finalize(self, rt.shutdown)
+        for w in rt.workers:
+            w.start()
+        log.info("RoundPipe engine: %d layers, plan %s, %d workers on %s", len(layers), plan, n,
+                 ", ".join(map(str, devs)))
+
+    @staticmethod
+    def _memory_limit(
+        devs: list[torch.device], costs: LayerCosts, limit: int | None
+    ) -> int | None:
+        cuda = sorted({d for d in devs if d.type == "cuda"}, key=str)
+        if not cuda:
+            return limit
+        if limit is None:
+            free = min(torch.cuda.mem_get_info(d)[0] for d in cuda)
+            limit = free // 2
+        assert costs.memory is not None
+        for i, need in enumerate(costs.memory):
+            if need > limit:
+                raise PlanError(
+                    f"layer {i} needs about {int(need)} bytes of device memory (weights and "
+                    f"gradients) but a stage may use {limit} bytes on {cuda[0]}; even one layer "
+                    "at a time does not fit. Raise device_memory_limit or free device memory"
+                )
+        return limit
+
+    # ----------------------------------------------------------------- props
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def iteration(self) -> int:
+        """Number of ``forward_backward`` calls so far."""
+        return self._iteration
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self._host.compute_dtype
+
+    def host_memory(self) -> dict[str, int]:
+        """Bytes of host memory the engine holds (master copies, gradient buffers,
+        and how much of it is page-locked)."""
+        return self._host.host_bytes()
+
+    # ------------------------------------------------------------------ work
+    def _check(self) -> None:
+        if self._rt.closed:
+            failure = self._rt.store.failure
+            if failure is not None and not isinstance(failure, EngineClosedError):
+                raise EngineClosedError(
+                    f"the engine was closed after a failure: {failure}"
+                ) from failure
+            raise EngineClosedError("the RoundPipe engine is closed; create a new one")
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        failure = self._rt.store.failure
+        if failure is None:
+            return
+        if isinstance(failure, WorkerError):
+            raise WorkerError(
+                str(failure), device=failure.device, worker=failure.worker,
+                stage=failure.stage, layers=failure.layers, microbatch=failure.microbatch,
+                iteration=failure.iteration,
+            ) from failure.__cause__
+        raise failure
+
+    def _wait(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except EngineFailure:
+            self._raise_failure()
+            raise
+
+    def forward_backward(
+        self,
+        inputs: Any,
+        labels: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        scale: float = 1.0,
+        loss_weights: Sequence[float] | None = None,
+    ) -> torch.Tensor:
+        """Run forward, loss and backward of one batch through the pipeline.
+
+        Args:
+            inputs: the first layer's input (tensor, tuple or dict); tensors
+                whose first dimension is the batch size are split into
+                micro-batches, everything else is given to every micro-batch.
+            labels: split like ``inputs`` and passed to ``loss_fn``.
+            loss_fn: ``loss_fn(output_mb, labels_mb)`` -> scalar; ``None`` when
+                the last layer returns the loss.
+            scale: gradients are those of ``scale * loss``.
+            loss_weights: weight of each micro-batch's loss; default its share
+                of the batch (``mb_size / batch_size``).
+
+        Returns:
+            ``scale * sum_j weight_j * loss_j`` as a host float32 scalar,
+            available once every micro-batch's loss is known (backward stages
+            may still be running; ``synchronize`` waits for them).
+        """
+        self._check()
+        m = self.num_microbatches
+        bsz = batch_size_of(inputs)
+        if bsz is None:
+            raise ValueError(
+                "cannot split inputs into micro-batches: they contain no tensor with a batch "
+                "dimension"
+            )
+        if bsz < m:
+            raise ValueError(
+                f"batch size ({bsz}) is smaller than num_microbatches ({m}); use a larger batch "
+                "or lower num_microbatches"
+            )
+        mbs = split_microbatches(inputs, m, bsz)
+        labs = [None] * m if labels is None else split_microbatches(labels, m, bsz)
+        if loss_weights is None:
+            weights = [batch_size_of(x) / bsz for x in mbs]
+        else:
+            weights = [float(w) for w in loss_weights]
+            if len(weights) != m:
+                raise ValueError(
+                    f"loss_weights has {len(weights)} entries; give one per micro-batch ({m})"
+                )
+        dtype = self.compute_dtype
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            return t.cpu()
+
+        with self._lock:
+            it = self._iteration
+            self._iteration += 1
+            call = Call(it, labs, weights, loss_fn, float(scale), self.seed)
+            store, rt = self._rt.store, self._rt
+            readers0 = self._layout.act_readers[0]
+            for j, x in enumerate(mbs):
+                store.put((it, "act", 0, j), map_tensors(cast, x), readers0)
+            plan = dispatch(self.plan, self.num_devices, m, self.microbatches_per_round,
+                            start_device=self._g0)
+            self._g0 = plan.next_device
+            with store.lock:
+                rt.done_keys = {k for k in rt.done_keys if k[0] >= it - 1}
+            for step in plan.steps:
+                stage = self.plan.stages[step.slot]
+                task = Task(call, step.round, stage, step.microbatches)
+                if self._stateful[step.slot]:
+                    task.after = self._last_task.get(step.slot)
+                    self._last_task[step.slot] = task.key
+                with store.lock:
+                    rt.submitted += 1
+                rt.workers[step.device].submit(task)
+        losses = [
+            self._wait(lambda j=j: store.take((it, "loss", 0, j), f"loss of micro-batch {j}"))
+            for j in range(m)
+        ]
+        return torch.stack([loss.reshape(()).float().cpu() for loss in losses]).sum()
+
+    def synchronize(self) -> None:
+        """Wait for all outstanding work; afterwards every trainable parameter's
+        ``.grad`` holds the accumulated fp32 gradient (in the parameter's dtype)."""
+        self._check()
+        rt = self._rt
+        self._wait(lambda: rt.store.wait_until(lambda: rt.done >= rt.submitted,
+                                                "all dispatched stages to finish"))
+        self._host.expose_grads()
+
+    def step(self, fn: Callable[[], Any] | None = None) -> Any:
+        """Synchronize, run ``fn`` (e.g. ``optimizer.step``) on the host, copy the
+        updated weights into the master copy and zero the gradient buffers.
+
+        Returns what ``fn`` returned."""
+        self.synchronize()
+        result = fn() if fn is not None else None
+        self._host.refresh_masters()
+        self._host.zero_grads()
+        return result
+
+    def reload_weights(self) -> None:
+        """Copy the parameters into the master copy again; call after changing
+        parameters outside :meth:`step` (e.g. ``load_state_dict``)."""
+        self.synchronize()
+        self._host.refresh_masters()
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping."""
+        self.synchronize()
+        self._host.zero_grads()
+
+    def close(self) -> None:
+        """Stop and join every worker thread and release pinned memory. Safe to
+        call more than once; also runs when the engine is garbage collected."""
+        stuck = self._finalizer() if self._finalizer.alive else []
+        if stuck:
+            raise RuntimeError(
+                f"worker threads did not stop within 30 s: {', '.join(stuck)}; a layer may be "
+                "blocked"
+            )
+
+    def __enter__(self) -> RoundPipeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,433 @@
+"""Device workers: one thread per device entry, running dispatched stage slots.
+
+A worker runs its tasks in dispatch order. For a task (one stage slot for the
+micro-batches of one round) it uploads the stage's weights, binds them into
+its private layer replicas, runs every micro-batch, and sends the results to
+the activation store:
+
+* forward stage: ``no_grad`` forward; saves the input of every layer where a
+  later stage starts, and the stage output;
+* fused stage: forward with autograd, loss, backward; saves the loss and the
+  gradient of the stage input;
+* backward stage: recompute from the saved input, backward from the saved
+  output gradient; saves the gradient of the stage input.
+
+Weight gradients accumulate on the device over the round's micro-batches and
+are added into the host fp32 buffers once at the end of the task.
+
+CUDA ordering (no-ops on CPU devices): the compute stream waits for the weight
+upload event and for each micro-batch's activation upload event; activation
+downloads wait for the compute event of their micro-batch and are published
+one micro-batch behind, so the thread never stalls the compute stream; the
+next micro-batch's input is uploaded while the current one computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan.stages import Stage
+from .device import DeviceContext, layer_seed, seeded
+from .host import HostState, LayerReplica
+from .nested import call_layer, flatten_tensors, map_tensors
+from .store import EngineFailure, HandoffTimeout, Store
+
+__all__ = ["Layout", "Task", "Worker", "WorkerError"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A failure inside a device worker, with where it happened.
+
+    Attributes:
+        device, worker, stage, layers, microbatch, iteration: the context.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: str,
+        worker: int,
+        stage: str,
+        layers: tuple[int, int],
+        microbatch: int | None,
+        iteration: int,
+    ) -> None:
+        super().__init__(message)
+        self.device = device
+        self.worker = worker
+        self.stage = stage
+        self.layers = layers
+        self.microbatch = microbatch
+        self.iteration = iteration
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who reads which stage-boundary value, derived from a stage plan."""
+
+    act_readers: dict[int, int]  # layer index -> readers of its input activation
+    saves: dict[int, tuple[int, ...]]  # forward slot -> boundaries strictly inside it to save
+
+    @classmethod
+    def of(cls, stages: Sequence[Stage]) -> Layout:
+        readers: dict[int, int] = {}
+        for st in stages:
+            readers[st.start] = readers.get(st.start, 0) + 1
+        saves = {
+            st.index: tuple(i for i in range(st.start + 1, st.stop) if i in readers)
+            for st in stages
+            if st.kind == "forward"
+        }
+        return cls(readers, saves)
+
+
+@dataclass
+class Call:
+    """What one ``forward_backward`` call asks of every task of its iteration."""
+
+    iteration: int
+    labels: list[Any]
+    weights: list[float]
+    loss_fn: Callable[..., torch.Tensor] | None
+    scale: float
+    seed: int
+
+
+@dataclass
+class Task:
+    """One dispatched slot: ``stage`` for micro-batches ``microbatches``."""
+
+    call: Call
+    round: int
+    stage: Stage
+    microbatches: range
+    after: tuple | None = None  # task key that must be done first (buffer updates)
+    key: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.call.iteration, self.round, self.stage.index)
+
+
+class Worker:
+    """One device worker thread."""
+
+    def __init__(
+        self,
+        index: int,
+        device: torch.device,
+        host: HostState,
+        store: Store,
+        layout: Layout,
+        on_done: Callable[[Task], None],
+        is_done: Callable[[tuple], bool],
+    ) -> None:
+        self.index = index
+        self.device = device
+        self.host = host
+        self.store = store
+        self.layout = layout
+        self._on_done = on_done
+        self._is_done = is_done
+        self._queue: deque[Task | None] = deque()
+        self._cond = threading.Condition()
+        self._replicas: dict[int, LayerReplica] = {}
+        self.ctx: DeviceContext | None = None
+        self.thread = threading.Thread(
+            target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
+        )
+
+    # ------------------------------------------------------------ queueing
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, task: Task | None) -> None:
+        with self._cond:
+            self._queue.append(task)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Ask the thread to finish after the tasks already queued."""
+        self.submit(None)
+
+    def _next(self) -> Task | None:
+        with self._cond:
+            while not self._queue:
+                if self.store.failure is not None:
+                    return None
+                self._cond.wait(0.5)
+            return self._queue.popleft()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- main
+    def _main(self) -> None:
+        task: Task | None = None
+        mb: list[int | None] = [None]
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self.ctx = DeviceContext(self.device)
+            while True:
+                task = self._next()
+                if task is None or self.store.failure is not None:
+                    break
+                mb[0] = None
+                self._run(task, mb)
+                self._on_done(task)
+        except (EngineFailure, HandoffTimeout) as exc:
+            if isinstance(exc, HandoffTimeout):
+                self.store.fail(self._wrap(exc, task, mb[0]))
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            self.store.fail(self._wrap(exc, task, mb[0]))
+        finally:
+            for rep in self._replicas.values():
+                rep.unbind()
+            self._replicas.clear()
+
+    def _wrap(self, exc: BaseException, task: Task | None, mb: int | None) -> WorkerError:
+        if task is None:
+            err = WorkerError(
+                f"device {self.device} (worker {self.index}) failed before running a stage: "
+                f"{type(exc).__name__}: {exc}",
+                device=str(self.device), worker=self.index, stage="-", layers=(0, 0),
+                microbatch=None, iteration=-1,
+            )
+        else:
+            st = task.stage
+            where = "" if mb is None else f", micro-batch {mb}"
+            err = WorkerError(
+                f"device {self.device} (worker {self.index}) failed in stage {st.label} "
+                f"(layers {st.start}-{st.stop - 1}, {st.kind}){where}, round {task.round}, "
+                f"iteration {task.call.iteration}: {type(exc).__name__}: {exc}",
+                device=str(self.device), worker=self.index, stage=st.label,
+                layers=(st.start, st.stop), microbatch=mb, iteration=task.call.iteration,
+            )
+        err.__cause__ = exc
+        return err
+
+    # ---------------------------------------------------------------- task
+    def _replica(self, layer: int) -> LayerReplica:
+        rep = self._replicas.get(layer)
+        if rep is None:
+            rep = self._replicas[layer] = LayerReplica(
+                self.host.layers[layer], self.host.params
+            )
+        return rep
+
+    def _run(self, task: Task, mb: list[int | None]) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        st = task.stage
+        if task.after is not None:
+            # buffer updates (running statistics) of the previous round of this
+            # slot must have reached the host before this round uploads them
+            self.store.wait_until(
+                lambda: self._is_done(task.after),
+                f"stage {st.label} of the previous round (buffer hand-off)",
+            )
+        needs_grad = st.kind != "forward"
+        params = self.host.stage_params(st.start, st.stop)
+        weights: dict[int, nn.Parameter] = {}
+        for p in params:
+            dev = ctx.upload(p.master, ctx.weight_up)
+            weights[p.index] = nn.Parameter(dev, requires_grad=needs_grad and p.trainable)
+        replicas = [self._replica(i) for i in range(st.start, st.stop)]
+        for rep in replicas:
+            bufs = [ctx.upload(b, ctx.weight_up, fresh=True) for b in rep.info.buffers]
+            rep.bind(weights, bufs)
+        # compute waits for this stage's weights (weights up -> compute)
+        ctx.compute.wait_event(ctx.record(ctx.weight_up))
+        try:
+            pending: list[tuple[Any, tuple, Any, int]] = []
+            run = {"forward": self._forward, "fused": self._fused, "backward": self._backward}
+            for j in task.microbatches:
+                mb[0] = j
+                run[st.kind](task, j, replicas, pending)
+                # on CUDA publish the previous micro-batch's downloads, one behind,
+                # so this thread never waits on a copy queued behind running compute
+                self._publish(pending, keep_last=ctx.is_cuda)
+            self._publish(pending, keep_last=False)
+            mb[0] = None
+            if needs_grad:
+                self._download_grads(params, weights)
+            if st.kind != "backward" and self.host.stage_has_state(st.start, st.stop):
+                self._download_buffers(replicas)
+        finally:
+            for rep in replicas:
+                rep.unbind()
+
+    def _publish(self, pending: list, keep_last: bool) -> None:
+        """Publish completed downloads: ``(event, key, value, readers)``.
+
+        With ``keep_last`` the newest micro-batch's entries stay pending (its
+        copy was just queued behind its compute)."""
+        if not pending:
+            return
+        last_mb = pending[-1][1][3]
+        keep = [e for e in pending if keep_last and e[1][3] == last_mb]
+        for ev, key, value, readers in pending:
+            if keep_last and key[3] == last_mb:
+                continue
+            ev.synchronize()  # host copy complete: safe to hand to other workers
+            self.store.put(key, value, readers)
+        pending[:] = keep
+
+    def _fetch(self, key: tuple, what: str) -> Any:
+        ctx = self.ctx
+        host = self.store.take(key, what)
+        if host is None:
+            return None
+        dev = map_tensors(lambda t: ctx.upload(t, ctx.act_up, fresh=True), host)
+        # compute waits for this micro-batch's activations (activations up -> compute)
+        ctx.compute.wait_event(ctx.record(ctx.act_up))
+        return dev
+
+    def _save(self, pending: list, key: tuple, value: Any, readers: int, fresh: bool) -> None:
+        ctx = self.ctx
+        # the download waits for the compute that produced the value (compute -> act down)
+        ctx.act_down.wait_event(ctx.record(ctx.compute))
+
+        def down(t: torch.Tensor) -> torch.Tensor:
+            out = ctx.download(t.detach(), ctx.act_down)
+            return out.clone() if fresh and not ctx.is_cuda else out
+
+        host = map_tensors(down, value)
+        pending.append((ctx.record(ctx.act_down), key, host, readers))
+
+    def _layers(self, task: Task, j: int, replicas: list[LayerReplica], x: Any,
+                save: Callable[[int, Any], None] | None = None) -> Any:
+        st = task.stage
+        for off, rep in enumerate(replicas):
+            layer = st.start + off
+            with self.ctx.on(self.ctx.compute), seeded(
+                self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)
+            ):
+                x = call_layer(rep.module, x)
+            if save is not None:
+                save(layer + 1, x)
+        return x
+
+    def _forward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
+        st, it = task.stage, task.call.iteration
+        x = self._fetch((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")
+        inner = set(self.layout.saves.get(st.index, ()))
+
+        def save(boundary: int, value: Any) -> None:
+            if boundary in inner:
+                readers = self.layout.act_readers[boundary]
+                self._save(pending, (it, "act", boundary, j), value, readers, fresh=True)
+
+        with torch.no_grad():
+            out = self._layers(task, j, replicas, x, save)
+        readers = self.layout.act_readers.get(st.stop, 0)
+        if readers:
+            self._save(pending, (it, "act", st.stop, j), out, readers, fresh=False)
+
+    @staticmethod
+    def _leaves(x: Any) -> tuple[Any, list[torch.Tensor | None]]:
+        flat: list[torch.Tensor | None] = []
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if t.is_floating_point() or t.is_complex():
+                t.requires_grad_(True)
+                flat.append(t)
+            else:
+                flat.append(None)
+            return t
+
+        return map_tensors(leaf, x), flat
+
+    def _input_grad(self, task: Task, j: int, leaves: list, pending: list) -> None:
+        st, it = task.stage, task.call.iteration
+        if st.start == 0:
+            return
+        grads = [None if t is None else t.grad for t in leaves]
+        self._save(pending, (it, "grad", st.start, j), grads, 1, fresh=False)
+
+    def _fused(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
+        st, call = task.stage, task.call
+        it = call.iteration
+        x = self._fetch((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")
+        x, leaves = self._leaves(x) if st.start > 0 else (x, [])
+        with torch.enable_grad():
+            out = self._layers(task, j, replicas, x)
+            labels = call.labels[j]
+            if call.loss_fn is not None and labels is not None:
+                ctx = self.ctx
+                labels = map_tensors(lambda t: ctx.upload(t, ctx.act_up), labels)
+                ctx.compute.wait_event(ctx.record(ctx.act_up))  # labels up -> compute
+            with self.ctx.on(self.ctx.compute):
+                loss = out if call.loss_fn is None else call.loss_fn(out, labels)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else (
+                        f"a tensor of shape {tuple(loss.shape)}")
+                    src = "loss_fn" if call.loss_fn is not None else "the last layer"
+                    raise TypeError(
+                        f"{src} must return a scalar loss tensor, got {what}; pass loss_fn= or "
+                        "make the last layer return the loss"
+                    )
+                weighted = loss.reshape(()) * call.weights[j]
+                self._save(pending, (it, "loss", 0, j), weighted.detach().float(), 1, False)
+                if weighted.requires_grad:  # False only when nothing below is trainable
+                    (weighted * call.scale).backward()
+        self._input_grad(task, j, leaves, pending)
+
+    def _backward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
+        st, it = task.stage, task.call.iteration
+        x = self._fetch((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")
+        g = self._fetch((it, "grad", st.stop, j), f"output gradient of {st.label}, micro-batch {j}")
+        x, leaves = self._leaves(x) if st.start > 0 else (x, [])
+        with torch.enable_grad():
+            out = self._layers(task, j, replicas, x)
+            outs, grads = [], []
+            for o, gg in zip(flatten_tensors(out), g, strict=True):
+                if gg is not None and o.requires_grad:
+                    outs.append(o)
+                    grads.append(gg)
+            if outs:
+                with self.ctx.on(self.ctx.compute):
+                    torch.autograd.backward(outs, grads)
+        self._input_grad(task, j, leaves, pending)
+
+    def _download_grads(self, params: list, weights: dict[int, nn.Parameter]) -> None:
+        ctx = self.ctx
+        # gradient downloads wait for the stage's last backward (compute -> grads down)
+        ctx.grad_down.wait_event(ctx.record(ctx.compute))
+        out = []
+        for p in params:
+            w = weights[p.index]
+            if p.trainable and w.grad is not None:
+                out.append((p, ctx.download(w.grad, ctx.grad_down)))
+            w.grad = None
+        ctx.record(ctx.grad_down).synchronize()  # host copies complete before accumulating
+        for p, g in out:
+            self.host.accumulate(p, g)
+
+    def _download_buffers(self, replicas: list[LayerReplica]) -> None:
+        ctx = self.ctx
+        ctx.act_down.wait_event(ctx.record(ctx.compute))
+        copies = []
+        for rep in replicas:
+            for host_buf, dev_buf, keep in zip(
+                rep.info.buffers, rep.current_buffers(), rep.info.persistent, strict=True
+            ):
+                if keep and dev_buf is not None:
+                    copies.append((host_buf, ctx.download(dev_buf, ctx.act_down)))
+        ctx.record(ctx.act_down).synchronize()
+        with torch.no_grad():
+            for host_buf, value in copies:
+                host_buf.copy_(value)
