@@ -227,13 +227,16 @@ class RoundPipeEngine:
         self._finalizer = weakref.finalize(self, rt.shutdown)
         for w in rt.workers:
             w.start()
-        log.info("RoundPipe engine: %d layers, plan %s, %d workers on %s", len(layers), plan, n,
-                 ", ".join(map(str, devs)))
+        log.info(
+            "RoundPipe engine: %d layers, plan %s, %d workers on %s",
+            len(layers),
+            plan,
+            n,
+            ", ".join(map(str, devs)),
+        )
 
     @staticmethod
-    def _memory_limit(
-        devs: list[torch.device], costs: LayerCosts, limit: int | None
-    ) -> int | None:
+    def _memory_limit(devs: list[torch.device], costs: LayerCosts, limit: int | None) -> int | None:
         cuda = sorted({d for d in devs if d.type == "cuda"}, key=str)
         if not cuda:
             return limit
@@ -286,8 +289,12 @@ class RoundPipeEngine:
             return
         if isinstance(failure, WorkerError):
             raise WorkerError(
-                str(failure), device=failure.device, worker=failure.worker,
-                stage=failure.stage, layers=failure.layers, microbatch=failure.microbatch,
+                str(failure),
+                device=failure.device,
+                worker=failure.worker,
+                stage=failure.stage,
+                layers=failure.layers,
+                microbatch=failure.microbatch,
                 iteration=failure.iteration,
             ) from failure.__cause__
         raise failure
@@ -364,8 +371,9 @@ class RoundPipeEngine:
             readers0 = self._layout.act_readers[0]
             for j, x in enumerate(mbs):
                 store.put((it, "act", 0, j), map_tensors(cast, x), readers0)
-            plan = dispatch(self.plan, self.num_devices, m, self.microbatches_per_round,
-                            start_device=self._g0)
+            plan = dispatch(
+                self.plan, self.num_devices, m, self.microbatches_per_round, start_device=self._g0
+            )
             self._g0 = plan.next_device
             with store.lock:
                 rt.done_keys = {k for k in rt.done_keys if k[0] >= it - 1}
@@ -389,8 +397,11 @@ class RoundPipeEngine:
         ``.grad`` holds the accumulated fp32 gradient (in the parameter's dtype)."""
         self._check()
         rt = self._rt
-        self._wait(lambda: rt.store.wait_until(lambda: rt.done >= rt.submitted,
-                                                "all dispatched stages to finish"))
+        self._wait(
+            lambda: rt.store.wait_until(
+                lambda: rt.done >= rt.submitted, "all dispatched stages to finish"
+            )
+        )
         self._host.expose_grads()
 
     def step(self, fn: Callable[[], Any] | None = None) -> Any:

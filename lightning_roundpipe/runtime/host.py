@@ -14,6 +14,7 @@ uploaded device tensors for the duration of a stage.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -62,10 +63,8 @@ class _PinnedPool:
 
     def release(self) -> None:
         for t in self._registered:
-            try:
+            with contextlib.suppress(RuntimeError, AttributeError):  # driver already gone
                 torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            except (RuntimeError, AttributeError):  # pragma: no cover - driver gone
-                pass
         self._registered.clear()
 
 

@@ -190,7 +190,7 @@ class Worker:
         except (EngineFailure, HandoffTimeout) as exc:
             if isinstance(exc, HandoffTimeout):
                 self.store.fail(self._wrap(exc, task, mb[0]))
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+        except BaseException as exc:  # every failure must reach the caller
             self.store.fail(self._wrap(exc, task, mb[0]))
         finally:
             for rep in self._replicas.values():
@@ -202,8 +202,12 @@ class Worker:
             err = WorkerError(
                 f"device {self.device} (worker {self.index}) failed before running a stage: "
                 f"{type(exc).__name__}: {exc}",
-                device=str(self.device), worker=self.index, stage="-", layers=(0, 0),
-                microbatch=None, iteration=-1,
+                device=str(self.device),
+                worker=self.index,
+                stage="-",
+                layers=(0, 0),
+                microbatch=None,
+                iteration=-1,
             )
         else:
             st = task.stage
@@ -212,8 +216,12 @@ class Worker:
                 f"device {self.device} (worker {self.index}) failed in stage {st.label} "
                 f"(layers {st.start}-{st.stop - 1}, {st.kind}){where}, round {task.round}, "
                 f"iteration {task.call.iteration}: {type(exc).__name__}: {exc}",
-                device=str(self.device), worker=self.index, stage=st.label,
-                layers=(st.start, st.stop), microbatch=mb, iteration=task.call.iteration,
+                device=str(self.device),
+                worker=self.index,
+                stage=st.label,
+                layers=(st.start, st.stop),
+                microbatch=mb,
+                iteration=task.call.iteration,
             )
         err.__cause__ = exc
         return err
@@ -222,9 +230,7 @@ class Worker:
     def _replica(self, layer: int) -> LayerReplica:
         rep = self._replicas.get(layer)
         if rep is None:
-            rep = self._replicas[layer] = LayerReplica(
-                self.host.layers[layer], self.host.params
-            )
+            rep = self._replicas[layer] = LayerReplica(self.host.layers[layer], self.host.params)
         return rep
 
     def _run(self, task: Task, mb: list[int | None]) -> None:
@@ -307,13 +313,20 @@ class Worker:
         host = map_tensors(down, value)
         pending.append((ctx.record(ctx.act_down), key, host, readers))
 
-    def _layers(self, task: Task, j: int, replicas: list[LayerReplica], x: Any,
-                save: Callable[[int, Any], None] | None = None) -> Any:
+    def _layers(
+        self,
+        task: Task,
+        j: int,
+        replicas: list[LayerReplica],
+        x: Any,
+        save: Callable[[int, Any], None] | None = None,
+    ) -> Any:
         st = task.stage
         for off, rep in enumerate(replicas):
             layer = st.start + off
-            with self.ctx.on(self.ctx.compute), seeded(
-                self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)
+            with (
+                self.ctx.on(self.ctx.compute),
+                seeded(self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)),
             ):
                 x = call_layer(rep.module, x)
             if save is not None:
@@ -373,8 +386,11 @@ class Worker:
             with self.ctx.on(self.ctx.compute):
                 loss = out if call.loss_fn is None else call.loss_fn(out, labels)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else (
-                        f"a tensor of shape {tuple(loss.shape)}")
+                    what = (
+                        type(loss).__name__
+                        if not isinstance(loss, torch.Tensor)
+                        else (f"a tensor of shape {tuple(loss.shape)}")
+                    )
                     src = "loss_fn" if call.loss_fn is not None else "the last layer"
                     raise TypeError(
                         f"{src} must return a scalar loss tensor, got {what}; pass loss_fn= or "

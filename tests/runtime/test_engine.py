@@ -1,0 +1,477 @@
+"""The engine computes exactly what plain single-device PyTorch computes."""
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_roundpipe.plan import PlanError, StagePlan
+from lightning_roundpipe.runtime import EngineClosedError, RoundPipeEngine, WorkerError
+
+from .models import lm_batch, lm_loss, mlp, reference, structured, transformer
+
+CPU = torch.device("cpu")
+
+
+def grads(layers):
+    return [
+        p.grad.clone() if p.grad is not None else None
+        for layer in layers
+        for p in layer.parameters()
+    ]
+
+
+def assert_grads_equal(a, b):
+    ga, gb = grads(a), grads(b)
+    assert len(ga) == len(gb)
+    for x, y in zip(ga, gb, strict=True):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            torch.testing.assert_close(x, y)
+
+
+def engine(layers, n, m, plan=None, **kw):
+    kw.setdefault("watchdog_timeout", 60)
+    return RoundPipeEngine(layers, [CPU] * n, m, plan=plan, **kw)
+
+
+# -------------------------------------------------------------------- MLP
+MLP_PLANS = [None, "|7|", "1,1,1,1,1,1|1|1,1,1,1,1,1", "4,2|1|3,3", "2,2,2|1|1,2,3", "6|1|6"]
+
+
+@pytest.mark.parametrize("plan", MLP_PLANS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_mlp_matches_plain_full_batch_training(plan, n):
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    with engine(layers, n, 4, plan) as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, ref)
+
+
+@pytest.mark.parametrize(("batch", "m"), [(12, 4), (13, 4), (7, 5), (9, 9)])
+def test_microbatches_that_do_not_divide_the_batch(batch, m):
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 4)
+
+    def per_sample_sum(out, lab):  # a loss whose full-batch mean we can match exactly
+        return ((out - lab) ** 2).sum(dim=1).mean()
+
+    expected = per_sample_sum(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    with engine(layers, 3 if m >= 3 else 1, m, "2,2,2|1|1,2,3") as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=per_sample_sum)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, ref)
+
+
+# ------------------------------------------------------------ transformer
+TRANSFORMER_PLANS = [
+    None,
+    "|6|",
+    "1,1,1,1,1|1|1,1,1,1,1",
+    "3,2|1|2,2,1",
+    "2,3|1|1,1,3",
+    "1,2|3|1,2",
+]
+
+
+@pytest.mark.parametrize("plan", TRANSFORMER_PLANS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_transformer_with_dropout_matches_seeded_reference(plan, n):
+    layers = transformer()
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(10)
+    expected = reference(ref, ids, labels, lm_loss, 5, seed=7)
+    with engine(layers, n, 5, plan, seed=7) as eng:
+        loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(layers, ref)
+
+
+def test_dropout_results_do_not_depend_on_device_count_or_plan():
+    ids, labels = lm_batch(8)
+    results = []
+    for n, plan in [(1, "|6|"), (4, "1,1,1,1,1|1|1,1,1,1,1"), (2, "3,2|1|2,2,1"), (3, None)]:
+        layers = transformer(dropout=0.3)
+        with engine(layers, n, 4, plan, seed=3) as eng:
+            for _ in range(2):  # second iteration: new masks, still device-independent
+                loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+            eng.synchronize()
+        results.append((loss, grads(layers)))
+    for loss, g in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        for a, b in zip(g, results[0][1], strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_no_dropout_transformer_matches_plain_full_batch():
+    layers = transformer(dropout=0.0)
+    for m in layers[0].modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(8)
+    expected = lm_loss(nn.Sequential(*ref)(ids), labels)
+    expected.backward()
+    with engine(layers, 3, 4, "2,2|2|1,1,2") as eng:
+        loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, ref)
+
+
+# ------------------------------------------------------- frozen parameters
+def test_frozen_parameters_get_no_gradient_or_buffer():
+    layers = transformer()
+    for layer in (layers[0], layers[1]):
+        layer.requires_grad_(False)
+    layers[3].ln1.requires_grad_(False)
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(8)
+    expected = reference(ref, ids, labels, lm_loss, 4)
+    with engine(layers, 2, 4, "2,3|1|1,2,2") as eng:
+        loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        eng.synchronize()
+        frozen = [p for p in eng._host.params if not p.param.requires_grad]
+        assert frozen and all(p.grad is None for p in frozen)
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(layers, ref)
+    assert all(p.grad is None for p in layers[0].parameters())
+
+
+# ------------------------------------------------- tuple / dict activations
+@pytest.mark.parametrize("plan", [None, "1,1,1,1,1|1|1,1,1,1,1", "2,3|1|3,2", "|6|"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_tuple_and_dict_activations(plan, n):
+    layers = structured()
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(6)
+    scale = torch.linspace(0.5, 1.5, 6)
+    expected = reference(ref, (ids, scale), labels, lm_loss, 3)
+    with engine(layers, n, 3, plan) as eng:
+        loss = eng.forward_backward((ids, scale), labels=labels, loss_fn=lm_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(layers, ref)
+
+
+class LossHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+
+class DictPass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return {"x": torch.tanh(self.lin(x)), "y": y}
+
+
+def test_last_layer_returns_the_loss_with_dict_inputs():
+    """A dict activation is passed as keyword arguments to the next layer."""
+    torch.manual_seed(0)
+    layers = [DictPass(), DictPass(), DictPass(), LossHead()]
+    ref = copy.deepcopy(layers)
+    batch = {"x": torch.randn(8, 8), "y": torch.randn(8)}
+    h = batch
+    for layer in ref:
+        h = layer(**h)
+    expected = h
+    expected.backward()
+    with engine(layers, 2, 4, "1,2|1|1,2") as eng:
+        loss = eng.forward_backward(batch)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, ref)
+
+
+# ------------------------------------------------------- steps, accumulation
+def test_two_calls_accumulate_like_two_backward_passes_and_step_updates():
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    opt_ref = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.1, momentum=0.9)
+    data = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)]
+    with engine(layers, 3, 4, "3,3|1|2,2,2") as eng:
+        for step in range(3):
+            for x, y in data[2 * step : 2 * step + 2]:
+                nn.functional.mse_loss(nn.Sequential(*ref)(x), y).backward()
+                eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.synchronize()
+            assert_grads_equal(layers, ref)
+            opt_ref.step()
+            opt_ref.zero_grad()
+            eng.step(opt.step)
+            opt.zero_grad()
+    for a, b in zip(
+        nn.Sequential(*layers).parameters(), nn.Sequential(*ref).parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b)
+
+
+def test_loss_is_returned_before_backward_stages_finish():
+    """forward_backward returns once losses are known; synchronize drains the rest."""
+    gate = threading.Event()
+
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            out = self.lin(x)
+            if out.requires_grad:  # the backward stage: hold its backward at the gate
+                out.register_hook(lambda g: g if gate.wait(30) else None)
+            return out
+
+    torch.manual_seed(0)
+    layers = [Gate(), nn.Linear(8, 8), nn.Linear(8, 1)]
+    with engine(layers, 2, 2, "1,1|1|2") as eng:
+        loss = eng.forward_backward(
+            torch.randn(4, 8), labels=torch.randn(4, 1), loss_fn=nn.functional.mse_loss
+        )
+        assert torch.isfinite(loss)
+        assert eng._rt.done < eng._rt.submitted  # B2 is still blocked in recompute
+        gate.set()
+        eng.synchronize()
+        assert layers[0].lin.weight.grad is not None
+
+
+def test_batchnorm_running_stats_round_trip_once_per_microbatch():
+    torch.manual_seed(0)
+    layers = [
+        nn.Linear(4, 8),
+        nn.BatchNorm1d(8),
+        nn.ReLU(),
+        nn.Linear(8, 8),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, 1),
+    ]
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(12, 4), torch.randn(12, 1)
+    expected = reference(ref, x, y, nn.functional.mse_loss, 3)
+    with engine(layers, 3, 3, "2,3|1|1,2,2") as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(layers, ref)
+    for a, b in ((layers[1], ref[1]), (layers[4], ref[4])):
+        torch.testing.assert_close(a.running_mean, b.running_mean)
+        torch.testing.assert_close(a.running_var, b.running_var)
+        assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 3
+
+
+def test_tied_weights_across_layers_accumulate_into_one_gradient():
+    class TiedHead(nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, h):
+            return h @ self.emb.weight.t()
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(11, 6)
+    layers = [emb, nn.Linear(6, 6), TiedHead(emb)]
+    ref = copy.deepcopy(nn.ModuleList(layers))
+    ids = torch.randint(0, 11, (4, 3))
+    labels = torch.randint(0, 11, (4, 3))
+
+    def ce(out, lab):
+        return nn.functional.cross_entropy(out.reshape(-1, 11), lab.reshape(-1))
+
+    expected = ce(nn.Sequential(*ref)(ids), labels)
+    expected.backward()
+    with engine(layers, 2, 2, "1,1|1|1,1") as eng:
+        eng.forward_backward(ids, labels=labels, loss_fn=ce)
+        eng.synchronize()
+        assert len(eng._host.params) == 3  # embedding weight counted once
+    torch.testing.assert_close(emb.weight.grad, ref[0].weight.grad)
+
+
+def test_bf16_compute_runs_close_to_fp32():
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    with engine(layers, 2, 2, "3,3|1|2,2,2", compute_dtype=torch.bfloat16) as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert eng._host.params[0].master.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, expected.detach(), atol=3e-2, rtol=3e-2)
+    for a, b in zip(grads(layers), grads(ref), strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_state_dict_keys_unchanged():
+    layers = transformer()
+    before = list(nn.ModuleList(layers).state_dict().keys())
+    with engine(layers, 2, 2) as eng:
+        ids, labels = lm_batch(4)
+        eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        eng.step()
+    assert list(nn.ModuleList(layers).state_dict().keys()) == before
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (
+            {"num_microbatches": 2, "devices": [CPU] * 3},
+            PlanError,
+            r"num_microbatches \(2\) must be >= number of devices \(3\); raise num_microbatches",
+        ),
+        ({"plan": "3|1|3"}, PlanError, "covers 4 layers .* but the model has 7"),
+        ({"devices": []}, ValueError, "devices is empty"),
+        ({"devices": ["meta"]}, ValueError, "device meta is not supported"),
+        (
+            {"compute_dtype": torch.float64},
+            ValueError,
+            "compute_dtype torch.float64 is not supported",
+        ),
+        ({"microbatches_per_round": 1}, PlanError, r"microbatches_per_round \(1\) must be"),
+    ],
+)
+def test_constructor_errors_leave_the_model_untouched(kwargs, exc, match):
+    layers = mlp()
+    before = [p.detach().clone() for m in layers for p in m.parameters()]
+    args = {"devices": [CPU] * 2, "num_microbatches": 4}
+    args.update(kwargs)
+    threads = threading.active_count()
+    with pytest.raises(exc, match=match):
+        RoundPipeEngine(layers, **args)
+    assert threading.active_count() == threads
+    for a, b in zip(before, [p for m in layers for p in m.parameters()], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_batch_errors():
+    with engine(mlp(), 2, 4) as eng:
+        with pytest.raises(
+            ValueError,
+            match=r"batch size \(3\) is smaller than "
+            r"num_microbatches \(4\); use a larger batch or lower",
+        ):
+            eng.forward_backward(
+                torch.randn(3, 8), labels=torch.randn(3, 4), loss_fn=nn.functional.mse_loss
+            )
+        with pytest.raises(ValueError, match="contain no tensor with a batch dimension"):
+            eng.forward_backward(torch.tensor(1.0))
+        with pytest.raises(ValueError, match=r"loss_weights has 2 entries; give one per"):
+            eng.forward_backward(
+                torch.randn(8, 8),
+                labels=torch.randn(8, 4),
+                loss_fn=nn.functional.mse_loss,
+                loss_weights=[1, 1],
+            )
+
+
+class Boom(nn.Module):
+    def __init__(self, when):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.when = when
+
+    def forward(self, x):
+        if self.when(x):
+            raise ValueError("boom")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize(("where", "stage"), [("forward", "F2"), ("recompute", "B2")])
+def test_layer_failure_reaches_the_caller_with_context(n, where, stage):
+    def when(x):
+        grad = torch.is_grad_enabled()
+        return (where == "forward" and not grad) or (where == "recompute" and grad)
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), Boom(when), nn.Linear(8, 8), nn.Linear(8, 1)]
+    eng = engine(layers, n, 3, "1,2|1|2,1")
+    try:
+        with pytest.raises(
+            WorkerError,
+            match=rf"failed in stage {stage} .*micro-batch 0.*"
+            r"iteration 0: ValueError: boom",
+        ) as info:
+            eng.forward_backward(
+                torch.randn(6, 8), labels=torch.randn(6, 1), loss_fn=nn.functional.mse_loss
+            )
+            eng.synchronize()
+        assert info.value.stage == stage and info.value.microbatch == 0
+        assert isinstance(info.value.__cause__, ValueError)
+        with pytest.raises(WorkerError):  # the engine stays failed
+            eng.synchronize()
+    finally:
+        eng.close()
+    with pytest.raises(EngineClosedError, match="closed after a failure"):
+        eng.synchronize()
+
+
+def test_bad_loss_is_reported():
+    eng = engine(mlp(), 1, 2)
+    try:
+        with pytest.raises(
+            WorkerError,
+            match="loss_fn must return a scalar loss tensor, got a "
+            r"tensor of shape \(2, 4\)",
+        ):
+            eng.forward_backward(
+                torch.randn(4, 8), labels=torch.randn(4, 4), loss_fn=lambda out, lab: out - lab
+            )
+    finally:
+        eng.close()
+
+
+def test_closed_engine_refuses_work_and_threads_are_joined():
+    before = threading.active_count()
+    eng = engine(mlp(), 4, 4)
+    assert threading.active_count() == before + 4
+    eng.close()
+    eng.close()  # idempotent
+    assert threading.active_count() == before
+    with pytest.raises(EngineClosedError, match="closed; create a new one"):
+        eng.forward_backward(torch.randn(4, 8))
+
+
+def test_garbage_collected_engine_stops_its_threads():
+    before = threading.active_count()
+    eng = engine(mlp(), 3, 3)
+    eng.forward_backward(
+        torch.randn(6, 8), labels=torch.randn(6, 4), loss_fn=nn.functional.mse_loss
+    )
+    eng.synchronize()
+    del eng
+    gc.collect()
+    assert threading.active_count() == before
+
+
+def test_partitioner_plan_from_size_estimates_is_used():
+    layers = transformer(num_blocks=6)
+    with engine(layers, 4, 8) as eng:
+        assert isinstance(eng.plan, StagePlan)
+        assert eng.plan.num_layers == 8
+        mem = eng.host_memory()
+        assert mem["master"] > 0 and mem["grad"] > 0 and mem["pinned"] == 0
