@@ -387,7 +387,7 @@ class RoundPipeEngine:
                     rt.submitted += 1
                 rt.workers[step.device].submit(task)
         losses = [
-            self._wait(lambda j=j: store.take((it, "loss", 0, j), f"loss of micro-batch {j}"))
+            self._wait(lambda j=j: store.take((it, "loss", 0, j), f"loss of micro-batch {j}")[0])
             for j in range(m)
         ]
         return torch.stack([loss.reshape(()).float().cpu() for loss in losses]).sum()

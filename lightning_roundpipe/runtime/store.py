@@ -31,14 +31,25 @@ class HandoffTimeout(TimeoutError):
     """A value did not arrive within the watchdog timeout."""
 
 
+class _Entry:
+    __slots__ = ("event", "readers", "value")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.value: Any = None
+        self.readers = 0
+
+
 class Store:
-    """Thread-safe keyed hand-off of host values between workers and the controller."""
+    """Thread-safe keyed hand-off of host values between workers and the controller.
+
+    Each key has its own event, so publishing a value wakes only the thread
+    waiting for it; a failure sets every event so that all waiters return."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._cond = threading.Condition()
-        self._values: dict[Key, Any] = {}
-        self._readers: dict[Key, int] = {}
+        self._entries: dict[Key, _Entry] = {}
         self._failure: BaseException | None = None
 
     # ------------------------------------------------------------ failures
@@ -47,6 +58,8 @@ class Store:
         with self._cond:
             if self._failure is None:
                 self._failure = exc
+            for entry in self._entries.values():
+                entry.event.set()
             self._cond.notify_all()
 
     @property
@@ -58,46 +71,55 @@ class Store:
             raise EngineFailure(str(self._failure)) from self._failure
 
     # -------------------------------------------------------------- values
+    def _entry(self, key: Key) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+            if self._failure is not None:
+                entry.event.set()
+        return entry
+
     def put(self, key: Key, value: Any, readers: int = 1) -> None:
         """Publish ``value`` for ``readers`` takes."""
         with self._cond:
-            self._values[key] = value
-            self._readers[key] = readers
-            self._cond.notify_all()
+            entry = self._entry(key)
+            entry.value = value
+            entry.readers = readers
+            entry.event.set()
 
-    def take(self, key: Key, what: str = "") -> Any:
-        """Wait for ``key`` and take one read of it; the entry is dropped after
-        its last reader."""
+    def take(self, key: Key, what: str = "") -> tuple[Any, bool]:
+        """Wait for ``key`` and take one read of it. Returns ``(value, last)``;
+        ``last`` is true for the final reader, after which the entry is dropped
+        (so that reader may use the value in place; earlier readers must not)."""
         with self._cond:
-            value = self._wait(key, what)
-            left = self._readers[key] - 1
-            if left <= 0:
-                del self._values[key]
-                del self._readers[key]
-            else:
-                self._readers[key] = left
-            return value
+            entry = self._entry(key)
+        if not entry.event.is_set():
+            deadline = time.monotonic() + self.timeout
+            while not entry.event.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+                self.check()
+                if time.monotonic() >= deadline:
+                    raise HandoffTimeout(
+                        f"waited {self.timeout:g} s for {what or key} (key {key}); it never "
+                        "arrived. A worker may be stuck; raise watchdog_timeout if stages are "
+                        "this slow"
+                    )
+        self.check()
+        with self._cond:
+            value = entry.value
+            entry.readers -= 1
+            last = entry.readers <= 0
+            if last:
+                del self._entries[key]
+            return value, last
 
     def ready(self, key: Key) -> bool:
         with self._cond:
-            return key in self._values
-
-    def _wait(self, key: Key, what: str) -> Any:
-        deadline = time.monotonic() + self.timeout
-        while key not in self._values:
-            self.check()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise HandoffTimeout(
-                    f"waited {self.timeout:g} s for {what or key} (key {key}); it never arrived. "
-                    "A worker may be stuck; raise watchdog_timeout if stages are this slow"
-                )
-            self._cond.wait(min(left, 1.0))
-        self.check()
-        return self._values[key]
+            entry = self._entries.get(key)
+            return entry is not None and entry.event.is_set()
 
     def wait_until(self, predicate, what: str) -> None:
-        """Wait until ``predicate()`` (called under the lock) is true."""
+        """Wait until ``predicate()`` (called under the lock) is true; whoever
+        makes it true must call :meth:`notify`."""
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while not predicate():
@@ -121,9 +143,8 @@ class Store:
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._values)
+            return len(self._entries)
 
     def clear(self) -> None:
         with self._cond:
-            self._values.clear()
-            self._readers.clear()
+            self._entries.clear()

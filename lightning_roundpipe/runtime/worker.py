@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..plan.stages import Stage
+from ..plan.windows import transfer_windows
 from .device import DeviceContext, layer_seed, seeded
 from .host import HostState, LayerReplica
 from .nested import call_layer, flatten_tensors, map_tensors
@@ -119,6 +120,15 @@ class Task:
         self.key = (self.call.iteration, self.round, self.stage.index)
 
 
+@dataclass
+class _Prefetch:
+    """The next task's weights, being uploaded window by window."""
+
+    key: tuple
+    tensors: dict[int, torch.Tensor]
+    pieces: list[list[tuple[Any, int, int]]]  # per window: (param, first element, count)
+
+
 class Worker:
     """One device worker thread."""
 
@@ -142,6 +152,7 @@ class Worker:
         self._queue: deque[Task | None] = deque()
         self._cond = threading.Condition()
         self._replicas: dict[int, LayerReplica] = {}
+        self._prefetched: dict[tuple, tuple[dict[int, torch.Tensor], Any]] = {}
         self.ctx: DeviceContext | None = None
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
@@ -196,6 +207,7 @@ class Worker:
             for rep in self._replicas.values():
                 rep.unbind()
             self._replicas.clear()
+            self._prefetched.clear()
 
     def _wrap(self, exc: BaseException, task: Task | None, mb: int | None) -> WorkerError:
         if task is None:
@@ -246,22 +258,35 @@ class Worker:
             )
         needs_grad = st.kind != "forward"
         params = self.host.stage_params(st.start, st.stop)
-        weights: dict[int, nn.Parameter] = {}
-        for p in params:
-            dev = ctx.upload(p.master, ctx.weight_up)
-            weights[p.index] = nn.Parameter(dev, requires_grad=needs_grad and p.trainable)
+        staged = self._prefetched.pop(task.key, None)
+        if staged is None:
+            staged = {p.index: ctx.upload(p.master, ctx.weight_up) for p in params}
+            ready = ctx.record(ctx.weight_up)
+        else:
+            staged, ready = staged
+            for t in staged.values():
+                t.record_stream(ctx.compute)
+        weights = {
+            p.index: nn.Parameter(staged[p.index], requires_grad=needs_grad and p.trainable)
+            for p in params
+        }
+        del staged
         replicas = [self._replica(i) for i in range(st.start, st.stop)]
         for rep in replicas:
             bufs = [ctx.upload(b, ctx.weight_up, fresh=True) for b in rep.info.buffers]
             rep.bind(weights, bufs)
         # compute waits for this stage's weights (weights up -> compute)
-        ctx.compute.wait_event(ctx.record(ctx.weight_up))
+        ctx.compute.wait_event(ready)
+        ctx.compute.wait_event(ctx.record(ctx.weight_up))  # and its buffers
+        prefetch = self._plan_prefetch(len(task.microbatches))
         try:
             pending: list[tuple[Any, tuple, Any, int]] = []
             run = {"forward": self._forward, "fused": self._fused, "backward": self._backward}
-            for j in task.microbatches:
+            for w, j in enumerate(task.microbatches):
                 mb[0] = j
                 run[st.kind](task, j, replicas, pending)
+                if prefetch is not None:
+                    self._prefetch_window(prefetch, w)
                 # on CUDA publish the previous micro-batch's downloads, one behind,
                 # so this thread never waits on a copy queued behind running compute
                 self._publish(pending, keep_last=ctx.is_cuda)
@@ -274,6 +299,50 @@ class Worker:
         finally:
             for rep in replicas:
                 rep.unbind()
+            if prefetch is not None:
+                # weights of the next task are complete once the last window is
+                # (weights up -> next task's compute)
+                self._prefetched[prefetch.key] = (prefetch.tensors, ctx.record(ctx.weight_up))
+
+    # ------------------------------------------------------------ prefetch
+    def _plan_prefetch(self, num_windows: int) -> _Prefetch | None:
+        """On CUDA, plan the upload of the next queued task's weights in
+        ``num_windows`` LPT windows, one after each micro-batch of this task."""
+        ctx = self.ctx
+        if not ctx.is_cuda:
+            return None  # CPU workers compute on the master copy itself
+        with self._cond:
+            nxt = self._queue[0] if self._queue else None
+        if nxt is None or nxt.key in self._prefetched:
+            return None
+        params = self.host.stage_params(nxt.stage.start, nxt.stage.stop)
+        if not params:
+            return None
+        size = params[0].master.element_size()
+        wins = transfer_windows(
+            [(str(p.index), p.master.numel() * size) for p in params], num_windows, align=size
+        )
+        with ctx.on(ctx.weight_up):
+            tensors = {
+                p.index: torch.empty(p.master.shape, dtype=p.master.dtype, device=ctx.device)
+                for p in params
+            }
+        by_index = {p.index: p for p in params}
+        pieces = [
+            [(by_index[int(pc.name)], pc.offset // size, pc.nbytes // size) for pc in w.pieces]
+            for w in wins
+        ]
+        return _Prefetch(nxt.key, tensors, pieces)
+
+    def _prefetch_window(self, pf: _Prefetch, w: int) -> None:
+        ctx = self.ctx
+        # a window follows its micro-batch's activation upload, so a large weight
+        # copy never delays an urgent activation (activations up -> weights up)
+        ctx.weight_up.wait_event(ctx.record(ctx.act_up))
+        with ctx.on(ctx.weight_up):
+            for p, start, count in pf.pieces[w]:
+                dst = pf.tensors[p.index].view(-1)[start : start + count]
+                dst.copy_(p.master.view(-1)[start : start + count], non_blocking=True)
 
     def _publish(self, pending: list, keep_last: bool) -> None:
         """Publish completed downloads: ``(event, key, value, readers)``.
@@ -293,10 +362,11 @@ class Worker:
 
     def _fetch(self, key: tuple, what: str) -> Any:
         ctx = self.ctx
-        host = self.store.take(key, what)
+        host, last = self.store.take(key, what)
         if host is None:
             return None
-        dev = map_tensors(lambda t: ctx.upload(t, ctx.act_up, fresh=True), host)
+        # a reader before the last gets its own copy, in case a layer writes in place
+        dev = map_tensors(lambda t: ctx.upload(t, ctx.act_up, fresh=not last), host)
         # compute waits for this micro-batch's activations (activations up -> compute)
         ctx.compute.wait_event(ctx.record(ctx.act_up))
         return dev

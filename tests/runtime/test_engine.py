@@ -475,3 +475,19 @@ def test_partitioner_plan_from_size_estimates_is_used():
         assert eng.plan.num_layers == 8
         mem = eng.host_memory()
         assert mem["master"] > 0 and mem["grad"] > 0 and mem["pinned"] == 0
+
+
+def test_memory_guard_names_the_layer_that_cannot_fit():
+    from lightning_roundpipe.runtime import estimate_costs
+
+    layers = mlp()
+    costs = estimate_costs(layers, torch.float32)
+    with pytest.raises(
+        PlanError,
+        match=r"layer 0 needs about 1152 bytes of device memory "
+        r"\(weights and gradients\) but a stage may use 1000 bytes on cuda:0; "
+        "even one layer at a time does not fit. Raise device_memory_limit",
+    ):
+        RoundPipeEngine._memory_limit([torch.device("cuda", 0)], costs, 1000)
+    assert RoundPipeEngine._memory_limit([CPU], costs, None) is None
+    assert RoundPipeEngine._memory_limit([torch.device("cuda", 0)], costs, 10**6) == 10**6

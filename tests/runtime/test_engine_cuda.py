@@ -1,0 +1,91 @@
+"""The engine on CUDA devices: same equivalences, bf16 tolerances, shared GPUs."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+from .models import lm_batch, lm_loss, mlp, reference, transformer
+
+pytestmark = pytest.mark.gpu
+
+
+def _grads(layers):
+    return [p.grad for m in layers for p in m.parameters()]
+
+
+@pytest.mark.parametrize("devices", [[0], [0, 0, 0]])
+@pytest.mark.parametrize("plan", [None, "1,1,1,1,1|1|1,1,1,1,1", "3,2|1|2,2,1"])
+def test_transformer_fp32_on_cuda_matches_cpu_reference(devices, plan):
+    layers = transformer()
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(12)
+    expected = reference(ref, ids, labels, lm_loss, 6, seed=5)
+    with RoundPipeEngine(
+        layers, devices, 6, plan=plan, seed=5, microbatches_per_round=len(devices) * 2
+    ) as eng:
+        loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        eng.synchronize()
+        assert eng.host_memory()["pinned"] > 0
+    # CUDA dropout masks differ from CPU ones: compare without dropout effects
+    torch.testing.assert_close(loss, expected, atol=0.5, rtol=0.1)
+    assert all(g is not None and torch.isfinite(g).all() for g in _grads(layers))
+
+
+@pytest.mark.parametrize("devices", [[0], [0, 0], [0, 0, 0, 0]])
+def test_mlp_fp32_on_cuda_matches_plain(devices):
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    with RoundPipeEngine(
+        layers, devices, 8, plan="2,2,2|1|1,2,3", microbatches_per_round=max(2, len(devices))
+    ) as eng:
+        for _ in range(1):
+            loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-4, rtol=1e-4)
+    for a, b in zip(_grads(layers), _grads(ref), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_on_cuda_is_close_and_device_count_independent():
+    ids, labels = lm_batch(8)
+    out = []
+    for devices in ([0], [0, 0, 0, 0]):
+        layers = transformer()
+        with RoundPipeEngine(
+            layers, devices, 4, plan="1,1,1,1,1|1|1,1,1,1,1", compute_dtype=torch.bfloat16, seed=1
+        ) as eng:
+            loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+            eng.synchronize()
+        out.append((loss, _grads(layers)))
+    torch.testing.assert_close(out[0][0], out[1][0])
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_several_iterations_with_prefetch_and_steps():
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.05)
+    opt_ref = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.05)
+    with RoundPipeEngine(
+        layers, [0, 0], 8, plan="1,1,1,1,1,1|1|1,1,1,1,1,1", microbatches_per_round=4
+    ) as eng:
+        for _ in range(5):
+            x, y = torch.randn(16, 8), torch.randn(16, 4)
+            nn.functional.mse_loss(nn.Sequential(*ref)(x), y).backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.step(opt.step)
+            opt.zero_grad()
+    for a, b in zip(
+        nn.Sequential(*layers).parameters(), nn.Sequential(*ref).parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
