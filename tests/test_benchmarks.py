@@ -1,0 +1,32 @@
+"""Benchmark scripts run (tiny settings) so they do not rot."""
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_partition_benchmark_table():
+    mod = load("partition")
+    table = mod.run(reference=False)
+    lines = table.splitlines()
+    assert lines[0].startswith("| layers | plan slots | fast (ms)")
+    assert [ln.split("|")[1].strip() for ln in lines[2:]] == ["28", "64", "94", "200"]
+
+
+def test_engine_overhead_benchmark_table():
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        table = load("engine").overhead(devices=(1, 2), microbatches=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(table.splitlines()) == 2 + 4
