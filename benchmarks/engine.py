@@ -203,7 +203,7 @@ def throughput(args: argparse.Namespace) -> str:
         f"| no offload (activation checkpointing) | {tokens / t_res:,.0f} | 100% |",
     ]
     eng = RoundPipeEngine(
-        layers, [dev], m, compute_dtype=torch.bfloat16, microbatches_per_round=args.round_size or m
+        layers, [dev], m, precision="bf16-mixed", microbatches_per_round=args.round_size or m
     )
     try:
 

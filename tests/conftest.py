@@ -29,3 +29,17 @@ def no_thread_leak():
         t.join(timeout=5)
     leaked = [t for t in leaked if t.is_alive()]
     assert not leaked, f"threads outlived the test: {[t.name for t in leaked]}"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--stress-runs",
+        type=int,
+        default=50,
+        help="seeds for the optimizer-protocol stress test (CI runs the default)",
+    )
+
+
+@pytest.fixture
+def stress_runs(request):
+    return request.config.getoption("--stress-runs")

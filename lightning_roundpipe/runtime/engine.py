@@ -30,14 +30,21 @@ from torch import nn
 from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition
 from .host import HostState
 from .nested import batch_size_of, map_tensors, split_microbatches
+from .optimizer import (
+    PRECISIONS,
+    LossScaler,
+    OptimizerWorker,
+    Precision,
+    Protocol,
+    StepHandle,
+    _Job,
+)
 from .store import EngineFailure, Store
 from .worker import Call, Layout, Task, Worker, WorkerError
 
 __all__ = ["EngineClosedError", "RoundPipeEngine", "estimate_costs"]
 
 log = logging.getLogger(__name__)
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class EngineClosedError(RuntimeError):
@@ -84,6 +91,7 @@ class _Runtime:
         self.host = host
         self.store = store
         self.workers: list[Worker] = []
+        self.optimizer: OptimizerWorker | None = None
         self.submitted = 0
         self.done = 0
         self.done_keys: set[tuple] = set()
@@ -107,13 +115,17 @@ class _Runtime:
         for w in self.workers:
             w.stop()
             w.wake()
+        threads = [w.thread for w in self.workers]
+        if self.optimizer is not None and self.optimizer.thread is not None:
+            self.optimizer.stop()
+            threads.append(self.optimizer.thread)
         stuck = []
         deadline = time.monotonic() + join_timeout
-        for w in self.workers:
-            if w.thread.is_alive() or w.thread.ident is not None:
-                w.thread.join(max(0.0, deadline - time.monotonic()))
-            if w.thread.is_alive():
-                stuck.append(w.thread.name)
+        for t in threads:
+            if t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stuck.append(t.name)
         self.store.clear()
         self.host.release()
         return stuck
@@ -134,8 +146,13 @@ class RoundPipeEngine:
         plan: a :class:`StagePlan` or its compact text; default: the partitioner's
             plan from size-based estimates.
         microbatches_per_round: ``M_R`` (default: the number of devices).
-        compute_dtype: dtype of the master copy and of device compute
-            (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
+        precision: ``"32-true"`` (fp32 compute), ``"bf16-mixed"`` / ``"bf16-true"``
+            (bf16 master copy and compute), ``"16-mixed"`` (fp16 with dynamic
+            loss scaling). The optimizer copy keeps the parameters' own dtype.
+        async_optimizer: run ``step`` on a host thread one step behind
+            (staleness 1): window ``k`` computes with the weights after ``k-1``
+            updates while the CPU applies update ``k-1``. ``False``: ordinary
+            training semantics, ``step`` blocks.
         seed: base seed; layer randomness (dropout) depends only on
             ``(seed, iteration, layer, micro-batch)``.
         watchdog_timeout: seconds any hand-off may take before the wait fails
@@ -143,6 +160,9 @@ class RoundPipeEngine:
         device_memory_limit: bytes a stage may use on a CUDA device (default:
             half of the free memory at start, the other half being for the
             prefetched next stage and activations).
+        optimizer_threads: intra-op threads for the asynchronous optimizer
+            thread (``torch.set_num_threads`` there); default: unchanged. Keep
+            some cores for the device workers.
     """
 
     def __init__(
@@ -153,10 +173,12 @@ class RoundPipeEngine:
         plan: StagePlan | str | None = None,
         *,
         microbatches_per_round: int | None = None,
-        compute_dtype: torch.dtype = torch.float32,
+        precision: Precision = "32-true",
+        async_optimizer: bool = False,
         seed: int = 0,
         watchdog_timeout: float = 600.0,
         device_memory_limit: int | None = None,
+        optimizer_threads: int | None = None,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -175,11 +197,14 @@ class RoundPipeEngine:
                 raise ValueError(f"device {d} is not supported; use CUDA devices or 'cpu'")
             if d.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {d} requested but CUDA is not available")
-        if compute_dtype not in _DTYPES:
+        if precision not in PRECISIONS:
             raise ValueError(
-                f"compute_dtype {compute_dtype} is not supported; use one of "
-                "torch.float32, torch.bfloat16, torch.float16"
+                f"precision {precision!r} is not supported; use one of "
+                f"{', '.join(repr(p) for p in PRECISIONS)}"
             )
+        compute_dtype = PRECISIONS[precision]
+        if optimizer_threads is not None and optimizer_threads < 1:
+            raise ValueError(f"optimizer_threads must be >= 1, got {optimizer_threads}")
         if not watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
         n, m = len(devs), num_microbatches
@@ -219,14 +244,35 @@ class RoundPipeEngine:
         }
         self._last_task: dict[int, tuple] = {}
         self._lock = threading.Lock()
+        self.precision = precision
+        self.async_optimizer = async_optimizer
+        self._window = 0
+        self._window_scale: dict[int, float] = {}
+        self._jobs = 0
         rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
+        self._protocol = Protocol(self._host, rt.store, async_optimizer)
+        self.scaler = LossScaler(enabled=precision == "16-mixed")
+        rt.optimizer = self._optimizer = OptimizerWorker(
+            self._host, rt.store, self._protocol, self.scaler, optimizer_threads
+        )
         for i, d in enumerate(devs):
             rt.workers.append(
-                Worker(i, d, self._host, rt.store, self._layout, rt.task_done, rt.is_done)
+                Worker(
+                    i,
+                    d,
+                    self._host,
+                    rt.store,
+                    self._layout,
+                    rt.task_done,
+                    rt.is_done,
+                    self._protocol,
+                )
             )
         self._finalizer = weakref.finalize(self, rt.shutdown)
         for w in rt.workers:
             w.start()
+        if async_optimizer:
+            self._optimizer.start()
         log.info(
             "RoundPipe engine: %d layers, plan %s, %d workers on %s",
             len(layers),
@@ -328,9 +374,10 @@ class RoundPipeEngine:
                 of the batch (``mb_size / batch_size``).
 
         Returns:
-            ``scale * sum_j weight_j * loss_j`` as a host float32 scalar,
-            available once every micro-batch's loss is known (backward stages
-            may still be running; ``synchronize`` waits for them).
+            ``scale * sum_j weight_j * loss_j`` as a host float32 scalar (fp16
+            loss scaling is internal and not included), available once every
+            micro-batch's loss is known (backward stages may still be running;
+            ``synchronize`` waits for them).
         """
         self._check()
         m = self.num_microbatches
@@ -366,7 +413,10 @@ class RoundPipeEngine:
         with self._lock:
             it = self._iteration
             self._iteration += 1
-            call = Call(it, labs, weights, loss_fn, float(scale), self.seed)
+            window = self._window
+            # the loss scale a window starts with unscales all of its gradients
+            loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
+            call = Call(it, window, labs, weights, loss_fn, float(scale) * loss_scale, self.seed)
             store, rt = self._rt.store, self._rt
             readers0 = self._layout.act_readers[0]
             for j, x in enumerate(mbs):
@@ -383,6 +433,11 @@ class RoundPipeEngine:
                 if self._stateful[step.slot]:
                     task.after = self._last_task.get(step.slot)
                     self._last_task[step.slot] = task.key
+                self._protocol.register(
+                    window,
+                    self._host.stage_params(stage.start, stage.stop),
+                    grads=stage.kind != "forward",
+                )
                 with store.lock:
                     rt.submitted += 1
                 rt.workers[step.device].submit(task)
@@ -390,30 +445,76 @@ class RoundPipeEngine:
             self._wait(lambda j=j: store.take((it, "loss", 0, j), f"loss of micro-batch {j}")[0])
             for j in range(m)
         ]
-        return torch.stack([loss.reshape(()).float().cpu() for loss in losses]).sum()
+        total = torch.stack([loss.reshape(()).float().cpu() for loss in losses]).sum()
+        return total * float(scale)
 
-    def synchronize(self) -> None:
-        """Wait for all outstanding work; afterwards every trainable parameter's
-        ``.grad`` holds the accumulated fp32 gradient (in the parameter's dtype)."""
-        self._check()
+    def _wait_tasks(self) -> None:
         rt = self._rt
         self._wait(
             lambda: rt.store.wait_until(
                 lambda: rt.done >= rt.submitted, "all dispatched stages to finish"
             )
         )
+
+    def synchronize(self) -> None:
+        """Wait for all outstanding work: every dispatched stage and every queued
+        optimizer step. Afterwards parameters hold the latest weights and each
+        trainable parameter's ``.grad`` the gradient accumulated since the last
+        ``step`` (fp32, in the parameter's dtype)."""
+        self._check()
+        self._wait_tasks()
+        opt = self._optimizer
+        self._wait(
+            lambda: self._rt.store.wait_until(
+                lambda: opt.applied >= self._jobs, "the optimizer worker to finish its steps"
+            )
+        )
         self._host.expose_grads()
 
-    def step(self, fn: Callable[[], Any] | None = None) -> Any:
-        """Synchronize, run ``fn`` (e.g. ``optimizer.step``) on the host, copy the
-        updated weights into the master copy and zero the gradient buffers.
+    def step(
+        self,
+        fn: Callable[[], Any] | None = None,
+        *,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+    ) -> StepHandle:
+        """Close the current window and apply an update on the host.
 
-        Returns what ``fn`` returned."""
-        self.synchronize()
-        result = fn() if fn is not None else None
-        self._host.refresh_masters()
-        self._host.zero_grads()
-        return result
+        ``fn`` (e.g. ``optimizer.step`` or a closure that also steps a scheduler
+        and zeroes gradients) runs after the window's gradients have been moved
+        into the parameters' ``.grad`` (unscaled, clipped if asked), and the new
+        weights are copied into the master copy afterwards. Synchronous mode:
+        blocks until done. Asynchronous mode: returns at once; the update runs
+        on the optimizer thread while the next window computes.
+
+        Returns a :class:`StepHandle` (``wait()``, ``grad_norm``: the total norm
+        before clipping, ``skipped``: fp16 overflow, ``result``: what ``fn``
+        returned).
+        """
+        self._check()
+        if clip_grad_norm is not None and clip_grad_value is not None:
+            raise ValueError("give clip_grad_norm or clip_grad_value, not both")
+        for name, v in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        with self._lock:
+            window = self._window
+            self._window += 1
+            scale = self._window_scale.pop(window, self.scaler.scale)
+            handle = StepHandle(window, _store=self._rt.store)
+            job = _Job(window, fn, scale, clip_grad_norm, clip_grad_value, handle)
+            self._jobs += 1
+            self._protocol.close_window(window)
+        if self.async_optimizer:
+            self._optimizer.submit(job)
+            return handle
+        self._wait_tasks()
+        try:
+            self._optimizer.run(job)
+        except EngineFailure:
+            self._raise_failure()
+            raise
+        return handle
 
     def reload_weights(self) -> None:
         """Copy the parameters into the master copy again; call after changing
@@ -422,7 +523,7 @@ class RoundPipeEngine:
         self._host.refresh_masters()
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients without stepping."""
+        """Drop the gradients accumulated in the current window."""
         self.synchronize()
         self._host.zero_grads()
 

@@ -39,6 +39,7 @@ from ..plan.windows import transfer_windows
 from .device import DeviceContext, layer_seed, seeded
 from .host import HostState, LayerReplica
 from .nested import call_layer, flatten_tensors, map_tensors
+from .optimizer import Protocol
 from .store import EngineFailure, HandoffTimeout, Store
 
 __all__ = ["Layout", "Task", "Worker", "WorkerError"]
@@ -98,6 +99,7 @@ class Call:
     """What one ``forward_backward`` call asks of every task of its iteration."""
 
     iteration: int
+    window: int
     labels: list[Any]
     weights: list[float]
     loss_fn: Callable[..., torch.Tensor] | None
@@ -141,8 +143,10 @@ class Worker:
         layout: Layout,
         on_done: Callable[[Task], None],
         is_done: Callable[[tuple], bool],
+        protocol: Protocol,
     ) -> None:
         self.index = index
+        self.protocol = protocol
         self.device = device
         self.host = host
         self.store = store
@@ -246,8 +250,6 @@ class Worker:
         return rep
 
     def _run(self, task: Task, mb: list[int | None]) -> None:
-        ctx = self.ctx
-        assert ctx is not None
         st = task.stage
         if task.after is not None:
             # buffer updates (running statistics) of the previous round of this
@@ -258,7 +260,18 @@ class Worker:
             )
         needs_grad = st.kind != "forward"
         params = self.host.stage_params(st.start, st.stop)
+        try:
+            self._run_stage(task, mb, params, needs_grad)
+        finally:
+            # rule 1 producer: this task no longer reads these master copies
+            self.protocol.after_use(task.call.window, params)
+
+    def _run_stage(self, task: Task, mb: list[int | None], params: list, needs_grad: bool) -> None:
+        ctx, st = self.ctx, task.stage
         staged = self._prefetched.pop(task.key, None)
+        if staged is None:
+            # rule 2: the master copies hold this window's weights
+            self.protocol.before_upload(task.call.window, params)
         if staged is None:
             staged = {p.index: ctx.upload(p.master, ctx.weight_up) for p in params}
             ready = ctx.record(ctx.weight_up)
@@ -293,7 +306,7 @@ class Worker:
             self._publish(pending, keep_last=False)
             mb[0] = None
             if needs_grad:
-                self._download_grads(params, weights)
+                self._download_grads(task.call.window, params, weights)
             if st.kind != "backward" and self.host.stage_has_state(st.start, st.stop):
                 self._download_buffers(replicas)
         finally:
@@ -316,8 +329,8 @@ class Worker:
         if nxt is None or nxt.key in self._prefetched:
             return None
         params = self.host.stage_params(nxt.stage.start, nxt.stage.stop)
-        if not params:
-            return None
+        if not params or not self.protocol.before_upload(nxt.call.window, params, block=False):
+            return None  # rule 2 not yet met: upload at the task's start instead
         size = params[0].master.element_size()
         wins = transfer_windows(
             [(str(p.index), p.master.numel() * size) for p in params], num_windows, align=size
@@ -357,6 +370,7 @@ class Worker:
             if keep_last and key[3] == last_mb:
                 continue
             ev.synchronize()  # host copy complete: safe to hand to other workers
+            self.protocol.chaos("download")
             self.store.put(key, value, readers)
         pending[:] = keep
 
@@ -489,19 +503,23 @@ class Worker:
                     torch.autograd.backward(outs, grads)
         self._input_grad(task, j, leaves, pending)
 
-    def _download_grads(self, params: list, weights: dict[int, nn.Parameter]) -> None:
+    def _download_grads(self, window: int, params: list, weights: dict[int, nn.Parameter]) -> None:
         ctx = self.ctx
         # gradient downloads wait for the stage's last backward (compute -> grads down)
         ctx.grad_down.wait_event(ctx.record(ctx.compute))
         out = []
         for p in params:
             w = weights[p.index]
-            if p.trainable and w.grad is not None:
-                out.append((p, ctx.download(w.grad, ctx.grad_down)))
+            if p.trainable:
+                g = w.grad
+                out.append((p, None if g is None else ctx.download(g, ctx.grad_down)))
             w.grad = None
         ctx.record(ctx.grad_down).synchronize()  # host copies complete before accumulating
         for p, g in out:
-            self.host.accumulate(p, g)
+            if g is not None:
+                self.protocol.before_grad(window, p)  # rule 4: buffer emptied by the G copy
+                self.host.accumulate(p, g)
+            self.protocol.after_grad(window, p)  # rule 3 producer
 
     def _download_buffers(self, replicas: list[LayerReplica]) -> None:
         ctx = self.ctx

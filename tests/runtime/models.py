@@ -41,7 +41,9 @@ class Block(nn.Module):
     def __init__(self, dropout: float = 0.1) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(HIDDEN)
-        self.attn = nn.MultiheadAttention(HIDDEN, 2, dropout=dropout, batch_first=True)
+        # no attention bias: the key bias gets an exactly-zero gradient, and Adam would
+        # amplify rounding noise in it into full-size updates of random sign
+        self.attn = nn.MultiheadAttention(HIDDEN, 2, dropout=dropout, batch_first=True, bias=False)
         self.ln2 = nn.LayerNorm(HIDDEN)
         self.mlp = nn.Sequential(
             nn.Linear(HIDDEN, 4 * HIDDEN),

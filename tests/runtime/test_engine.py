@@ -314,7 +314,7 @@ def test_bf16_compute_runs_close_to_fp32():
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
     expected.backward()
-    with engine(layers, 2, 2, "3,3|1|2,2,2", compute_dtype=torch.bfloat16) as eng:
+    with engine(layers, 2, 2, "3,3|1|2,2,2", precision="bf16-mixed") as eng:
         loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
         eng.synchronize()
         assert eng._host.params[0].master.dtype == torch.bfloat16
@@ -347,9 +347,9 @@ def test_state_dict_keys_unchanged():
         ({"devices": []}, ValueError, "devices is empty"),
         ({"devices": ["meta"]}, ValueError, "device meta is not supported"),
         (
-            {"compute_dtype": torch.float64},
+            {"precision": "64-true"},
             ValueError,
-            "compute_dtype torch.float64 is not supported",
+            "precision '64-true' is not supported; use one of '32-true'",
         ),
         ({"microbatches_per_round": 1}, PlanError, r"microbatches_per_round \(1\) must be"),
     ],

@@ -1,0 +1,439 @@
+"""The optimizer side: weight/gradient hand-offs per parameter, loss scaling,
+and the asynchronous CPU optimizer worker.
+
+Windows. The ``forward_backward`` calls between two ``step`` calls form a
+*window* (one optimizer step's worth of gradient accumulation); windows and
+the updates they feed are numbered from 0. In synchronous mode window ``k``
+computes with the weights after ``k`` updates. In asynchronous mode (staleness
+1) window ``k`` computes with the weights after ``k - 1`` updates (windows 0
+and 1 both see the initial weights) while the CPU applies update ``k - 1``.
+
+Each parameter has three copies (see :mod:`.host`). Five ordering rules keep
+them consistent, enforced per parameter so that the first layers of the next
+window start while deep layers are still being copied:
+
+1. the P copy of update ``w`` (fp32 weights -> master copy) waits until every
+   task of window ``w + 1`` that uses the parameter is done with it
+   (``uses``, counted down by workers);
+2. a task of window ``k`` reads the master copy only once P copies of updates
+   ``0 .. k-2`` are done (``p_done``; sync mode: ``0 .. k-1``);
+3. the G copy of update ``w`` (gradient buffer -> ``.grad``) waits until every
+   task of window ``w`` has added its gradient (``grads``, counted down);
+4. a task of window ``k`` adds into the gradient buffer only once G copies of
+   updates ``0 .. k-1`` are done (``g_done``);
+5. the worker runs each update's G copies, step and P copies in order, and
+   updates in order.
+
+Rules 1-4 are :class:`Protocol` counters and waits; rule 5 is the order of the
+:class:`OptimizerWorker` queue. ``Protocol.disabled`` turns single rules off
+for the tests that show each rule is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .host import HostState, _Param
+from .store import EngineFailure, Store
+
+__all__ = ["Chaos", "LossScaler", "OptimizerWorker", "Precision", "Protocol", "StepHandle"]
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+PRECISIONS: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+}
+
+
+class Chaos:
+    """Seeded random delays at named hand-off points (tests only).
+
+    ``points`` maps a point name (``"upload"``, ``"grad"``, ``"g_copy"``,
+    ``"p_copy"``, ``"step"``, ``"task"``) to the largest delay in seconds."""
+
+    def __init__(self, seed: int, points: dict[str, float]) -> None:
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.points = dict(points)
+
+    def __call__(self, point: str) -> None:
+        top = self.points.get(point)
+        if not top:
+            return
+        with self._lock:
+            delay = self._rng.uniform(0, top)
+        time.sleep(delay)
+
+
+def _no_chaos(point: str) -> None:
+    pass
+
+
+class Protocol:
+    """Per-parameter counters and waits for the ordering rules 1-4."""
+
+    def __init__(self, host: HostState, store: Store, async_mode: bool) -> None:
+        self.host = host
+        self.store = store
+        self.async_mode = async_mode
+        self.cond = store.lock  # one condition: failures and timeouts wake every wait
+        n = len(host.params)
+        self.p_done = [0] * n  # rule 2: P copies finished, per parameter
+        self.g_done = [0] * n  # rule 4: G copies finished, per parameter
+        self.uses: dict[tuple[int, int], int] = defaultdict(int)  # rule 1: (param, window)
+        self.grads: dict[tuple[int, int], int] = defaultdict(int)  # rule 3: (param, window)
+        self.closed = -1  # highest window whose step() was called
+        self.disabled: set[int] = set()
+        self.chaos: Callable[[str], None] = _no_chaos
+
+    # ------------------------------------------------------------- helpers
+    def _wait(self, ok: Callable[[], bool], what: str) -> None:
+        self.store.wait_until(ok, what)
+
+    def _notify(self) -> None:
+        self.cond.notify_all()
+
+    # --------------------------------------------------- controller side
+    def register(self, window: int, params: Sequence[_Param], grads: bool) -> None:
+        """A task of ``window`` will use ``params`` (and add their gradients)."""
+        with self.cond:
+            for p in params:
+                self.uses[(p.index, window)] += 1
+                if grads and p.trainable:
+                    self.grads[(p.index, window)] += 1
+
+    def close_window(self, window: int) -> None:
+        with self.cond:
+            self.closed = max(self.closed, window)
+            self._notify()
+
+    # ------------------------------------------------------- worker side
+    def before_upload(self, window: int, params: Sequence[_Param], block: bool = True) -> bool:
+        """Rule 2: the master copies hold the weights this window must see.
+        With ``block=False`` only report whether they do."""
+        need = window - 1 if self.async_mode else window
+
+        def ok() -> bool:
+            return 2 in self.disabled or all(self.p_done[p.index] >= need for p in params)
+
+        if not block:
+            with self.cond:
+                return ok()
+        self._wait(ok, f"the weight copies (P copies) for window {window}")
+        self.chaos("upload")
+        return True
+
+    def after_use(self, window: int, params: Sequence[_Param]) -> None:
+        """Rule 1 producer: this task no longer reads these master copies."""
+        with self.cond:
+            for p in params:
+                self.uses[(p.index, window)] -= 1
+            self._notify()
+
+    def before_grad(self, window: int, p: _Param) -> None:
+        """Rule 4: the buffer was emptied by the G copy of the previous window."""
+        self._wait(
+            lambda: 4 in self.disabled or self.g_done[p.index] >= window,
+            f"the gradient copy (G copy) of window {window - 1}",
+        )
+        self.chaos("grad")
+
+    def after_grad(self, window: int, p: _Param) -> None:
+        """Rule 3 producer: this task's gradient of ``p`` is in the buffer."""
+        with self.cond:
+            self.grads[(p.index, window)] -= 1
+            self._notify()
+
+    # ---------------------------------------------------- optimizer side
+    def wait_grads(self, window: int, p: _Param) -> None:
+        """Rule 3: every gradient of ``p`` from ``window`` is in the buffer."""
+        self._wait(
+            lambda: (
+                3 in self.disabled
+                or (self.closed >= window and self.grads.get((p.index, window), 0) <= 0)
+            ),
+            f"gradients of parameter {p.index} from window {window}",
+        )
+
+    def g_copied(self, window: int, p: _Param) -> None:
+        with self.cond:
+            self.g_done[p.index] = window + 1
+            self.grads.pop((p.index, window), None)
+            self._notify()
+
+    def wait_uses(self, window: int, p: _Param, timeout_ok: Callable[[], bool]) -> None:
+        """Rule 1: window ``window + 1`` no longer reads ``p``'s master copy.
+
+        In synchronous mode nothing of the next window runs yet."""
+        if not self.async_mode or 1 in self.disabled:
+            return
+        nxt = window + 1
+        self._wait(
+            lambda: (
+                timeout_ok()
+                or (
+                    self.closed >= nxt
+                    and self.uses.get((p.index, nxt), 0) <= 0
+                    and self.uses.get((p.index, window), 0) <= 0
+                )
+            ),
+            f"window {nxt} to finish reading parameter {p.index}",
+        )
+
+    def p_copied(self, window: int, p: _Param) -> None:
+        with self.cond:
+            self.p_done[p.index] = window + 1
+            self.uses.pop((p.index, window + 1), None)
+            self.uses.pop((p.index, window), None)
+            self._notify()
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (the scale that produced a gradient is the
+    one that unscales it; overflow skips the step and halves the scale; the
+    scale doubles after ``growth_interval`` good steps)."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self._good = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale *= self.backoff_factor
+            self._good = 0
+        else:
+            self._good += 1
+            if self._good >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self._good = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self._good}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self._good = int(state["good_steps"])
+
+
+@dataclass
+class StepHandle:
+    """What an optimizer step produced; waits for the step where needed.
+
+    Attributes (valid once :meth:`done`): ``grad_norm`` (total fp32 gradient
+    norm before clipping, or None when not computed), ``skipped`` (overflow or
+    non-finite gradients), ``result`` (what ``fn`` returned), ``window``."""
+
+    window: int
+    _event: threading.Event = field(default_factory=threading.Event, repr=False)
+    _store: Store | None = field(default=None, repr=False)
+    grad_norm: float | None = None
+    skipped: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> StepHandle:
+        """Wait for the step (raises the step's error, if any)."""
+        limit = timeout if timeout is not None else (self._store.timeout if self._store else 600.0)
+        deadline = time.monotonic() + limit
+        while not self._event.wait(0.2):
+            if self._store is not None and self._store.failure is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"optimizer step {self.window} did not finish in {limit:g} s")
+        if self.error is not None:
+            raise self.error
+        if not self._event.is_set() and self._store is not None:
+            self._store.check()
+        return self
+
+
+@dataclass
+class _Job:
+    window: int
+    fn: Callable[[], Any] | None
+    scale: float
+    clip_norm: float | None
+    clip_value: float | None
+    handle: StepHandle
+
+
+class OptimizerStepError(RuntimeError):
+    """An exception inside an optimizer step, a G copy or a P copy."""
+
+
+class OptimizerWorker:
+    """Runs updates in order: G copies, clipping, ``fn``, P copies.
+
+    In synchronous mode :meth:`run` is called inline by the caller's thread;
+    in asynchronous mode :meth:`submit` queues the job for the worker thread."""
+
+    def __init__(
+        self,
+        host: HostState,
+        store: Store,
+        protocol: Protocol,
+        scaler: LossScaler,
+        threads: int | None = None,
+    ) -> None:
+        self.host = host
+        self.store = store
+        self.protocol = protocol
+        self.scaler = scaler
+        self.threads = threads
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self.applied = 0  # updates whose fn has run (or was skipped)
+        self.thread: threading.Thread | None = None
+        self._grads: dict[int, torch.Tensor] = {}
+
+    # --------------------------------------------------------------- thread
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._main, name="roundpipe-optimizer", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _main(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        while True:
+            try:
+                job = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.store.failure is not None:
+                    return
+                continue
+            if job is None or self.store.failure is not None:
+                return
+            try:
+                self.run(job)
+            except EngineFailure:
+                job.handle._event.set()
+                return
+            except BaseException as exc:  # every failure must reach the caller
+                err = OptimizerStepError(
+                    f"optimizer step {job.window} failed: {type(exc).__name__}: {exc}"
+                )
+                err.__cause__ = exc
+                job.handle.error = err
+                job.handle._event.set()
+                self.store.fail(err)
+                return
+
+    # ----------------------------------------------------------------- work
+    def run(self, job: _Job) -> None:
+        """One update: G copies, unscale, overflow check, clipping, ``fn``, P copies."""
+        proto, w = self.protocol, job.window
+        trainable = self.host.trainable
+        chaos = proto.chaos
+        inv = 1.0 / job.scale if job.scale != 1.0 else None
+        finite = True
+        # G copies, per parameter as its gradients complete (rule 3), then the
+        # buffer is free for the next window (rule 4)
+        for p in trainable:
+            proto.wait_grads(w, p)
+            chaos("g_copy")
+            g = self._grads.get(p.index)
+            if g is None or g.shape != p.grad.shape:
+                g = self._grads[p.index] = torch.empty_like(p.grad)
+            g.copy_(p.grad)
+            p.grad.zero_()
+            proto.g_copied(w, p)
+            if inv is not None:
+                g.mul_(inv)
+            if self.scaler.enabled and finite and not bool(torch.isfinite(g).all()):
+                finite = False
+        if 5 in proto.disabled:
+            # rule 5 removed: the weight copies run before the step, out of order
+            self._p_copies(job, ordered=False)
+        norm = None
+        if finite:
+            for p in trainable:
+                p.param.grad = (
+                    self._grads[p.index]
+                    if p.param.dtype == torch.float32
+                    else (self._grads[p.index].to(p.param.dtype))
+                )
+            grads = [p.param.grad for p in trainable]
+            if job.clip_norm is not None:
+                norm = float(
+                    torch.nn.utils.clip_grad_norm_([p.param for p in trainable], job.clip_norm)
+                )
+            elif job.clip_value is not None:
+                norm = float(
+                    torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                    )
+                )
+                torch.nn.utils.clip_grad_value_([p.param for p in trainable], job.clip_value)
+            chaos("step")
+            job.handle.result = job.fn() if job.fn is not None else None
+        else:
+            log.info(
+                "fp16 overflow in window %d: step skipped, loss scale %g -> %g",
+                w,
+                self.scaler.scale,
+                self.scaler.scale * self.scaler.backoff_factor,
+            )
+        self.scaler.update(overflow=not finite)
+        job.handle.grad_norm = norm
+        job.handle.skipped = not finite
+        with proto.cond:
+            self.applied += 1
+            proto.cond.notify_all()
+        job.handle._event.set()
+        if 5 not in proto.disabled:
+            self._p_copies(job)
+
+    def _p_copies(self, job: _Job, ordered: bool = True) -> None:
+        proto, w = self.protocol, job.window
+        for p in self.host.params:
+            if p.trainable:  # frozen weights never change: nothing to copy
+                if ordered:
+                    proto.wait_uses(w, p, lambda: self.store.failure is not None)
+                self.store.check()
+                proto.chaos("p_copy")
+                with torch.no_grad():
+                    p.master.copy_(p.param.detach())
+            proto.p_copied(w, p)
+
+
+def grad_norm_of(grads: Sequence[torch.Tensor]) -> float:
+    """Total 2-norm of ``grads`` (for logging)."""
+    if not grads:
+        return 0.0
+    return math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))

@@ -1,0 +1,357 @@
+"""Optimizer semantics: synchronous = ordinary training, asynchronous = a
+hand-written staleness-1 reference; the five ordering rules are each needed."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_roundpipe.runtime import RoundPipeEngine
+from lightning_roundpipe.runtime.optimizer import Chaos
+
+from .models import lm_batch, lm_loss, reference, transformer
+
+CPU = torch.device("cpu")
+
+
+def params_of(layers):
+    return [p for m in layers for p in m.parameters()]
+
+
+def make_adamw(params):
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+
+
+def make_sgd(params):
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
+
+
+def batches(n, size=8, seed=11):
+    return [lm_batch(size, seed=seed + i) for i in range(n)]
+
+
+def staleness_reference(layers, data, make_opt, *, accumulate, clip, m, seed, stale):
+    """Hand-written loop: window k computes gradients with the weights after
+    k-1 updates (stale) or k updates (not stale); update k applies them."""
+    params = params_of(layers)
+    opt, sched = make_opt(params)
+    compute = copy.deepcopy(layers)
+    cparams = params_of(compute)
+    history = [[p.detach().clone() for p in params]]
+    it, norms, losses = 0, [], []
+    for k in range(len(data) // accumulate):
+        src = history[max(0, k - 1)] if stale else history[k]
+        with torch.no_grad():
+            for c, w in zip(cparams, src, strict=True):
+                c.copy_(w)
+                c.grad = None
+        for ids, labels in data[k * accumulate : (k + 1) * accumulate]:
+            losses.append(reference(compute, ids, labels, lm_loss, m, seed=seed, iteration=it))
+            it += 1
+        for p, c in zip(params, cparams, strict=True):
+            p.grad = c.grad.clone()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        history.append([p.detach().clone() for p in params])
+    return losses, norms
+
+
+def run_engine(
+    layers,
+    data,
+    make_opt,
+    *,
+    accumulate,
+    clip,
+    m,
+    seed,
+    async_mode,
+    devices=2,
+    plan="2,2,1|1|1,1,1,1,1",
+    chaos=None,
+    disabled=(),
+):
+    params = params_of(layers)
+    opt, sched = make_opt(params)
+
+    def update():
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    losses, handles = [], []
+    with RoundPipeEngine(
+        layers,
+        [CPU] * devices,
+        m,
+        plan=plan,
+        seed=seed,
+        async_optimizer=async_mode,
+        watchdog_timeout=60,
+    ) as eng:
+        if chaos is not None:
+            eng._protocol.chaos = chaos
+        eng._protocol.disabled = set(disabled)
+        for k in range(len(data) // accumulate):
+            for ids, labels in data[k * accumulate : (k + 1) * accumulate]:
+                losses.append(eng.forward_backward(ids, labels=labels, loss_fn=lm_loss))
+            handles.append(eng.step(update, clip_grad_norm=clip))
+        eng.synchronize()
+    return losses, [h.wait().grad_norm for h in handles]
+
+
+def assert_same(a_layers, b_layers):
+    for a, b in zip(params_of(a_layers), params_of(b_layers), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("make_opt", [make_adamw, make_sgd], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, 0.5)])
+def test_ten_steps_match_the_reference(make_opt, async_mode, accumulate, clip):
+    data = batches(10 * accumulate)
+    layers = transformer()
+    ref = copy.deepcopy(layers)
+    ref_losses, ref_norms = staleness_reference(
+        ref, data, make_opt, accumulate=accumulate, clip=clip, m=4, seed=3, stale=async_mode
+    )
+    losses, norms = run_engine(
+        layers, data, make_opt, accumulate=accumulate, clip=clip, m=4, seed=3, async_mode=async_mode
+    )
+    assert_same(layers, ref)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    if clip is not None:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms))
+    else:
+        assert norms == [None] * len(norms)
+
+
+def test_async_differs_from_sync():
+    """The staleness is real: the two modes give different weights."""
+    data = batches(4)
+    a, b = transformer(), transformer()
+    run_engine(a, data, make_sgd, accumulate=1, clip=None, m=4, seed=3, async_mode=True)
+    run_engine(b, data, make_sgd, accumulate=1, clip=None, m=4, seed=3, async_mode=False)
+    assert any(not torch.equal(x, y) for x, y in zip(params_of(a), params_of(b), strict=True))
+
+
+CHAOS = {
+    "upload": 0.002,
+    "grad": 0.002,
+    "g_copy": 0.001,
+    "p_copy": 0.001,
+    "step": 0.003,
+    "download": 0.001,
+}
+
+
+def stress_case(seed):
+    import random
+
+    rng = random.Random(seed)
+    devices = rng.randint(1, 4)
+    plan = rng.choice(["2,2,1|1|1,1,1,1,1", "1,1,1,1,1|1|2,3", "|6|", "3,2|1|1,2,2", None])
+    accumulate = rng.choice([1, 2])
+    return devices, plan, accumulate
+
+
+def test_stress_async_with_random_delays(stress_runs):
+    for seed in range(stress_runs):
+        devices, plan, accumulate = stress_case(seed)
+        data = batches(3 * accumulate, size=4, seed=seed)
+        layers = transformer(num_blocks=4, seed=seed)
+        ref = copy.deepcopy(layers)
+        staleness_reference(
+            ref, data, make_sgd, accumulate=accumulate, clip=None, m=4, seed=seed, stale=True
+        )
+        run_engine(
+            layers,
+            data,
+            make_sgd,
+            accumulate=accumulate,
+            clip=None,
+            m=4,
+            seed=seed,
+            async_mode=True,
+            devices=devices,
+            plan=plan,
+            chaos=Chaos(seed, CHAOS),
+        )
+        try:
+            assert_same(layers, ref)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"seed {seed}: {devices} devices, plan {plan}, accumulate {accumulate}: {exc}"
+            ) from exc
+
+
+# Each rule, removed, lets a race through; the delays make the race certain.
+RULE_CHAOS = {
+    1: {"upload": 0.03},  # uploads late: an unguarded P copy overwrites first
+    2: {"p_copy": 0.02},  # P copies late: an unguarded upload reads stale weights
+    3: {"grad": 0.03},  # gradients late: an unguarded G copy reads partial sums
+    4: {"g_copy": 0.03},  # G copy late: unguarded accumulation mixes windows
+    5: {},  # P copy before the step: masters never see the update
+}
+
+
+@pytest.mark.parametrize("rule", [1, 2, 3, 4, 5])
+def test_each_rule_is_needed(rule):
+    data = batches(4, size=4)
+    layers = transformer(num_blocks=2)
+    ref = copy.deepcopy(layers)
+    guarded = copy.deepcopy(layers)
+    staleness_reference(ref, data, make_sgd, accumulate=1, clip=None, m=4, seed=0, stale=True)
+    # with the rule in place the same delays are harmless
+    run_engine(
+        guarded,
+        data,
+        make_sgd,
+        accumulate=1,
+        clip=None,
+        m=4,
+        seed=0,
+        async_mode=True,
+        devices=2,
+        plan="1,1,1|1|1,1,1",
+        chaos=Chaos(0, RULE_CHAOS[rule]),
+    )
+    assert_same(guarded, ref)
+    run_engine(
+        layers,
+        data,
+        make_sgd,
+        accumulate=1,
+        clip=None,
+        m=4,
+        seed=0,
+        async_mode=True,
+        devices=2,
+        plan="1,1,1|1|1,1,1",
+        chaos=Chaos(0, RULE_CHAOS[rule]),
+        disabled={rule},
+    )
+    diverged = any(
+        not torch.allclose(a, b) for a, b in zip(params_of(layers), params_of(ref), strict=True)
+    )
+    assert diverged, f"removing rule {rule} went unnoticed"
+
+
+# ------------------------------------------------------------------ fp16
+class Spike(nn.Module):
+    """Multiplies by a huge factor on chosen iterations: fp16 gradients overflow."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.spike = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 6e4 if self.spike else y
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_fp16_overflow_skips_the_step_and_backs_off(async_mode):
+    torch.manual_seed(0)
+    spike = Spike()
+    layers = [nn.Linear(8, 8), spike, nn.Linear(8, 1)]
+    params = params_of(layers)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    with RoundPipeEngine(
+        layers, [CPU] * 2, 2, plan="1,1|1|1,1", precision="16-mixed", async_optimizer=async_mode
+    ) as eng:
+        scale0 = eng.scaler.scale
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        h1 = eng.step(opt.step).wait()
+        eng.synchronize()
+        assert not h1.skipped
+        before = [p.detach().clone() for p in params]
+        state = copy.deepcopy(opt.state_dict())
+        spike.spike = True
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        spike.spike = False
+        h2 = eng.step(opt.step).wait()
+        eng.synchronize()
+        assert h2.skipped
+        assert eng.scaler.scale == scale0 / 2
+        for a, b in zip(before, params, strict=True):
+            assert torch.equal(a, b)
+        assert str(opt.state_dict()) == str(state)
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        h3 = eng.step(opt.step).wait()
+        eng.synchronize()
+        assert not h3.skipped
+        assert any(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+def test_fp16_gradients_are_unscaled():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)]
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    nn.functional.mse_loss(nn.Sequential(*ref)(x), y).backward()
+    seen = {}
+    with RoundPipeEngine(layers, [CPU], 2, plan="|3|", precision="16-mixed") as eng:
+        eng.scaler.scale = 1024.0
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        h = eng.step(lambda: seen.update({id(p): p.grad.clone() for p in params_of(layers)}))
+        assert not h.skipped
+    for p, r in zip(params_of(layers), params_of(ref), strict=True):
+        torch.testing.assert_close(seen[id(p)], r.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_step_errors_reach_the_caller():
+    layers = transformer(num_blocks=1)
+
+    def bad():
+        raise RuntimeError("optimizer exploded")
+
+    ids, labels = lm_batch(4)
+    eng = RoundPipeEngine(layers, [CPU] * 2, 2, async_optimizer=True)
+    try:
+        eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        h = eng.step(bad)
+        with pytest.raises(
+            RuntimeError, match="optimizer step 0 failed: RuntimeError: optimizer exploded"
+        ):
+            h.wait()
+        with pytest.raises(RuntimeError, match="optimizer step 0 failed"):
+            eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+    finally:
+        eng.close()
+
+
+def test_clip_arguments_are_checked():
+    with RoundPipeEngine(transformer(num_blocks=1), [CPU], 2) as eng:
+        with pytest.raises(ValueError, match="give clip_grad_norm or clip_grad_value, not both"):
+            eng.step(clip_grad_norm=1.0, clip_grad_value=1.0)
+        with pytest.raises(ValueError, match="clip_grad_norm must be > 0"):
+            eng.step(clip_grad_norm=0.0)
+
+
+def test_clip_by_value_reports_the_norm():
+    layers = transformer(num_blocks=1)
+    ids, labels = lm_batch(4)
+    seen = {}
+    with RoundPipeEngine(layers, [CPU], 2) as eng:
+        eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        eng.synchronize()
+        norm = float(
+            torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in params_of(layers)])
+            )
+        )
+        h = eng.step(
+            lambda: seen.update(m=max(float(p.grad.abs().max()) for p in params_of(layers))),
+            clip_grad_value=1e-3,
+        )
+    assert h.grad_norm == pytest.approx(norm)
+    assert seen["m"] <= 1e-3 * (1 + 1e-6)
