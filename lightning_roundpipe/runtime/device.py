@@ -156,7 +156,8 @@ class DeviceContext:
     def event(self):
         """A new event (a shared no-op on CPU)."""
         if self.is_cuda:
-            return torch.cuda.Event()
+            # blocking: a host thread waiting on it sleeps instead of spinning
+            return torch.cuda.Event(blocking=True)
         return _NULL_EVENT
 
     def record(self, stream):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition
+from .device import pin
 from .host import HostState
 from .nested import batch_size_of, map_tensors, split_microbatches
 from .optimizer import (
@@ -74,11 +75,34 @@ def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> L
 
 
 def _as_device(d: torch.device | str | int) -> torch.device:
-    if isinstance(d, torch.device):
-        return d
     if isinstance(d, int):
-        return torch.device("cuda", d)
-    return torch.device(d)
+        d = torch.device("cuda", d)
+    elif not isinstance(d, torch.device):
+        d = torch.device(d)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _check_uniform(devs: list[torch.device]) -> None:
+    """All workers must draw the same dropout masks for the same seed: a layer's
+    forward and its recompute may run on different devices."""
+    kinds = sorted({d.type for d in devs})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"devices mix {' and '.join(kinds)}; random numbers (dropout) differ between "
+            "device types, so a recompute would not match its forward. Use one device type"
+        )
+    if kinds == ["cuda"]:
+        models = {}
+        for d in devs:
+            prop = torch.cuda.get_device_properties(d)
+            models[(prop.name, prop.multi_processor_count)] = d
+        if len(models) > 1:
+            raise ValueError(
+                f"devices are different GPU models ({', '.join(n for n, _ in models)}); "
+                "their dropout masks differ for the same seed. Use identical GPUs"
+            )
 
 
 class _Runtime:
@@ -127,7 +151,8 @@ class _Runtime:
             if t.is_alive():
                 stuck.append(t.name)
         self.store.clear()
-        self.host.release()
+        if not stuck:  # a stuck worker may still be copying from page-locked memory
+            self.host.release()
         return stuck
 
 
@@ -197,6 +222,7 @@ class RoundPipeEngine:
                 raise ValueError(f"device {d} is not supported; use CUDA devices or 'cpu'")
             if d.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {d} requested but CUDA is not available")
+        _check_uniform(devs)
         if precision not in PRECISIONS:
             raise ValueError(
                 f"precision {precision!r} is not supported; use one of "
@@ -237,7 +263,7 @@ class RoundPipeEngine:
         self._iteration = 0
         self._g0 = 0
         self._layout = Layout.of(plan.stages)
-        self._host = HostState(layers, compute_dtype)
+        self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         self._stateful = {
             st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
             for st in plan.stages
@@ -287,8 +313,9 @@ class RoundPipeEngine:
         if not cuda:
             return limit
         if limit is None:
-            free = min(torch.cuda.mem_get_info(d)[0] for d in cuda)
-            limit = free // 2
+            # each worker holds a stage and the prefetched next one; workers
+            # sharing a GPU share its free memory
+            limit = min(torch.cuda.mem_get_info(d)[0] // (2 * devs.count(d)) for d in cuda)
         assert costs.memory is not None
         for i, need in enumerate(costs.memory):
             if need > limit:
@@ -404,11 +431,18 @@ class RoundPipeEngine:
                 )
         dtype = self.compute_dtype
 
+        on_cuda = self.devices[0].type == "cuda"
+
         def cast(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
             if t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
-            return t.cpu()
+            t = t.cpu()
+            return pin(t) if on_cuda else t  # page-locked: uploads are truly asynchronous
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            return pin(t) if on_cuda else t
 
         with self._lock:
             it = self._iteration
@@ -416,6 +450,7 @@ class RoundPipeEngine:
             window = self._window
             # the loss scale a window starts with unscales all of its gradients
             loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
+            labs = [None if y is None else map_tensors(host, y) for y in labs]
             call = Call(it, window, labs, weights, loss_fn, float(scale) * loss_scale, self.seed)
             store, rt = self._rt.store, self._rt
             readers0 = self._layout.act_readers[0]

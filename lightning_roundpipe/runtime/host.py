@@ -14,7 +14,6 @@ uploaded device tensors for the duration of a stage.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import threading
@@ -29,43 +28,60 @@ __all__ = ["HostState", "LayerReplica"]
 log = logging.getLogger(__name__)
 
 
-class _PinnedPool:
-    """Page-locked host memory without the caching host allocator.
+class _PinnedArena:
+    """Page-locked host memory for the master copies, without rounding waste.
 
-    ``pin_memory()`` rounds every block up to a power of two; a 300 MB layer
-    would take 512 MB. Here each flat buffer is allocated exactly and then
-    registered with the CUDA driver (``cudaHostRegister``), and unregistered on
-    :meth:`release`."""
+    ``pin_memory()`` goes through the caching host allocator, which rounds each
+    block up to a power of two (a 300 MB layer would take 512 MB). Here every
+    master copy is a view into one flat buffer of exactly the bytes needed
+    (each tensor 512-byte aligned), registered once with the CUDA driver
+    (``cudaHostRegister``) and unregistered on :meth:`release`. If registration
+    fails the buffer stays pageable: transfers are slower but correct."""
 
-    def __init__(self) -> None:
-        self._registered: list[torch.Tensor] = []
-        self.enabled = torch.cuda.is_available()
+    ALIGN = 512
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        if not self.enabled or numel == 0:
-            return t
-        nbytes = numel * t.element_size()
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-            ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
-        except (RuntimeError, AttributeError, TypeError):
-            ok = False
-        if ok:
-            self._registered.append(t)
-            return t
-        log.debug("cudaHostRegister failed for %d bytes; using pin_memory()", nbytes)
-        return t.pin_memory()
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and torch.cuda.is_available()
+        self._buffer: torch.Tensor | None = None
+        self.registered = False
+
+    def build(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Copies of ``tensors`` in ``dtype``, all views into one buffer."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            nbytes = t.numel() * size
+            total += -(-nbytes // self.ALIGN) * self.ALIGN
+        buf = torch.empty(max(total, self.ALIGN), dtype=torch.uint8)
+        if self.enabled:
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            self.registered = int(err) == 0
+            if not self.registered:
+                log.warning(
+                    "cudaHostRegister of %d bytes failed (%s); master copies stay in pageable "
+                    "memory and uploads will be slower",
+                    buf.numel(),
+                    err,
+                )
+        self._buffer = buf
+        out = []
+        for t, off in zip(tensors, offsets, strict=True):
+            view = buf[off : off + t.numel() * size].view(dtype).view(t.shape)
+            view.copy_(t)
+            out.append(view)
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._registered)
+        return self._buffer.numel() if self._buffer is not None and self.registered else 0
 
     def release(self) -> None:
-        for t in self._registered:
-            with contextlib.suppress(RuntimeError, AttributeError):  # driver already gone
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-        self._registered.clear()
+        if self.registered and self._buffer is not None:
+            err = torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+            if int(err) != 0:  # pragma: no cover - needs a GPU
+                log.warning("cudaHostUnregister failed: %s", err)
+            self.registered = False
 
 
 @dataclass
@@ -178,27 +194,25 @@ class HostState:
         compute_dtype: dtype of the master copy (the dtype devices compute in).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], compute_dtype: torch.dtype, pinned: bool = False
+    ) -> None:
         self.compute_dtype = compute_dtype
-        self.pool = _PinnedPool()
-        self.params: list[_Param] = []
+        self.pool = _PinnedArena(pinned)
+        unique: list[nn.Parameter] = []
         index: dict[int, int] = {}
         for layer in layers:
             layer.to("cpu")
             for p in layer.parameters():
-                if id(p) in index:
-                    continue
-                index[id(p)] = len(self.params)
-                master = self._flat_like(p.detach(), compute_dtype)
-                grad = torch.zeros(p.shape, dtype=torch.float32) if p.requires_grad else None
-                self.params.append(_Param(len(self.params), p, master, grad))
+                if id(p) not in index:
+                    index[id(p)] = len(unique)
+                    unique.append(p)
+        masters = self.pool.build([p.detach() for p in unique], compute_dtype)
+        self.params: list[_Param] = [
+            _Param(i, p, m, torch.zeros(p.shape, dtype=torch.float32) if p.requires_grad else None)
+            for i, (p, m) in enumerate(zip(unique, masters, strict=True))
+        ]
         self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
-
-    def _flat_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        flat = self.pool.empty(t.numel(), dtype)
-        out = flat.view(t.shape)
-        out.copy_(t)
-        return out
 
     # ------------------------------------------------------------- queries
     def stage_params(self, start: int, stop: int) -> list[_Param]:

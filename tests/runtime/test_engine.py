@@ -491,3 +491,11 @@ def test_memory_guard_names_the_layer_that_cannot_fit():
         RoundPipeEngine._memory_limit([torch.device("cuda", 0)], costs, 1000)
     assert RoundPipeEngine._memory_limit([CPU], costs, None) is None
     assert RoundPipeEngine._memory_limit([torch.device("cuda", 0)], costs, 10**6) == 10**6
+
+
+def test_mixed_device_types_are_refused():
+    from lightning_roundpipe.runtime.engine import _check_uniform
+
+    with pytest.raises(ValueError, match="devices mix cpu and cuda; random numbers"):
+        _check_uniform([CPU, torch.device("cuda", 0)])
+    _check_uniform([CPU, CPU])

@@ -59,7 +59,13 @@ def test_bf16_on_cuda_is_close_and_device_count_independent():
     for devices in ([0], [0, 0, 0, 0]):
         layers = transformer()
         with RoundPipeEngine(
-            layers, devices, 4, plan="1,1,1,1,1|1|1,1,1,1,1", precision="bf16-mixed", seed=1
+            layers,
+            devices,
+            4,
+            plan="1,1,1,1,1|1|1,1,1,1,1",
+            precision="bf16-mixed",
+            seed=1,
+            microbatches_per_round=4,  # same on-device accumulation grouping in both runs
         ) as eng:
             loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
             eng.synchronize()
