@@ -2,14 +2,18 @@
 
 from .device import layer_seed
 from .engine import EngineClosedError, RoundPipeEngine, estimate_costs
+from .optimizer import OptimizerStepError, StepHandle, use_fused
 from .store import HandoffTimeout
 from .worker import WorkerError
 
 __all__ = [
     "EngineClosedError",
     "HandoffTimeout",
+    "OptimizerStepError",
     "RoundPipeEngine",
+    "StepHandle",
     "WorkerError",
     "estimate_costs",
     "layer_seed",
+    "use_fused",
 ]

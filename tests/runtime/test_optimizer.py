@@ -355,3 +355,24 @@ def test_clip_by_value_reports_the_norm():
         )
     assert h.grad_norm == pytest.approx(norm)
     assert seen["m"] <= 1e-3 * (1 + 1e-6)
+
+
+def test_use_fused_switches_adamw_and_keeps_the_update():
+    from lightning_roundpipe.runtime import use_fused
+
+    torch.manual_seed(0)
+    a = [nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    opt_a = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1)
+    opt_b = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
+    assert use_fused(opt_b)
+    assert opt_b.param_groups[0]["fused"] is True
+    for _ in range(3):
+        for p, q in zip(a, b, strict=True):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g, g.clone()
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    assert not use_fused(torch.optim.SGD(a, lr=0.1))
