@@ -157,6 +157,7 @@ class Worker:
         self._cond = threading.Condition()
         self._replicas: dict[int, LayerReplica] = {}
         self._prefetched: dict[tuple, tuple[dict[int, torch.Tensor], Any]] = {}
+        self._ahead: dict[tuple, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
@@ -212,6 +213,7 @@ class Worker:
                 rep.unbind()
             self._replicas.clear()
             self._prefetched.clear()
+            self._ahead.clear()
 
     def _wrap(self, exc: BaseException, task: Task | None, mb: int | None) -> WorkerError:
         if task is None:
@@ -295,7 +297,8 @@ class Worker:
         try:
             pending: list[tuple[Any, tuple, Any, int]] = []
             run = {"forward": self._forward, "fused": self._fused, "backward": self._backward}
-            for w, j in enumerate(task.microbatches):
+            mbs = task.microbatches
+            for w, j in enumerate(mbs):
                 mb[0] = j
                 run[st.kind](task, j, replicas, pending)
                 if prefetch is not None:
@@ -303,6 +306,9 @@ class Worker:
                 # on CUDA publish the previous micro-batch's downloads, one behind,
                 # so this thread never waits on a copy queued behind running compute
                 self._publish(pending, keep_last=ctx.is_cuda)
+                if w + 1 < len(mbs):
+                    mb[0] = mbs[w + 1]
+                    self._fetch_ahead(task, mbs[w + 1])
             self._publish(pending, keep_last=False)
             mb[0] = None
             if needs_grad:
@@ -374,7 +380,29 @@ class Worker:
             self.store.put(key, value, readers)
         pending[:] = keep
 
+    @staticmethod
+    def _inputs(task: Task, j: int) -> list[tuple[tuple, str]]:
+        """Store keys a micro-batch of ``task`` reads, with what they are."""
+        st, it = task.stage, task.call.iteration
+        keys = [((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")]
+        if st.kind == "backward":
+            keys.append(
+                ((it, "grad", st.stop, j), f"output gradient of {st.label}, micro-batch {j}")
+            )
+        return keys
+
+    def _fetch_ahead(self, task: Task, j: int) -> None:
+        """Upload micro-batch ``j``'s inputs now, while the previous micro-batch
+        computes (activation uploads run one micro-batch ahead)."""
+        for key, what in self._inputs(task, j):
+            self._ahead[key] = self._upload_input(key, what)
+
     def _fetch(self, key: tuple, what: str) -> Any:
+        if key in self._ahead:
+            return self._ahead.pop(key)
+        return self._upload_input(key, what)
+
+    def _upload_input(self, key: tuple, what: str) -> Any:
         ctx = self.ctx
         host, last = self.store.take(key, what)
         if host is None:
@@ -419,7 +447,7 @@ class Worker:
 
     def _forward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
         st, it = task.stage, task.call.iteration
-        x = self._fetch((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")
+        x = self._fetch(*self._inputs(task, j)[0])
         inner = set(self.layout.saves.get(st.index, ()))
 
         def save(boundary: int, value: Any) -> None:
@@ -458,7 +486,7 @@ class Worker:
     def _fused(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
         st, call = task.stage, task.call
         it = call.iteration
-        x = self._fetch((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")
+        x = self._fetch(*self._inputs(task, j)[0])
         x, leaves = self._leaves(x) if st.start > 0 else (x, [])
         with torch.enable_grad():
             out = self._layers(task, j, replicas, x)
@@ -487,9 +515,9 @@ class Worker:
         self._input_grad(task, j, leaves, pending)
 
     def _backward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
-        st, it = task.stage, task.call.iteration
-        x = self._fetch((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")
-        g = self._fetch((it, "grad", st.stop, j), f"output gradient of {st.label}, micro-batch {j}")
+        st = task.stage
+        (xk, xw), (gk, gw) = self._inputs(task, j)
+        x, g = self._fetch(xk, xw), self._fetch(gk, gw)
         x, leaves = self._leaves(x) if st.start > 0 else (x, [])
         with torch.enable_grad():
             out = self._layers(task, j, replicas, x)
