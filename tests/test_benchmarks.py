@@ -30,3 +30,8 @@ def test_engine_overhead_benchmark_table():
     finally:
         torch.set_num_threads(threads)
     assert len(table.splitlines()) == 2 + 4
+
+
+def test_host_memory_table():
+    table = load("host_memory").table()
+    assert "| Qwen3-1.7B | 3.78 | 3.78 GiB (+0.0%)" in table
