@@ -15,6 +15,7 @@ plan with devices as rows, optionally marking one step for error messages.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import PlanError
@@ -114,7 +115,7 @@ class DispatchPlan:
 
 
 def dispatch(
-    plan: StagePlan,
+    plan: StagePlan | Sequence[Stage],
     num_devices: int,
     num_microbatches: int,
     microbatches_per_round: int | None = None,
@@ -123,7 +124,8 @@ def dispatch(
     """The round-robin dispatch of one iteration.
 
     Args:
-        plan: the stage plan whose slots are dispatched.
+        plan: the stage plan whose slots are dispatched (or the slots
+            themselves, e.g. the forward-only slots used for evaluation).
         num_devices: ``N``.
         num_microbatches: ``M``; must be ``>= N``.
         microbatches_per_round: ``M_R`` (default ``N``); must be ``>= N``. The
@@ -148,7 +150,9 @@ def dispatch(
         )
     if not 0 <= start_device < n:
         raise PlanError(f"start_device ({start_device}) must be in [0, {n})")
-    stages = tuple(plan.stages)
+    stages = tuple(plan.stages) if isinstance(plan, StagePlan) else tuple(plan)
+    if not stages:
+        raise PlanError("nothing to dispatch: the plan has no stage slots")
     steps = []
     g0 = start_device
     for r, first in enumerate(range(0, m, mr)):

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition
+from ..plan.stages import Stage
 from .device import pin
 from .host import HostState
-from .nested import batch_size_of, map_tensors, split_microbatches
+from .nested import batch_size_of, map_tensors, merge_microbatches, split_microbatches
 from .optimizer import (
     PRECISIONS,
     LossScaler,
@@ -263,6 +264,15 @@ class RoundPipeEngine:
         self._iteration = 0
         self._g0 = 0
         self._layout = Layout.of(plan.stages)
+        # forward-only slots (evaluation, outputs for a loss computed outside):
+        # the forward stages, then the fused stage's layers run forward only
+        top = plan.fused_stage
+        self._forward_slots = [
+            *plan.stages[: len(plan.forward)],
+            Stage(len(plan.forward), "Ftop", "forward", *top),
+        ]
+        self._forward_layout = Layout.of(self._forward_slots, output_readers=1)
+        self._eval_iteration = 0
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         self._stateful = {
             st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
@@ -288,7 +298,6 @@ class RoundPipeEngine:
                     d,
                     self._host,
                     rt.store,
-                    self._layout,
                     rt.task_done,
                     rt.is_done,
                     self._protocol,
@@ -379,6 +388,113 @@ class RoundPipeEngine:
             self._raise_failure()
             raise
 
+    def _split(self, inputs: Any) -> tuple[int, list[Any]]:
+        m = self.num_microbatches
+        bsz = batch_size_of(inputs)
+        if bsz is None:
+            raise ValueError(
+                "cannot split inputs into micro-batches: they contain no tensor with a batch "
+                "dimension"
+            )
+        if bsz < m:
+            raise ValueError(
+                f"batch size ({bsz}) is smaller than num_microbatches ({m}); use a larger batch "
+                "or lower num_microbatches"
+            )
+        return bsz, split_microbatches(inputs, m, bsz)
+
+    def _to_host(self, value: Any, cast: bool) -> Any:
+        """Detached host copies (page-locked on CUDA engines, so uploads are truly
+        asynchronous); with ``cast`` floating tensors take the compute dtype."""
+        dtype = self.compute_dtype
+        on_cuda = self.devices[0].type == "cuda"
+
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if cast and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            t = t.cpu()
+            return pin(t) if on_cuda else t
+
+        return map_tensors(conv, value)
+
+    def _submit(self, call: Call, slots: Any, mbs: list[Any], train: bool) -> None:
+        """Put the micro-batch inputs into the store and dispatch every slot.
+        Caller holds ``self._lock``."""
+        it, store, rt = call.iteration, self._rt.store, self._rt
+        readers0 = call.layout.act_readers[0]
+        for j, x in enumerate(mbs):
+            store.put((it, "act", 0, j), self._to_host(x, cast=True), readers0)
+        plan = dispatch(
+            slots,
+            self.num_devices,
+            self.num_microbatches,
+            self.microbatches_per_round,
+            start_device=self._g0,
+        )
+        self._g0 = plan.next_device
+        with store.lock:
+            rt.done_keys = {k for k in rt.done_keys if not 0 <= k[0] < self._iteration - 2}
+        for step in plan.steps:
+            stage = plan.stages[step.slot]
+            task = Task(call, step.round, stage, step.microbatches)
+            if train and self._stateful[step.slot]:
+                task.after = self._last_task.get(step.slot)
+                self._last_task[step.slot] = task.key
+            task.keep_buffers = train
+            self._protocol.register(
+                call.window,
+                self._host.stage_params(stage.start, stage.stop),
+                grads=stage.kind != "forward",
+            )
+            with store.lock:
+                rt.submitted += 1
+            rt.workers[step.device].submit(task)
+
+    def reserve_iteration(self) -> int:
+        """Take the next iteration number now (for a ``forward`` whose
+        ``forward_backward`` follows later with the same dropout masks)."""
+        with self._lock:
+            it = self._iteration
+            self._iteration += 1
+            return it
+
+    def forward(self, inputs: Any, iteration: int | None = None) -> Any:
+        """Forward-only pass through every layer (no autograd), in the layers'
+        current train/eval mode; returns the last layer's outputs for the whole
+        batch (micro-batch outputs concatenated along dimension 0).
+
+        ``iteration`` selects the dropout masks (use :meth:`reserve_iteration`
+        to match a later ``forward_backward``); by default a separate counter is
+        used so evaluation never shifts the masks of training iterations.
+        Running statistics are not written back by this pass."""
+        self._check()
+        m = self.num_microbatches
+        _, mbs = self._split(inputs)
+        with self._lock:
+            if iteration is None:
+                self._eval_iteration -= 1
+                iteration = self._eval_iteration
+            call = Call(
+                iteration,
+                self._window,
+                [None] * m,
+                [1.0] * m,
+                None,
+                1.0,
+                self.seed,
+                self._forward_layout,
+            )
+            self._submit(call, self._forward_slots, mbs, train=False)
+        store, top = self._rt.store, self.plan.num_layers
+        outs = [
+            self._wait(
+                lambda j=j: store.take((iteration, "act", top, j), f"output of micro-batch {j}")[0]
+            )
+            for j in range(m)
+        ]
+        return merge_microbatches(outs)
+
     def forward_backward(
         self,
         inputs: Any,
@@ -386,6 +502,7 @@ class RoundPipeEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         scale: float = 1.0,
         loss_weights: Sequence[float] | None = None,
+        iteration: int | None = None,
     ) -> torch.Tensor:
         """Run forward, loss and backward of one batch through the pipeline.
 
@@ -399,6 +516,8 @@ class RoundPipeEngine:
             scale: gradients are those of ``scale * loss``.
             loss_weights: weight of each micro-batch's loss; default its share
                 of the batch (``mb_size / batch_size``).
+            iteration: a number from :meth:`reserve_iteration` (dropout masks of
+                an earlier :meth:`forward`); default the next one.
 
         Returns:
             ``scale * sum_j weight_j * loss_j`` as a host float32 scalar (fp16
@@ -408,18 +527,7 @@ class RoundPipeEngine:
         """
         self._check()
         m = self.num_microbatches
-        bsz = batch_size_of(inputs)
-        if bsz is None:
-            raise ValueError(
-                "cannot split inputs into micro-batches: they contain no tensor with a batch "
-                "dimension"
-            )
-        if bsz < m:
-            raise ValueError(
-                f"batch size ({bsz}) is smaller than num_microbatches ({m}); use a larger batch "
-                "or lower num_microbatches"
-            )
-        mbs = split_microbatches(inputs, m, bsz)
+        bsz, mbs = self._split(inputs)
         labs = [None] * m if labels is None else split_microbatches(labels, m, bsz)
         if loss_weights is None:
             weights = [batch_size_of(x) / bsz for x in mbs]
@@ -429,59 +537,47 @@ class RoundPipeEngine:
                 raise ValueError(
                     f"loss_weights has {len(weights)} entries; give one per micro-batch ({m})"
                 )
-        dtype = self.compute_dtype
-
-        on_cuda = self.devices[0].type == "cuda"
-
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
-            if t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            t = t.cpu()
-            return pin(t) if on_cuda else t  # page-locked: uploads are truly asynchronous
-
-        def host(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach().cpu()
-            return pin(t) if on_cuda else t
-
+        labs = [None if y is None else self._to_host(y, cast=False) for y in labs]
         with self._lock:
-            it = self._iteration
-            self._iteration += 1
+            if iteration is None:
+                iteration = self._iteration
+                self._iteration += 1
             window = self._window
             # the loss scale a window starts with unscales all of its gradients
             loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
-            labs = [None if y is None else map_tensors(host, y) for y in labs]
-            call = Call(it, window, labs, weights, loss_fn, float(scale) * loss_scale, self.seed)
-            store, rt = self._rt.store, self._rt
-            readers0 = self._layout.act_readers[0]
-            for j, x in enumerate(mbs):
-                store.put((it, "act", 0, j), map_tensors(cast, x), readers0)
-            plan = dispatch(
-                self.plan, self.num_devices, m, self.microbatches_per_round, start_device=self._g0
+            call = Call(
+                iteration,
+                window,
+                labs,
+                weights,
+                loss_fn,
+                float(scale) * loss_scale,
+                self.seed,
+                self._layout,
             )
-            self._g0 = plan.next_device
-            with store.lock:
-                rt.done_keys = {k for k in rt.done_keys if k[0] >= it - 1}
-            for step in plan.steps:
-                stage = self.plan.stages[step.slot]
-                task = Task(call, step.round, stage, step.microbatches)
-                if self._stateful[step.slot]:
-                    task.after = self._last_task.get(step.slot)
-                    self._last_task[step.slot] = task.key
-                self._protocol.register(
-                    window,
-                    self._host.stage_params(stage.start, stage.stop),
-                    grads=stage.kind != "forward",
-                )
-                with store.lock:
-                    rt.submitted += 1
-                rt.workers[step.device].submit(task)
+            self._submit(call, self.plan, mbs, train=True)
+        store = self._rt.store
         losses = [
-            self._wait(lambda j=j: store.take((it, "loss", 0, j), f"loss of micro-batch {j}")[0])
+            self._wait(
+                lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[0]
+            )
             for j in range(m)
         ]
         total = torch.stack([loss.reshape(()).float().cpu() for loss in losses]).sum()
         return total * float(scale)
+
+    def call(self, fn: Callable[[], Any]) -> StepHandle:
+        """Run ``fn`` on the host in order with the optimizer steps (after the
+        step queued last): for ``zero_grad`` and learning-rate scheduler steps,
+        which must not race an asynchronous update. Synchronous mode: at once."""
+        self._check()
+        handle = StepHandle(-1, _store=self._rt.store)
+        if not self.async_optimizer:
+            handle.result = fn()
+            handle._event.set()
+            return handle
+        self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
+        return handle
 
     def _wait_tasks(self) -> None:
         rt = self._rt

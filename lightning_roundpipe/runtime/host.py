@@ -46,7 +46,12 @@ class _PinnedArena:
         self.registered = False
 
     def build(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Copies of ``tensors`` in ``dtype``, all views into one buffer."""
+        """Copies of ``tensors`` in ``dtype``: views into one buffer when
+        page-locking, else separate tensors. (Views share one autograd version
+        counter; CPU workers compute on the master copies themselves, so there
+        a copy into one master would look like a change to all of them.)"""
+        if not self.enabled:
+            return [t.detach().to(dtype, copy=True) for t in tensors]
         size = torch.empty(0, dtype=dtype).element_size()
         offsets, total = [], 0
         for t in tensors:
@@ -166,8 +171,12 @@ class LayerReplica:
             (self.module.get_submodule(s.path), s.attr, s.index) for s in info.buffer_slots
         ]
         self._placeholders = [(m, a, m._parameters[a]) for m, a, _ in self._param_owners]
+        # train/eval mode follows the user's modules (dropout, batch norm)
+        self._modes = list(zip(info.module.modules(), self.module.modules(), strict=True))
 
     def bind(self, weights: dict[int, nn.Parameter], buffers: Sequence[torch.Tensor]) -> None:
+        for original, replica in self._modes:
+            replica.training = original.training
         for owner, attr, idx in self._param_owners:
             owner._parameters[attr] = weights[idx]
         for owner, attr, idx in self._buffer_owners:

@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size_of", "call_layer", "flatten_tensors", "map_tensors", "split_microbatches"]
+__all__ = [
+    "batch_size_of",
+    "call_layer",
+    "flatten_tensors",
+    "map_tensors",
+    "merge_microbatches",
+    "split_microbatches",
+]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -89,6 +96,29 @@ def _take(value: Any, j: int) -> Any:
         except TypeError:
             return out
     return value
+
+
+def merge_microbatches(values: list[Any]) -> Any:
+    """Inverse of :func:`split_microbatches` for outputs: tensors with a batch
+    dimension are concatenated along it, 0-d tensors stacked; other values are
+    taken from the first micro-batch."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return torch.stack(values)
+        return torch.cat(values, dim=0)
+    if isinstance(first, tuple):
+        parts = [merge_microbatches([v[i] for v in values]) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else tuple(parts)
+    if isinstance(first, list):
+        return [merge_microbatches([v[i] for v in values]) for i in range(len(first))]
+    if isinstance(first, Mapping):
+        out = {k: merge_microbatches([v[k] for v in values]) for k in first}
+        try:
+            return type(first)(out)
+        except TypeError:
+            return out
+    return first
 
 
 def call_layer(layer: Callable[..., Any], value: Any) -> Any:

@@ -184,23 +184,18 @@ class Protocol:
             self.grads.pop((p.index, window), None)
             self._notify()
 
-    def wait_uses(self, window: int, p: _Param, timeout_ok: Callable[[], bool]) -> None:
-        """Rule 1: window ``window + 1`` no longer reads ``p``'s master copy.
+    def uses_done(self, window: int, p: _Param) -> bool:
+        """Rule 1: no task of ``window`` or ``window + 1`` reads ``p``'s master
+        copy any more (and window ``window + 1`` is closed). Call under ``cond``.
 
         In synchronous mode nothing of the next window runs yet."""
         if not self.async_mode or 1 in self.disabled:
-            return
+            return True
         nxt = window + 1
-        self._wait(
-            lambda: (
-                timeout_ok()
-                or (
-                    self.closed >= nxt
-                    and self.uses.get((p.index, nxt), 0) <= 0
-                    and self.uses.get((p.index, window), 0) <= 0
-                )
-            ),
-            f"window {nxt} to finish reading parameter {p.index}",
+        return (
+            self.closed >= nxt
+            and self.uses.get((p.index, nxt), 0) <= 0
+            and self.uses.get((p.index, window), 0) <= 0
         )
 
     def p_copied(self, window: int, p: _Param) -> None:
@@ -321,6 +316,7 @@ class OptimizerWorker:
         self.threads = threads
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.applied = 0  # updates whose fn has run (or was skipped)
+        self._pending: tuple[int, list[_Param]] | None = None  # P copies still to do
         self.thread: threading.Thread | None = None
         self._grads: dict[int, torch.Tensor] = {}
 
@@ -338,29 +334,37 @@ class OptimizerWorker:
     def _main(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        while True:
-            try:
-                job = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                if self.store.failure is not None:
+        job: _Job | None = None
+        try:
+            while True:
+                # P copies of the last update go out as soon as the next window
+                # stops reading each parameter (rule 1), between other work
+                self._copy_ready()
+                try:
+                    job = self._queue.get(timeout=0.01 if self._pending else 0.5)
+                except queue.Empty:
+                    if self.store.failure is not None:
+                        return
+                    continue
+                if job is None or self.store.failure is not None:
                     return
-                continue
-            if job is None or self.store.failure is not None:
-                return
-            try:
+                if job.window < 0:  # an ordered call (zero_grad, scheduler step)
+                    job.handle.result = job.fn()
+                    job.handle._event.set()
+                    continue
+                self._copy_ready(block=True)  # rule 5: copies before the next step
                 self.run(job)
-            except EngineFailure:
+        except EngineFailure:
+            if job is not None:
                 job.handle._event.set()
-                return
-            except BaseException as exc:  # every failure must reach the caller
-                err = OptimizerStepError(
-                    f"optimizer step {job.window} failed: {type(exc).__name__}: {exc}"
-                )
-                err.__cause__ = exc
+        except BaseException as exc:  # every failure must reach the caller
+            step = "a scheduled call" if job is None or job.window < 0 else f"step {job.window}"
+            err = OptimizerStepError(f"optimizer {step} failed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            if job is not None:
                 job.handle.error = err
                 job.handle._event.set()
-                self.store.fail(err)
-                return
+            self.store.fail(err)
 
     # ----------------------------------------------------------------- work
     def run(self, job: _Job) -> None:
@@ -387,7 +391,7 @@ class OptimizerWorker:
                 finite = False
         if 5 in proto.disabled:
             # rule 5 removed: the weight copies run before the step, out of order
-            self._p_copies(job, ordered=False)
+            self._p_copies(job)
         norm = None
         if finite:
             for p in trainable:
@@ -425,19 +429,45 @@ class OptimizerWorker:
             proto.cond.notify_all()
         job.handle._event.set()
         if 5 not in proto.disabled:
-            self._p_copies(job)
+            self._pending = (w, list(self.host.params))
+            if not proto.async_mode:
+                self._copy_ready(block=True)
 
-    def _p_copies(self, job: _Job, ordered: bool = True) -> None:
-        proto, w = self.protocol, job.window
+    def _p_copies(self, job: _Job) -> None:
+        """Rule 5 removed (tests only): copy every weight now, out of order."""
         for p in self.host.params:
-            if p.trainable:  # frozen weights never change: nothing to copy
-                if ordered:
-                    proto.wait_uses(w, p, lambda: self.store.failure is not None)
-                self.store.check()
-                proto.chaos("p_copy")
-                with torch.no_grad():
-                    p.master.copy_(p.param.detach())
-            proto.p_copied(w, p)
+            self._p_copy(job.window, p)
+
+    def _p_copy(self, w: int, p: _Param) -> None:
+        if p.trainable:  # frozen weights never change: nothing to copy
+            self.protocol.chaos("p_copy")
+            with torch.no_grad():
+                p.master.copy_(p.param.detach())
+        self.protocol.p_copied(w, p)
+
+    def _copy_ready(self, block: bool = False) -> None:
+        """P copies of the pending update whose parameters the next window no
+        longer reads; with ``block`` wait for all of them. The wait has no
+        watchdog: it may last until the user closes the next window."""
+        if self._pending is None:
+            return
+        w, left = self._pending
+        proto = self.protocol
+        while left:
+            with proto.cond:
+                while True:
+                    self.store.check()
+                    ready = [p for p in left if proto.uses_done(w, p)]
+                    if ready or not block:
+                        break
+                    proto.cond.wait(0.5)
+            for p in ready:
+                self._p_copy(w, p)
+            done = {p.index for p in ready}
+            left = [p for p in left if p.index not in done]
+            if not block:
+                break
+        self._pending = None if not left else (w, left)
 
 
 def use_fused(optimizer: torch.optim.Optimizer) -> bool:

@@ -82,10 +82,15 @@ class Layout:
     saves: dict[int, tuple[int, ...]]  # forward slot -> boundaries strictly inside it to save
 
     @classmethod
-    def of(cls, stages: Sequence[Stage]) -> Layout:
+    def of(cls, stages: Sequence[Stage], output_readers: int = 0) -> Layout:
+        """``output_readers``: readers of the last layer's output (the
+        controller, for forward-only runs)."""
         readers: dict[int, int] = {}
         for st in stages:
             readers[st.start] = readers.get(st.start, 0) + 1
+        if output_readers:
+            top = max(st.stop for st in stages)
+            readers[top] = readers.get(top, 0) + output_readers
         saves = {
             st.index: tuple(i for i in range(st.start + 1, st.stop) if i in readers)
             for st in stages
@@ -105,6 +110,7 @@ class Call:
     loss_fn: Callable[..., torch.Tensor] | None
     scale: float
     seed: int
+    layout: Layout
 
 
 @dataclass
@@ -116,6 +122,7 @@ class Task:
     stage: Stage
     microbatches: range
     after: tuple | None = None  # task key that must be done first (buffer updates)
+    keep_buffers: bool = True  # write running statistics back (not for forward-only runs)
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
@@ -140,7 +147,6 @@ class Worker:
         device: torch.device,
         host: HostState,
         store: Store,
-        layout: Layout,
         on_done: Callable[[Task], None],
         is_done: Callable[[tuple], bool],
         protocol: Protocol,
@@ -150,7 +156,6 @@ class Worker:
         self.device = device
         self.host = host
         self.store = store
-        self.layout = layout
         self._on_done = on_done
         self._is_done = is_done
         self._queue: deque[Task | None] = deque()
@@ -313,7 +318,11 @@ class Worker:
             mb[0] = None
             if needs_grad:
                 self._download_grads(task.call.window, params, weights)
-            if st.kind != "backward" and self.host.stage_has_state(st.start, st.stop):
+            if (
+                task.keep_buffers
+                and st.kind != "backward"
+                and self.host.stage_has_state(st.start, st.stop)
+            ):
                 self._download_buffers(replicas)
         finally:
             for rep in replicas:
@@ -448,16 +457,16 @@ class Worker:
     def _forward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
         st, it = task.stage, task.call.iteration
         x = self._fetch(*self._inputs(task, j)[0])
-        inner = set(self.layout.saves.get(st.index, ()))
+        inner = set(task.call.layout.saves.get(st.index, ()))
 
         def save(boundary: int, value: Any) -> None:
             if boundary in inner:
-                readers = self.layout.act_readers[boundary]
+                readers = task.call.layout.act_readers[boundary]
                 self._save(pending, (it, "act", boundary, j), value, readers, fresh=True)
 
         with torch.no_grad():
             out = self._layers(task, j, replicas, x, save)
-        readers = self.layout.act_readers.get(st.stop, 0)
+        readers = task.call.layout.act_readers.get(st.stop, 0)
         if readers:
             self._save(pending, (it, "act", st.stop, j), out, readers, fresh=False)
 

@@ -499,3 +499,56 @@ def test_mixed_device_types_are_refused():
     with pytest.raises(ValueError, match="devices mix cpu and cuda; random numbers"):
         _check_uniform([CPU, torch.device("cuda", 0)])
     _check_uniform([CPU, CPU])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_forward_only_matches_plain_forward_in_eval_mode(n):
+    layers = transformer()
+    ref = copy.deepcopy(layers)
+    for m in layers + ref:
+        m.eval()
+    ids, _ = lm_batch(10)
+    with engine(layers, n, 5, "2,2|2|1,1,2") as eng:
+        out = eng.forward(ids)
+        again = eng.forward(ids)
+    with torch.no_grad():
+        expected = nn.Sequential(*ref)(ids)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(again, expected)
+    assert all(p.grad is None for m in layers for p in m.parameters())
+
+
+def test_loss_outside_the_pipeline_via_output_gradients():
+    """forward() then forward_backward() with the output gradient as labels
+    (same reserved iteration, so dropout masks match) equals plain training."""
+    layers = transformer()
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(8)
+    expected = reference(ref, ids, labels, lm_loss, 4, seed=2, iteration=0)
+
+    with engine(layers, 2, 4, "2,3|1|1,2,2", seed=2) as eng:
+        it = eng.reserve_iteration()
+        logits = eng.forward(ids, iteration=it).requires_grad_(True)
+        # the user's loss, computed outside the model on the whole batch
+        per_mb = [lm_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4),
+                                                    strict=True)]
+        loss = sum(per_mb) / 4
+        loss.backward()
+        eng.forward_backward(ids, labels=logits.grad, iteration=it,
+                             loss_fn=lambda out, g: (out * g).sum(), loss_weights=[1.0] * 4)
+        eng.synchronize()
+    torch.testing.assert_close(loss.detach(), expected)
+    assert_grads_equal(layers, ref)
+
+
+def test_ordered_calls_run_after_the_queued_step():
+    layers = mlp()
+    order = []
+    with engine(layers, 2, 2, async_optimizer=True) as eng:
+        eng.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 4),
+                             loss_fn=nn.functional.mse_loss)
+        eng.step(lambda: order.append("step"))
+        h = eng.call(lambda: order.append("zero_grad") or "done")
+        assert h.wait().result == "done"
+        eng.synchronize()
+    assert order == ["step", "zero_grad"]
