@@ -1,9 +1,21 @@
 """lightning_roundpipe: RoundPipe pipeline training as a PyTorch Lightning strategy.
 
-The planning layer (:mod:`lightning_roundpipe.plan`) is pure Python. The runtime
-and the Lightning strategy build on it.
+Importing the package registers ``Trainer(strategy="roundpipe")`` (asynchronous
+optimizer) and ``"roundpipe_sync"`` (ordinary training semantics).
+
+- :mod:`lightning_roundpipe.plan`: partitioner, dispatch plan, simulator (pure Python).
+- :mod:`lightning_roundpipe.runtime`: the engine (host state, device workers, optimizer).
+- :class:`RoundPipeStrategy`, :class:`RoundPipePrecision`: the Lightning integration.
 """
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .precision import RoundPipePrecision
+from .strategy import RoundPipeStrategy
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["__version__"]
+if "roundpipe" not in StrategyRegistry:
+    RoundPipeStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["RoundPipePrecision", "RoundPipeStrategy", "__version__"]

@@ -1,0 +1,394 @@
+"""Model adapters: find a module's layer stack and run calls to it through the pipeline.
+
+An adapter knows, for one kind of model, (1) the ordered pipeline layers (made
+of the model's own submodules, so parameters and ``state_dict`` keys stay as
+they are), (2) which module to intercept, and (3) how a call to that module
+becomes engine work:
+
+* :class:`SequentialAdapter`: an ``nn.Sequential``; a call returns the outputs;
+  with autograd on, ``backward`` of anything computed from them runs the
+  pipelined backward (the engine re-runs the forward with the output gradient).
+* :class:`CausalLMAdapter`: Hugging Face causal LMs of the Llama family (Llama,
+  Qwen2, Qwen3, Mistral; also wrapped by PEFT). Layers: the token embedding,
+  each decoder layer (rotary embeddings and the causal mask are rebuilt inside
+  each layer from ``position_ids`` and the 2-D ``attention_mask``, so only the
+  hidden states cross stage boundaries), and norm + LM head. Called with
+  ``labels=`` while training, the loss is computed inside the pipeline (the
+  fused stage) per micro-batch and weighted by its share of the batch's real
+  tokens, so it equals the unsplit model's loss and full-batch logits never
+  exist.
+
+:func:`find_adapter` picks the adapter for a LightningModule.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .runtime.nested import batch_size_of, split_microbatches
+
+if TYPE_CHECKING:
+    from .runtime import RoundPipeEngine
+
+__all__ = ["CausalLMAdapter", "LayerStackNotFound", "SequentialAdapter", "find_adapter"]
+
+log = logging.getLogger(__name__)
+
+
+class LayerStackNotFound(ValueError):
+    """No pipeline layer stack could be found in the module."""
+
+
+class _Deferred(torch.autograd.Function):
+    """Outputs computed by the pipeline; their backward runs the pipeline's."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run) -> torch.Tensor:  # noqa: ARG004
+        ctx.run = run
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.run(grad)
+        return None, None, None
+
+
+def _anchor() -> torch.Tensor:
+    return torch.zeros((), requires_grad=True)
+
+
+class _Adapter:
+    """Common interception: patch ``target.forward``, restore on ``detach``."""
+
+    target: nn.Module
+
+    def layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def attach(self, engine: RoundPipeEngine, grad_scale: Callable[[], float]) -> None:
+        self.engine = engine
+        self.grad_scale = grad_scale
+        adapter = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return adapter.call(*args, **kwargs)
+
+        self.target.forward = forward  # instance attribute shadows the class method
+
+    def detach(self) -> None:
+        self.target.__dict__.pop("forward", None)
+        self.engine = None
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _outputs_with_backward(self, inputs: Any) -> torch.Tensor:
+        """Forward now; when autograd reaches the outputs, run the pipelined
+        backward with their gradient (same iteration: same dropout masks)."""
+        engine = self.engine
+        m = engine.num_microbatches
+        it = engine.reserve_iteration()
+        out = engine.forward(inputs, iteration=it)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                "with autograd on, the pipeline's last layer must return a tensor when the loss "
+                f"is computed outside the model; it returned {type(out).__name__}"
+            )
+
+        def run(grad: torch.Tensor) -> None:
+            engine.forward_backward(
+                inputs, labels=grad, loss_fn=_dot, iteration=it, loss_weights=[1.0] * m
+            )
+
+        return _Deferred.apply(_anchor(), out.float() if out.is_floating_point() else out, run)
+
+
+def _dot(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient with respect to ``out`` is ``grad``."""
+    return (out.float() * grad.to(out.device, torch.float32)).sum()
+
+
+# --------------------------------------------------------------- Sequential
+class SequentialAdapter(_Adapter):
+    """An ``nn.Sequential``: its children are the pipeline layers."""
+
+    kind = "nn.Sequential"
+
+    def __init__(self, target: nn.Sequential, name: str) -> None:
+        self.target = target
+        self.name = name
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.target)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != 1:
+            raise TypeError(f"{self.name} (nn.Sequential) takes one input")
+        (x,) = args
+        if torch.is_grad_enabled() and self.target.training:
+            return self._outputs_with_backward(x)
+        return self.engine.forward(x)
+
+
+# ------------------------------------------------------------ causal LMs
+_HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _is_causal_lm(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    inner = getattr(module, "model", None)
+    return (
+        config is not None
+        and getattr(config, "model_type", None) in _HF_FAMILIES
+        and isinstance(getattr(module, "lm_head", None), nn.Module)
+        and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+        and isinstance(getattr(inner, "embed_tokens", None), nn.Module)
+    )
+
+
+class _Embed(nn.Module):
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        h = self.embed(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        out = {"hidden_states": h, "position_ids": position_ids}
+        if attention_mask is not None:
+            out["attention_mask"] = attention_mask
+        return out
+
+
+class _Decoder(nn.Module):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any, index: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.config = config
+        types = getattr(config, "layer_types", None)
+        self.sliding = bool(types) and types[index] == "sliding_attention"
+
+    def forward(self, hidden_states, position_ids, attention_mask=None):
+        from transformers import masking_utils
+
+        make = (
+            masking_utils.create_sliding_window_causal_mask
+            if self.sliding
+            else masking_utils.create_causal_mask
+        )
+        mask = make(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        pe = self.rotary(hidden_states, position_ids)
+        h = self.layer(
+            hidden_states,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=pe,
+            use_cache=False,
+        )
+        if isinstance(h, tuple):
+            h = h[0]
+        out = {"hidden_states": h, "position_ids": position_ids}
+        if attention_mask is not None:
+            out["attention_mask"] = attention_mask
+        return out
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden_states, position_ids=None, attention_mask=None):  # noqa: ARG002
+        return self.lm_head(self.norm(hidden_states))
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets, as Hugging Face's causal LM loss builds them."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the micro-batch's real tokens (labels
+    ``-100`` are ignored); zero when it has none."""
+    target = _shifted(labels).reshape(-1).to(logits.device)
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    count = (target != -100).sum()
+    total = nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
+    return total / count.clamp(min=1)
+
+
+class CausalLMAdapter(_Adapter):
+    """A Hugging Face Llama-family causal LM (optionally inside PEFT)."""
+
+    kind = "Hugging Face causal LM"
+
+    def __init__(self, target: nn.Module, name: str) -> None:
+        self.target = target
+        self.name = name
+        inner = target.model
+        config = target.config
+        self._layers = [
+            _Embed(inner.embed_tokens),
+            *[_Decoder(layer, inner.rotary_emb, config, i) for i, layer in enumerate(inner.layers)],
+            _Head(inner.norm, target.lm_head),
+        ]
+
+    def layers(self) -> list[nn.Module]:
+        return self._layers
+
+    def call(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if input_ids is None or inputs_embeds is not None:
+            raise TypeError(f"{self.name}: the pipeline takes input_ids (inputs_embeds is "
+                            "not supported)")
+        if past_key_values is not None or use_cache:
+            log.debug("RoundPipe ignores past_key_values/use_cache (training has no cache)")
+        unknown = {k for k in kwargs if k not in ("return_dict", "output_attentions",
+                                                  "output_hidden_states", "logits_to_keep")}
+        if unknown:
+            raise TypeError(f"{self.name}: arguments {sorted(unknown)} are not supported by the "
+                            "pipeline")
+        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            if position_ids.shape[0] != input_ids.shape[0]:
+                position_ids = position_ids.expand(input_ids.shape[0], -1)
+            inputs["position_ids"] = position_ids
+        engine = self.engine
+        training = torch.is_grad_enabled() and self.target.training
+        if training and labels is not None:
+            m = engine.num_microbatches
+            bsz = batch_size_of(input_ids)
+            counts = [
+                int((_shifted(y) != -100).sum())
+                for y in split_microbatches(labels, m, bsz)
+            ]
+            total = max(1, sum(counts))
+            scale = self.grad_scale()
+            loss = engine.forward_backward(
+                inputs, labels=labels, loss_fn=causal_lm_loss,
+                loss_weights=[c / total for c in counts], scale=scale,
+            ) / scale
+            return CausalLMOutputWithPast(loss=_expect_grad(loss, scale, self.name), logits=None)
+        if training:
+            logits = self._outputs_with_backward(inputs)
+            return CausalLMOutputWithPast(logits=logits)
+        logits = engine.forward(inputs)
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class _Expect(torch.autograd.Function):
+    """A loss whose backward already ran inside the pipeline with ``scale``;
+    checks that autograd asks for exactly that."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, scale: float, name: str):  # noqa: ARG004
+        ctx.scale, ctx.name = scale, name
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = float(grad)
+        if abs(g - ctx.scale) > 1e-6 * max(1.0, abs(ctx.scale)):
+            raise RuntimeError(
+                f"the loss returned by {ctx.name} was scaled by {g / ctx.scale:g} before "
+                "backward; RoundPipe runs the model's backward inside the pipeline when the "
+                "model is called with labels=, so use the returned loss unchanged (extra terms "
+                "may be added to it), or call the model without labels= and compute the loss "
+                "from the logits"
+            )
+        return None, None, None, None
+
+
+def _expect_grad(loss: torch.Tensor, scale: float, name: str) -> torch.Tensor:
+    return _Expect.apply(_anchor(), loss, scale, name)
+
+
+# ------------------------------------------------------------------ finding
+def _resolve(root: nn.Module, path: str) -> nn.Module:
+    obj: Any = root
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise LayerStackNotFound(
+                f"layers={path!r}: {type(obj).__name__} has no attribute {part!r}"
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, nn.Module):
+        raise LayerStackNotFound(f"layers={path!r} is a {type(obj).__name__}, not an nn.Module")
+    return obj
+
+
+def _adapter_for(module: nn.Module, name: str) -> _Adapter | None:
+    if _is_causal_lm(module):
+        return CausalLMAdapter(module, name)
+    if isinstance(module, nn.Sequential) and len(module) > 0:
+        return SequentialAdapter(module, name)
+    return None
+
+
+def find_adapter(root: nn.Module, layers: str | None = None) -> _Adapter:
+    """The adapter for ``root`` (a LightningModule): the module named by
+    ``layers`` (an attribute path), else the first Hugging Face causal LM of
+    the Llama family, else the first ``nn.Sequential``, searching submodules
+    breadth first."""
+    if layers is not None:
+        module = _resolve(root, layers)
+        if isinstance(module, nn.ModuleList):  # e.g. "model.model.layers": find its owner
+            for name, owner in root.named_modules():
+                if _is_causal_lm(owner) and owner.model.layers is module:
+                    return CausalLMAdapter(owner, name)
+        adapter = _adapter_for(module, layers)
+        if adapter is None:
+            raise LayerStackNotFound(
+                f"layers={layers!r} is a {type(module).__name__}; RoundPipe can pipeline an "
+                "nn.Sequential or a Hugging Face causal LM of the Llama family "
+                f"({', '.join(_HF_FAMILIES)})"
+            )
+        return adapter
+    searched: list[str] = []
+    queue: list[tuple[str, nn.Module]] = list(root.named_children())
+    while queue:
+        name, module = queue.pop(0)
+        searched.append(name)
+        if _is_causal_lm(module):
+            return CausalLMAdapter(module, name)
+        queue.extend((f"{name}.{n}", c) for n, c in module.named_children())
+    for name, module in root.named_modules():
+        if name and isinstance(module, nn.Sequential) and len(module) > 0:
+            return SequentialAdapter(module, name)
+    shown = ", ".join(searched[:12]) + (" ..." if len(searched) > 12 else "")
+    raise LayerStackNotFound(
+        f"no layer stack found in {type(root).__name__}: looked for a Hugging Face causal LM "
+        f"of the Llama family ({', '.join(_HF_FAMILIES)}) and an nn.Sequential among its "
+        f"submodules (searched: {shown or 'none'}). Pass layers='attribute.path' to "
+        "RoundPipeStrategy"
+    )

@@ -1,0 +1,340 @@
+"""``RoundPipeStrategy``: ``Trainer(strategy="roundpipe")`` for unmodified LightningModules.
+
+One process drives every device. At ``setup`` the strategy finds the module's
+layer stack (:mod:`.models`), builds a :class:`~lightning_roundpipe.runtime.RoundPipeEngine`
+over it and intercepts calls to that model, so ``training_step`` runs the
+pipeline as written. Weights, gradients and optimizer state stay on the host;
+the module never moves to a device, batches stay on the host too (the engine
+uploads each micro-batch). The optimizer step, ``zero_grad`` and scheduler
+steps are routed through the engine so that, with the asynchronous optimizer,
+they run in order on the optimizer thread while devices compute.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .models import find_adapter
+from .precision import RoundPipePrecision
+from .runtime import RoundPipeEngine, use_fused
+
+__all__ = ["RoundPipeStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class RoundPipeStrategy(ParallelStrategy):
+    """Train with RoundPipe: host-resident state, devices as a stateless pool.
+
+    Args:
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: set by
+            the Trainer (``accelerator=``, ``devices=``, ``precision=``).
+        async_optimizer: run optimizer steps on a host thread one step behind
+            (staleness 1), overlapping them with device compute. ``False`` gives
+            ordinary training semantics.
+        num_microbatches: micro-batches per training batch; ``"auto"`` uses the
+            number of devices. Batches must have at least this many samples.
+        microbatches_per_round: micro-batches per round (default: number of devices).
+        plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``), or
+            ``"auto"`` for the partitioner's plan.
+        layers: attribute path of the layer stack (``"model"``, ``"net"``) when
+            automatic detection needs help.
+        device_memory_limit: bytes one stage may use on a GPU (default: from the
+            free memory at start).
+        optimizer_threads: intra-op threads for the optimizer thread.
+        fuse_optimizer: switch Adam/AdamW to torch's fused CPU kernel (same
+            update, several times faster on the host).
+        seed: base seed for dropout masks; default: torch's initial seed (set
+            by ``seed_everything``).
+        watchdog_timeout: seconds a hand-off may take before the run fails with
+            what never arrived.
+    """
+
+    strategy_name = "roundpipe"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        *,
+        async_optimizer: bool = True,
+        num_microbatches: int | Literal["auto"] = "auto",
+        microbatches_per_round: int | None = None,
+        plan: str | Literal["auto"] = "auto",
+        layers: str | None = None,
+        device_memory_limit: int | None = None,
+        optimizer_threads: int | None = None,
+        fuse_optimizer: bool = True,
+        seed: int | None = None,
+        watchdog_timeout: float = 600.0,
+    ) -> None:
+        if num_microbatches != "auto" and (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or num_microbatches < 1
+        ):
+            raise ValueError(
+                f"num_microbatches must be a positive integer or 'auto', got {num_microbatches!r}"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.async_optimizer = async_optimizer
+        self.num_microbatches = num_microbatches
+        self.microbatches_per_round = microbatches_per_round
+        self.plan = plan
+        self.layers = layers
+        self.device_memory_limit = device_memory_limit
+        self.optimizer_threads = optimizer_threads
+        self.fuse_optimizer = fuse_optimizer
+        self.seed = seed
+        self.watchdog_timeout = watchdog_timeout
+        self.engine: RoundPipeEngine | None = None
+        self._adapter = None
+        self._restore: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------- registry
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "roundpipe", cls, description="RoundPipe with the asynchronous optimizer",
+            async_optimizer=True,
+        )
+        strategy_registry.register(
+            "roundpipe_sync", cls,
+            description="RoundPipe with a synchronous optimizer (ordinary training semantics)",
+            async_optimizer=False,
+        )
+
+    # -------------------------------------------------------- precision
+    @property
+    def precision_plugin(self) -> RoundPipePrecision:
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = RoundPipePrecision.from_plugin(plugin)
+
+    # --------------------------------------------------- single process
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[0]
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return tensor.unsqueeze(0)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    def setup_environment(self) -> None:
+        pass  # no process group; devices are driven by the engine's workers
+
+    def model_to_device(self) -> None:
+        pass  # the module stays on the host
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None,
+                        dataloader_idx: int = 0) -> Any:
+        return batch  # the engine uploads each micro-batch to the device that runs it
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        with torch.device("cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------- setup
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+        self._build_engine(trainer)
+
+    def _check_optimizers(self) -> None:
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                "RoundPipeStrategy supports automatic optimization only; set "
+                "self.automatic_optimization = True (manual optimization cannot be pipelined)"
+            )
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"RoundPipeStrategy supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}"
+            )
+        owned = {id(p) for p in module.parameters()}
+        for group in self.optimizers[0].param_groups:
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not a parameter of the "
+                        "LightningModule; build the optimizer from self.parameters()"
+                    )
+
+    def _build_engine(self, trainer: Any) -> None:
+        module = self.lightning_module
+        adapter = find_adapter(module, self.layers)
+        devices = list(self.parallel_devices or [torch.device("cpu")])
+        n = len(devices)
+        m = n if self.num_microbatches == "auto" else self.num_microbatches
+        seed = self.seed if self.seed is not None else torch.initial_seed()
+        self.engine = RoundPipeEngine(
+            adapter.layers(),
+            devices,
+            m,
+            plan=None if self.plan == "auto" else self.plan,
+            microbatches_per_round=self.microbatches_per_round,
+            precision=self.precision_plugin.precision,
+            async_optimizer=self.async_optimizer,
+            seed=seed,
+            watchdog_timeout=self.watchdog_timeout,
+            device_memory_limit=self.device_memory_limit,
+            optimizer_threads=self.optimizer_threads,
+        )
+        self._adapter = adapter
+        adapter.attach(self.engine, lambda: 1.0 / max(1, trainer.accumulate_grad_batches))
+        self._restore.append(adapter.detach)
+        log.info("RoundPipe: %s %r, %d layers, plan %s on %s", adapter.kind, adapter.name,
+                 len(adapter.layers()), self.engine.plan, ", ".join(map(str, devices)))
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._route_optimizer_calls(trainer)
+
+    def _route_optimizer_calls(self, trainer: Any) -> None:
+        """``zero_grad`` and scheduler steps run in order with the (asynchronous)
+        optimizer steps, never racing them."""
+        engine = self.engine
+        opt = self.optimizers[0]
+        if self.fuse_optimizer and use_fused(opt):
+            log.info("RoundPipe: optimizer switched to torch's fused CPU kernel")
+        original_zero = opt.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            engine.call(lambda: original_zero(set_to_none=set_to_none))
+
+        opt.zero_grad = zero_grad
+        self._restore.append(lambda: opt.__dict__.pop("zero_grad", None))
+        for config in self.lr_scheduler_configs:
+            sched = config.scheduler
+            original_step = sched.step
+
+            def step(*args: Any, _orig=original_step, **kwargs: Any) -> None:
+                engine.call(lambda: _orig(*args, **kwargs))
+
+            sched.step = step
+            self._restore.append(lambda s=sched: s.__dict__.pop("step", None))
+
+    # -------------------------------------------------------- optimizing
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Any = None, **kwargs: Any) -> Any:
+        """Run the closure (``training_step`` and the pipelined backward), the
+        hooks Lightning runs before a step, then queue the step on the engine."""
+        model = model or self.lightning_module
+        result = closure()
+        self.precision_plugin._after_closure(model, optimizer)
+        handle = self.engine.step(lambda: optimizer.step(**kwargs),
+                                  **self.precision_plugin.take_clip())
+        if not self.async_optimizer:
+            handle.wait()
+        return result
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any,
+                 **kwargs: Any) -> Tensor:
+        self.pre_backward(closure_loss)
+        closure_loss.backward(*args, **kwargs)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # -------------------------------------------------------- checkpoints
+    def _drain(self) -> None:
+        if self.engine is not None:
+            self.engine.synchronize()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._drain()  # the optimizer copy holds the latest completed step
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self._drain()
+        return super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.engine is not None:
+            self.engine.reload_weights()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # keep optimizer state on the host, where the optimizer runs
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            opt.load_state_dict(state)
+
+    # ----------------------------------------------------------- teardown
+    def _close(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self._close()
+        super().teardown()
