@@ -48,7 +48,7 @@ class _Deferred(torch.autograd.Function):
     """Outputs computed by the pipeline; their backward runs the pipeline's."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run) -> torch.Tensor:
         ctx.run = run
         return value.clone()
 
@@ -212,7 +212,7 @@ class _Head(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden_states, position_ids=None, attention_mask=None):  # noqa: ARG002
+    def forward(self, hidden_states, position_ids=None, attention_mask=None):
         return self.lm_head(self.norm(hidden_states))
 
 
@@ -264,15 +264,21 @@ class CausalLMAdapter(_Adapter):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         if input_ids is None or inputs_embeds is not None:
-            raise TypeError(f"{self.name}: the pipeline takes input_ids (inputs_embeds is "
-                            "not supported)")
+            raise TypeError(
+                f"{self.name}: the pipeline takes input_ids (inputs_embeds is not supported)"
+            )
         if past_key_values is not None or use_cache:
             log.debug("RoundPipe ignores past_key_values/use_cache (training has no cache)")
-        unknown = {k for k in kwargs if k not in ("return_dict", "output_attentions",
-                                                  "output_hidden_states", "logits_to_keep")}
+        unknown = {
+            k
+            for k in kwargs
+            if k
+            not in ("return_dict", "output_attentions", "output_hidden_states", "logits_to_keep")
+        }
         if unknown:
-            raise TypeError(f"{self.name}: arguments {sorted(unknown)} are not supported by the "
-                            "pipeline")
+            raise TypeError(
+                f"{self.name}: arguments {sorted(unknown)} are not supported by the pipeline"
+            )
         inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
@@ -285,16 +291,19 @@ class CausalLMAdapter(_Adapter):
         if training and labels is not None:
             m = engine.num_microbatches
             bsz = batch_size_of(input_ids)
-            counts = [
-                int((_shifted(y) != -100).sum())
-                for y in split_microbatches(labels, m, bsz)
-            ]
+            counts = [int((_shifted(y) != -100).sum()) for y in split_microbatches(labels, m, bsz)]
             total = max(1, sum(counts))
             scale = self.grad_scale()
-            loss = engine.forward_backward(
-                inputs, labels=labels, loss_fn=causal_lm_loss,
-                loss_weights=[c / total for c in counts], scale=scale,
-            ) / scale
+            loss = (
+                engine.forward_backward(
+                    inputs,
+                    labels=labels,
+                    loss_fn=causal_lm_loss,
+                    loss_weights=[c / total for c in counts],
+                    scale=scale,
+                )
+                / scale
+            )
             return CausalLMOutputWithPast(loss=_expect_grad(loss, scale, self.name), logits=None)
         if training:
             logits = self._outputs_with_backward(inputs)
@@ -311,7 +320,7 @@ class _Expect(torch.autograd.Function):
     checks that autograd asks for exactly that."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, scale: float, name: str):  # noqa: ARG004
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, scale: float, name: str):
         ctx.scale, ctx.name = scale, name
         return value.clone()
 

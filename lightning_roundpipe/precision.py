@@ -21,8 +21,7 @@ from torch import nn
 __all__ = ["SUPPORTED", "RoundPipePrecision"]
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
-_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed",
-            16: "16-mixed"}
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 
 class RoundPipePrecision(Precision):
@@ -32,8 +31,9 @@ class RoundPipePrecision(Precision):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
     """
 
-    def __init__(self, precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
-                 = "32-true") -> None:
+    def __init__(
+        self, precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"] = "32-true"
+    ) -> None:
         precision = _ALIASES.get(precision, precision)
         if precision not in SUPPORTED:
             raise ValueError(

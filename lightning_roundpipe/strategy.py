@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -114,11 +114,14 @@ class RoundPipeStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
-            "roundpipe", cls, description="RoundPipe with the asynchronous optimizer",
+            "roundpipe",
+            cls,
+            description="RoundPipe with the asynchronous optimizer",
             async_optimizer=True,
         )
         strategy_registry.register(
-            "roundpipe_sync", cls,
+            "roundpipe_sync",
+            cls,
             description="RoundPipe with a synchronous optimizer (ordinary training semantics)",
             async_optimizer=False,
         )
@@ -183,8 +186,9 @@ class RoundPipeStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         pass  # the module stays on the host
 
-    def batch_to_device(self, batch: Any, device: torch.device | None = None,
-                        dataloader_idx: int = 0) -> Any:
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
         return batch  # the engine uploads each micro-batch to the device that runs it
 
     @contextmanager
@@ -247,8 +251,14 @@ class RoundPipeStrategy(ParallelStrategy):
         self._adapter = adapter
         adapter.attach(self.engine, lambda: 1.0 / max(1, trainer.accumulate_grad_batches))
         self._restore.append(adapter.detach)
-        log.info("RoundPipe: %s %r, %d layers, plan %s on %s", adapter.kind, adapter.name,
-                 len(adapter.layers()), self.engine.plan, ", ".join(map(str, devices)))
+        log.info(
+            "RoundPipe: %s %r, %d layers, plan %s on %s",
+            adapter.kind,
+            adapter.name,
+            len(adapter.layers()),
+            self.engine.plan,
+            ", ".join(map(str, devices)),
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
 
@@ -277,21 +287,24 @@ class RoundPipeStrategy(ParallelStrategy):
             self._restore.append(lambda s=sched: s.__dict__.pop("step", None))
 
     # -------------------------------------------------------- optimizing
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         """Run the closure (``training_step`` and the pipelined backward), the
         hooks Lightning runs before a step, then queue the step on the engine."""
         model = model or self.lightning_module
         result = closure()
         self.precision_plugin._after_closure(model, optimizer)
-        handle = self.engine.step(lambda: optimizer.step(**kwargs),
-                                  **self.precision_plugin.take_clip())
+        handle = self.engine.step(
+            lambda: optimizer.step(**kwargs), **self.precision_plugin.take_clip()
+        )
         if not self.async_optimizer:
             handle.wait()
         return result
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any,
-                 **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         self.pre_backward(closure_loss)
         closure_loss.backward(*args, **kwargs)
         self.post_backward(closure_loss)

@@ -530,12 +530,16 @@ def test_loss_outside_the_pipeline_via_output_gradients():
         it = eng.reserve_iteration()
         logits = eng.forward(ids, iteration=it).requires_grad_(True)
         # the user's loss, computed outside the model on the whole batch
-        per_mb = [lm_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4),
-                                                    strict=True)]
+        per_mb = [lm_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4), strict=True)]
         loss = sum(per_mb) / 4
         loss.backward()
-        eng.forward_backward(ids, labels=logits.grad, iteration=it,
-                             loss_fn=lambda out, g: (out * g).sum(), loss_weights=[1.0] * 4)
+        eng.forward_backward(
+            ids,
+            labels=logits.grad,
+            iteration=it,
+            loss_fn=lambda out, g: (out * g).sum(),
+            loss_weights=[1.0] * 4,
+        )
         eng.synchronize()
     torch.testing.assert_close(loss.detach(), expected)
     assert_grads_equal(layers, ref)
@@ -545,8 +549,9 @@ def test_ordered_calls_run_after_the_queued_step():
     layers = mlp()
     order = []
     with engine(layers, 2, 2, async_optimizer=True) as eng:
-        eng.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 4),
-                             loss_fn=nn.functional.mse_loss)
+        eng.forward_backward(
+            torch.randn(4, 8), labels=torch.randn(4, 4), loss_fn=nn.functional.mse_loss
+        )
         eng.step(lambda: order.append("step"))
         h = eng.call(lambda: order.append("zero_grad") or "done")
         assert h.wait().result == "done"
