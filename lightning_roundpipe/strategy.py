@@ -129,11 +129,15 @@ class RoundPipeStrategy(ParallelStrategy):
     # -------------------------------------------------------- precision
     @property
     def precision_plugin(self) -> RoundPipePrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = RoundPipePrecision()
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = RoundPipePrecision.from_plugin(plugin)
+        # None stays None so that Trainer(precision=...) still chooses; any plugin
+        # Lightning picks is turned into ours (or refused with the choices)
+        self._precision_plugin = None if plugin is None else RoundPipePrecision.from_plugin(plugin)
 
     # --------------------------------------------------- single process
     @property

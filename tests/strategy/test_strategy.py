@@ -1,0 +1,191 @@
+"""Trainer(strategy="roundpipe") against Trainer(strategy="auto") on the same module."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_roundpipe
+from lightning_roundpipe import RoundPipeStrategy
+
+from .modules import CausalLM, LogitsLM, SeqModule, lm_data, loader, seq_data
+
+pytest.importorskip("transformers")
+
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+             enable_model_summary=False)
+
+
+def fit(module, data, strategy, devices=1, **kw):
+    L.seed_everything(0)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, **QUIET, **kw)
+    trainer.fit(module, loader(data), loader(data))
+    return trainer
+
+
+def params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def assert_same(a, b, atol=1e-5, rtol=1e-4):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+
+
+def sync(n_mb=4, **kw):
+    return RoundPipeStrategy(async_optimizer=False, num_microbatches=n_mb, **kw)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_causal_lm_matches_default_strategy(kind):
+    data = lm_data()
+    ref = CausalLM(kind)
+    t_ref = fit(ref, data, "auto", max_steps=6, accumulate_grad_batches=2,
+                gradient_clip_val=0.5)
+    mod = CausalLM(kind)
+    t = fit(mod, data, sync(), devices=3, max_steps=6, accumulate_grad_batches=2,
+            gradient_clip_val=0.5)
+    assert_same(params(mod), params(ref))
+    for key in ("train_loss", "val_loss"):
+        torch.testing.assert_close(t.callback_metrics[key], t_ref.callback_metrics[key],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_lora_matches_default_strategy_and_frozen_weights_get_no_gradients():
+    pytest.importorskip("peft")
+    data = lm_data()
+    ref = CausalLM("llama", lora=True)
+    fit(ref, data, "auto", max_steps=4)
+    mod = CausalLM("llama", lora=True)
+    strategy = sync()
+    frozen_before = [p.detach().clone() for p in mod.parameters() if not p.requires_grad]
+    fit(mod, data, strategy, devices=2, max_steps=4)
+    assert_same(params(mod), params(ref))
+    frozen_after = [p for p in mod.parameters() if not p.requires_grad]
+    assert frozen_before and all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after,
+                                                                    strict=True))
+    assert "lora_A" in "".join(mod.state_dict().keys())
+
+
+def test_loss_from_logits_in_training_step():
+    data = lm_data()
+    ref = LogitsLM("qwen3")
+    fit(ref, data, "auto", max_steps=4)
+    mod = LogitsLM("qwen3")
+    fit(mod, data, sync(), devices=2, max_steps=4)
+    assert_same(params(mod), params(ref))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_sequential_with_extra_loss_term_and_step_scheduler(devices):
+    data = seq_data()
+    ref = SeqModule()
+    fit(ref, data, "auto", max_epochs=2)
+    mod = SeqModule()
+    t = fit(mod, data, sync(), devices=devices, max_epochs=2)
+    assert_same(params(mod), params(ref))
+    assert t.lr_scheduler_configs[0].scheduler.get_last_lr() == \
+        ref.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+
+
+def test_async_mode_trains():
+    data = lm_data(64)
+    mod = CausalLM("qwen3", lr=3e-3)
+    t = fit(mod, data, "roundpipe", devices=2, max_epochs=3)
+    assert isinstance(t.strategy, RoundPipeStrategy) and t.strategy.async_optimizer
+    assert float(t.callback_metrics["val_loss"]) < 4.5  # log(97) = 4.57 at the start
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["roundpipe"]["init_params"] == {"async_optimizer": True}
+    assert StrategyRegistry["roundpipe_sync"]["init_params"] == {"async_optimizer": False}
+    assert lightning_roundpipe.RoundPipeStrategy is RoundPipeStrategy
+
+
+def test_checkpoint_loads_without_roundpipe_and_resume_matches(tmp_path):
+    data = lm_data()
+    straight = CausalLM("qwen3")
+    fit(straight, data, sync(), devices=2, max_steps=8)
+
+    first = CausalLM("qwen3")
+    t1 = fit(first, data, sync(), devices=2, max_epochs=1)  # 4 steps: an epoch boundary
+    ckpt = tmp_path / "half.ckpt"
+    t1.save_checkpoint(ckpt)
+    resumed = CausalLM("qwen3")
+    L.seed_everything(0)
+    t2 = L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=8, **QUIET)
+    t2.fit(resumed, loader(data), loader(data), ckpt_path=ckpt)
+    assert_same(params(resumed), params(straight), atol=1e-6, rtol=1e-6)
+
+    # an ordinary Lightning user loads it without lightning_roundpipe
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from tests.strategy.modules import CausalLM\n"
+        "m = CausalLM.load_from_checkpoint(%r)\n"
+        "assert 'lightning_roundpipe' not in sys.modules\n"
+        "print(sum(p.numel() for p in m.parameters()))\n"
+    ) % (str(Path(__file__).resolve().parents[2]), str(ckpt))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert int(out.stdout.strip()) == sum(p.numel() for p in first.parameters())
+
+
+def test_checkpoint_from_default_strategy_resumes_under_roundpipe(tmp_path):
+    data = lm_data()
+    straight = CausalLM("qwen3")
+    fit(straight, data, "auto", max_steps=8)
+    first = CausalLM("qwen3")
+    t1 = fit(first, data, "auto", max_epochs=1)
+    t1.save_checkpoint(tmp_path / "a.ckpt")
+    resumed = CausalLM("qwen3")
+    L.seed_everything(0)
+    L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=8, **QUIET).fit(
+        resumed, loader(data), loader(data), ckpt_path=tmp_path / "a.ckpt")
+    assert_same(params(resumed), params(straight))
+
+
+class NoStack(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.a(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_errors_name_the_option():
+    data = seq_data(8)
+    with pytest.raises(ValueError, match=r"no layer stack found in NoStack: .*searched: a\)\. "
+                       "Pass layers='attribute.path' to RoundPipeStrategy"):
+        fit(NoStack(), data, sync(), max_steps=1)
+    with pytest.raises(ValueError, match="precision='64-true' is not supported by the RoundPipe "
+                       "strategy; use one of '32-true'"):
+        fit(SeqModule(), data, sync(), max_steps=1, precision="64-true")
+    with pytest.raises(ValueError, match=r"layers='nope': SeqModule has no attribute 'nope'"):
+        fit(SeqModule(), data, sync(layers="nope"), max_steps=1)
+    with pytest.raises(ValueError, match=r"batch size \(2\) is smaller than num_microbatches "
+                       r"\(4\)"):
+        L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=1, **QUIET).fit(
+            SeqModule(), loader(data, batch_size=2))
+    with pytest.raises(ValueError, match="num_microbatches must be a positive integer or 'auto'"):
+        RoundPipeStrategy(num_microbatches=0)
+
+
+class Manual(SeqModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused():
+    with pytest.raises(ValueError, match="supports automatic optimization only"):
+        fit(Manual(), seq_data(8), sync(), max_steps=1)
