@@ -27,8 +27,15 @@ def loader(ds: TensorDataset, batch_size: int = 8) -> DataLoader:
 def hf_model(kind: str = "qwen3", layers: int = 3) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **kw))
@@ -46,8 +53,12 @@ class CausalLM(L.LightningModule):
             from peft import LoraConfig, get_peft_model
 
             torch.manual_seed(1)
-            self.model = get_peft_model(self.model, LoraConfig(
-                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+            self.model = get_peft_model(
+                self.model,
+                LoraConfig(
+                    r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+                ),
+            )
 
     def training_step(self, batch, batch_idx):
         ids, mask, labels = batch
@@ -81,8 +92,9 @@ class SeqModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                                 nn.Linear(16, 1))
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+        )
         self.extra = nn.Linear(1, 1)  # a parameter outside the pipeline
 
     def training_step(self, batch, batch_idx):

@@ -16,8 +16,9 @@ from .modules import CausalLM, LogitsLM, SeqModule, lm_data, loader, seq_data
 
 pytest.importorskip("transformers")
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-             enable_model_summary=False)
+QUIET = dict(
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+)
 
 
 def fit(module, data, strategy, devices=1, **kw):
@@ -44,15 +45,16 @@ def sync(n_mb=4, **kw):
 def test_causal_lm_matches_default_strategy(kind):
     data = lm_data()
     ref = CausalLM(kind)
-    t_ref = fit(ref, data, "auto", max_steps=6, accumulate_grad_batches=2,
-                gradient_clip_val=0.5)
+    t_ref = fit(ref, data, "auto", max_steps=6, accumulate_grad_batches=2, gradient_clip_val=0.5)
     mod = CausalLM(kind)
-    t = fit(mod, data, sync(), devices=3, max_steps=6, accumulate_grad_batches=2,
-            gradient_clip_val=0.5)
+    t = fit(
+        mod, data, sync(), devices=3, max_steps=6, accumulate_grad_batches=2, gradient_clip_val=0.5
+    )
     assert_same(params(mod), params(ref))
     for key in ("train_loss", "val_loss"):
-        torch.testing.assert_close(t.callback_metrics[key], t_ref.callback_metrics[key],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            t.callback_metrics[key], t_ref.callback_metrics[key], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_lora_matches_default_strategy_and_frozen_weights_get_no_gradients():
@@ -66,8 +68,9 @@ def test_lora_matches_default_strategy_and_frozen_weights_get_no_gradients():
     fit(mod, data, strategy, devices=2, max_steps=4)
     assert_same(params(mod), params(ref))
     frozen_after = [p for p in mod.parameters() if not p.requires_grad]
-    assert frozen_before and all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after,
-                                                                    strict=True))
+    assert frozen_before and all(
+        torch.equal(a, b) for a, b in zip(frozen_before, frozen_after, strict=True)
+    )
     assert "lora_A" in "".join(mod.state_dict().keys())
 
 
@@ -88,8 +91,10 @@ def test_sequential_with_extra_loss_term_and_step_scheduler(devices):
     mod = SeqModule()
     t = fit(mod, data, sync(), devices=devices, max_epochs=2)
     assert_same(params(mod), params(ref))
-    assert t.lr_scheduler_configs[0].scheduler.get_last_lr() == \
-        ref.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+    assert (
+        t.lr_scheduler_configs[0].scheduler.get_last_lr()
+        == ref.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+    )
 
 
 def test_async_mode_trains():
@@ -125,14 +130,13 @@ def test_checkpoint_loads_without_roundpipe_and_resume_matches(tmp_path):
 
     # an ordinary Lightning user loads it without lightning_roundpipe
     code = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
         "from tests.strategy.modules import CausalLM\n"
-        "m = CausalLM.load_from_checkpoint(%r)\n"
+        f"m = CausalLM.load_from_checkpoint({str(ckpt)!r})\n"
         "assert 'lightning_roundpipe' not in sys.modules\n"
         "print(sum(p.numel() for p in m.parameters()))\n"
-    ) % (str(Path(__file__).resolve().parents[2]), str(ckpt))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) == sum(p.numel() for p in first.parameters())
 
 
@@ -146,7 +150,8 @@ def test_checkpoint_from_default_strategy_resumes_under_roundpipe(tmp_path):
     resumed = CausalLM("qwen3")
     L.seed_everything(0)
     L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=8, **QUIET).fit(
-        resumed, loader(data), loader(data), ckpt_path=tmp_path / "a.ckpt")
+        resumed, loader(data), loader(data), ckpt_path=tmp_path / "a.ckpt"
+    )
     assert_same(params(resumed), params(straight))
 
 
@@ -164,18 +169,28 @@ class NoStack(L.LightningModule):
 
 def test_errors_name_the_option():
     data = seq_data(8)
-    with pytest.raises(ValueError, match=r"no layer stack found in NoStack: .*searched: a\)\. "
-                       "Pass layers='attribute.path' to RoundPipeStrategy"):
+    with pytest.raises(
+        ValueError,
+        match=r"no layer stack found in NoStack: .*searched: a\)\. "
+        "Pass layers='attribute.path' to RoundPipeStrategy",
+    ):
         fit(NoStack(), data, sync(), max_steps=1)
-    with pytest.raises(ValueError, match="precision='64-true' is not supported by the RoundPipe "
-                       "strategy; use one of '32-true'"):
+    with pytest.raises(
+        ValueError,
+        match="precision='64-true' is not supported by the RoundPipe "
+        "strategy; use one of '32-true'",
+    ):
         fit(SeqModule(), data, sync(), max_steps=1, precision="64-true")
     with pytest.raises(ValueError, match=r"layers='nope': SeqModule has no attribute 'nope'"):
         fit(SeqModule(), data, sync(layers="nope"), max_steps=1)
-    with pytest.raises(ValueError, match=r"batch size \(2\) is smaller than num_microbatches "
-                       r"\(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch size \(2\) is smaller than num_microbatches "
+        r"\(4\)",
+    ):
         L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=1, **QUIET).fit(
-            SeqModule(), loader(data, batch_size=2))
+            SeqModule(), loader(data, batch_size=2)
+        )
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer or 'auto'"):
         RoundPipeStrategy(num_microbatches=0)
 
