@@ -107,6 +107,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self.seed = seed
         self.watchdog_timeout = watchdog_timeout
         self.engine: RoundPipeEngine | None = None
+        self.stage_plan = None
+        self.pipeline_layers: list[torch.nn.Module] = []
+        self.microbatches: int | None = None
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
 
@@ -253,6 +256,10 @@ class RoundPipeStrategy(ParallelStrategy):
             optimizer_threads=self.optimizer_threads,
         )
         self._adapter = adapter
+        # kept after the engine closes, for reports
+        self.stage_plan = self.engine.plan
+        self.pipeline_layers = adapter.layers()
+        self.microbatches = m
         adapter.attach(self.engine, lambda: 1.0 / max(1, trainer.accumulate_grad_batches))
         self._restore.append(adapter.detach)
         log.info(

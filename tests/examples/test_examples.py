@@ -33,3 +33,39 @@ def test_figure1_roundpipe_beats_looped_bfs():
     for head in (1.0, 3.0):
         rp, bfs, *_ = mod.run(Path("unused"), head, png=False)
         assert rp.bubble_ratio < bfs.bubble_ratio
+
+
+def test_main_job_trains_and_reports(tmp_path):
+    pytest.importorskip("transformers")
+    mod = load("train_tiny_lm")
+    report = mod.main(["--steps", "40", "--out", str(tmp_path)])
+    assert report["last_loss"] < report["first_loss"] - 1.0  # a visibly falling loss
+    assert report["tokens_per_second"] > 0
+    assert 0.0 <= report["bubble_ratio"] < 1.0
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("strategy", [None, "roundpipe_sync"])
+def test_lightning_cli_yaml_config_runs(strategy, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("jsonargparse")
+    mod = load("train_tiny_lm_cli")
+    args = [
+        "fit",
+        "--config",
+        str(EXAMPLES / "train_tiny_lm.yaml"),
+        "--trainer.max_steps",
+        "3",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.val_check_interval",
+        "3",
+    ]
+    if strategy:
+        args += ["--trainer.strategy", strategy]
+    cli = mod.main(args)
+    from lightning_roundpipe import RoundPipeStrategy
+
+    assert isinstance(cli.trainer.strategy, RoundPipeStrategy)
+    assert cli.trainer.strategy.async_optimizer is (strategy is None)
+    assert cli.trainer.global_step == 3
