@@ -110,6 +110,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self.stage_plan = None
         self.pipeline_layers: list[torch.nn.Module] = []
         self.microbatches: int | None = None
+        self._final_stale: dict[str, Tensor] | None = None
+        self._stale: dict[str, Tensor] | None = None
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
 
@@ -272,6 +274,7 @@ class RoundPipeStrategy(ParallelStrategy):
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
+            self._resume_stale()
 
     def _route_optimizer_calls(self, trainer: Any) -> None:
         """``zero_grad`` and scheduler steps run in order with the (asynchronous)
@@ -334,10 +337,46 @@ class RoundPipeStrategy(ParallelStrategy):
         self._drain()
         return super().optimizer_state(optimizer)
 
+    _STALE_KEY = "roundpipe_stale_weights"
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        # the weights the next window computes with (one update behind), so an
+        # asynchronous run resumes exactly; ordinary loaders ignore the key
+        stale = self._stale_by_name() if self.engine is not None else self._final_stale
+        if stale:
+            checkpoint[self._STALE_KEY] = stale
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _stale_by_name(self) -> dict[str, Tensor] | None:
+        if self.engine is None or not self.async_optimizer:
+            return None
+        self._drain()
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        return {
+            names[id(p)]: t.detach().clone()
+            for p, t in zip(self.engine.parameters(), self.engine.stale_weights(), strict=True)
+            if id(p) in names
+        }
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
+        self._stale = checkpoint.get(self._STALE_KEY)
         if self.engine is not None:
             self.engine.reload_weights()
+            self._resume_stale()
+
+    def _resume_stale(self) -> None:
+        stale, self._stale = self._stale, None
+        if not stale or self.engine is None or not self.async_optimizer:
+            return
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        tensors = [
+            stale.get(names.get(id(p)), t)
+            for p, t in zip(self.engine.parameters(), self.engine.stale_weights(), strict=True)
+        ]
+        self.engine.resume(tensors)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # keep optimizer state on the host, where the optimizer runs
@@ -359,6 +398,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def teardown(self) -> None:
         try:
             self._drain()
+            self._final_stale = self._stale_by_name()  # for a checkpoint saved after fit
         finally:
             self._close()
         super().teardown()

@@ -647,6 +647,52 @@ class RoundPipeEngine:
             raise
         return handle
 
+    def stale_weights(self) -> list[torch.Tensor]:
+        """The master copies (the weights the next window computes with; in
+        asynchronous mode one update behind the parameters), one per distinct
+        parameter in :meth:`parameters` order. Call after :meth:`synchronize`."""
+        return [p.master for p in self._host.params]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The distinct parameters of the pipeline layers, in engine order."""
+        return [p.param for p in self._host.params]
+
+    def resume(self, stale: Sequence[torch.Tensor]) -> None:
+        """Continue an asynchronous run from a checkpoint exactly.
+
+        ``stale`` are the master copies saved with the checkpoint (the weights
+        one update behind the parameters). The next window computes with them,
+        and the copy of the parameters into the master copies, pending when the
+        checkpoint was taken, runs once that window stops reading each weight,
+        as it would have in the uninterrupted run."""
+        if not self.async_optimizer:
+            raise ValueError(
+                "resume() is for the asynchronous optimizer; synchronous runs "
+                "restart from the parameters alone"
+            )
+        if self._iteration or self._window:
+            raise RuntimeError("resume() must be called before the first forward_backward")
+        params = self._host.params
+        if len(stale) != len(params):
+            raise ValueError(f"resume() got {len(stale)} tensors for {len(params)} parameters")
+        with torch.no_grad():
+            for p, t in zip(params, stale, strict=True):
+                if tuple(t.shape) != tuple(p.master.shape):
+                    raise ValueError(
+                        f"saved weight of shape {tuple(t.shape)} does not fit parameter "
+                        f"{p.index} of shape {tuple(p.master.shape)}"
+                    )
+                p.master.copy_(t)
+        # numbering as if a window 0 had run: window 1 is next, the G copy of
+        # window 0 is done, and update 0's P copy (parameters -> masters) is pending
+        proto = self._protocol
+        with proto.cond:
+            self._window = 1
+            proto.closed = 0
+            proto.g_done = [1] * len(params)
+            proto.p_done = [0] * len(params)
+        self._optimizer._pending = (0, list(params))
+
     def reload_weights(self) -> None:
         """Copy the parameters into the master copy again; call after changing
         parameters outside :meth:`step` (e.g. ``load_state_dict``)."""
