@@ -13,6 +13,7 @@ they run in order on the optimizer thread while devices compute.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -22,12 +23,14 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
 from .models import find_adapter
+from .plan import simulate
 from .precision import RoundPipePrecision
-from .runtime import RoundPipeEngine, use_fused
+from .runtime import RoundPipeEngine, estimate_costs, use_fused
 
 __all__ = ["RoundPipeStrategy"]
 
@@ -59,6 +62,11 @@ class RoundPipeStrategy(ParallelStrategy):
             by ``seed_everything``).
         watchdog_timeout: seconds a hand-off may take before the run fails with
             what never arrived.
+        log_every_n_steps: how often the strategy logs its own metrics to the
+            Trainer's logger (``roundpipe/step_time``, ``roundpipe/wait_fraction``:
+            the share of the step the training loop spent waiting on the
+            pipeline, ``roundpipe/simulated_bubble``, ``roundpipe/slots``);
+            default: the Trainer's ``log_every_n_steps``; 0 turns it off.
     """
 
     strategy_name = "roundpipe"
@@ -80,6 +88,7 @@ class RoundPipeStrategy(ParallelStrategy):
         fuse_optimizer: bool = True,
         seed: int | None = None,
         watchdog_timeout: float = 600.0,
+        log_every_n_steps: int | None = None,
     ) -> None:
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
@@ -106,7 +115,10 @@ class RoundPipeStrategy(ParallelStrategy):
         self.fuse_optimizer = fuse_optimizer
         self.seed = seed
         self.watchdog_timeout = watchdog_timeout
+        self.log_every_n_steps = log_every_n_steps
         self.engine: RoundPipeEngine | None = None
+        self._bubble: float | None = None
+        self._last_step: tuple[float, float] | None = None  # (time, engine wait seconds)
         self.stage_plan = None
         self.pipeline_layers: list[torch.nn.Module] = []
         self.microbatches: int | None = None
@@ -264,13 +276,23 @@ class RoundPipeStrategy(ParallelStrategy):
         self.microbatches = m
         adapter.attach(self.engine, lambda: 1.0 / max(1, trainer.accumulate_grad_batches))
         self._restore.append(adapter.detach)
-        log.info(
-            "RoundPipe: %s %r, %d layers, plan %s on %s",
-            adapter.kind,
-            adapter.name,
-            len(adapter.layers()),
-            self.engine.plan,
-            ", ".join(map(str, devices)),
+        costs = estimate_costs(adapter.layers(), self.engine.compute_dtype)
+        sim = simulate(
+            "roundpipe",
+            costs,
+            n,
+            m,
+            plan=self.engine.plan,
+            microbatches_per_round=self.microbatches_per_round,
+            async_optimizer=self.async_optimizer,
+        )
+        self._bubble = sim.async_bubble_ratio if self.async_optimizer else sim.bubble_ratio
+        rank_zero_info(
+            f"RoundPipe: {adapter.kind} '{adapter.name}', {len(adapter.layers())} pipeline "
+            f"layers, plan {self.engine.plan} on {n} device(s) "
+            f"({', '.join(map(str, devices))}), {m} micro-batches, "
+            f"{'asynchronous' if self.async_optimizer else 'synchronous'} optimizer; "
+            f"simulated bubble {self._bubble:.1%} (size-based estimates)"
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
@@ -290,15 +312,16 @@ class RoundPipeStrategy(ParallelStrategy):
 
         opt.zero_grad = zero_grad
         self._restore.append(lambda: opt.__dict__.pop("zero_grad", None))
-        for config in self.lr_scheduler_configs:
-            sched = config.scheduler
-            original_step = sched.step
+        # scheduler steps go through the module's hook (patching the scheduler
+        # itself would put the patch into its state_dict and checkpoints)
+        module = self.lightning_module
+        original_hook = module.lr_scheduler_step
 
-            def step(*args: Any, _orig=original_step, **kwargs: Any) -> None:
-                engine.call(lambda: _orig(*args, **kwargs))
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            engine.call(lambda: original_hook(scheduler, metric))
 
-            sched.step = step
-            self._restore.append(lambda s=sched: s.__dict__.pop("step", None))
+        module.lr_scheduler_step = lr_scheduler_step
+        self._restore.append(lambda: module.__dict__.pop("lr_scheduler_step", None))
 
     # -------------------------------------------------------- optimizing
     def optimizer_step(
@@ -314,7 +337,29 @@ class RoundPipeStrategy(ParallelStrategy):
         )
         if not self.async_optimizer:
             handle.wait()
+        self._log_metrics(model.trainer)
         return result
+
+    def _log_metrics(self, trainer: Any) -> None:
+        now, waited = time.perf_counter(), self.engine.wait_seconds
+        last, self._last_step = self._last_step, (now, waited)
+        every = self.log_every_n_steps
+        if every is None:
+            every = trainer.log_every_n_steps
+        if last is None or not every or trainer.logger is None:
+            return
+        if (trainer.global_step + 1) % every:
+            return
+        step_time = now - last[0]
+        trainer.logger.log_metrics(
+            {
+                "roundpipe/step_time": step_time,
+                "roundpipe/wait_fraction": (waited - last[1]) / step_time if step_time else 0.0,
+                "roundpipe/simulated_bubble": self._bubble or 0.0,
+                "roundpipe/slots": float(self.engine.plan.num_slots),
+            },
+            step=trainer.global_step,
+        )
 
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any

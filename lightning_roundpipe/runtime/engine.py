@@ -284,6 +284,7 @@ class RoundPipeEngine:
         self.async_optimizer = async_optimizer
         self._window = 0
         self._window_scale: dict[int, float] = {}
+        self.wait_seconds = 0.0  # time the caller's thread spent waiting on the pipeline
         self._jobs = 0
         rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
         self._protocol = Protocol(self._host, rt.store, async_optimizer)
@@ -382,11 +383,14 @@ class RoundPipeEngine:
         raise failure
 
     def _wait(self, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
         try:
             return fn()
         except EngineFailure:
             self._raise_failure()
             raise
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def _split(self, inputs: Any) -> tuple[int, list[Any]]:
         m = self.num_microbatches

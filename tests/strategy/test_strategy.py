@@ -242,3 +242,62 @@ def test_roundpipe_checkpoint_resumes_under_the_default_strategy(tmp_path):
         resumed, loader(data), loader(data), ckpt_path=tmp_path / "rp.ckpt"
     )
     assert_same(params(resumed), params(straight))
+
+
+class MetricLM(CausalLM):
+    def __init__(self):
+        super().__init__("qwen3", lr=3e-3)
+        import torchmetrics
+
+        self.train_mean = torchmetrics.MeanMetric()
+        self.val_ppl = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.train_mean(loss.detach())
+        self.log("train_mean", self.train_mean, on_step=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        self.val_ppl(loss.exp())
+        self.log("val_loss", loss)
+        self.log("val_ppl", self.val_ppl)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
+def test_callbacks_loggers_and_metrics_work(tmp_path):
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=2,
+                           every_n_epochs=1)
+    trainer = L.Trainer(
+        strategy="roundpipe", accelerator="cpu", devices=2, max_epochs=3,
+        logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+        callbacks=[ckpt, LearningRateMonitor(logging_interval="step"),
+                   EarlyStopping(monitor="val_loss", patience=5)],
+        enable_progress_bar=True, enable_model_summary=True,
+    )
+    module = MetricLM()
+    data = lm_data(32)
+    trainer.fit(module, loader(data), loader(data))
+    assert trainer.current_epoch == 3
+    best = Path(ckpt.best_model_path)
+    assert best.exists()
+    loaded = MetricLM.load_from_checkpoint(best)
+    assert sum(p.numel() for p in loaded.parameters()) == sum(
+        p.numel() for p in module.parameters())
+    metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
+    for column in ("train_loss", "train_mean", "val_loss", "val_ppl", "lr-AdamW",
+                   "roundpipe/step_time", "roundpipe/wait_fraction", "roundpipe/simulated_bubble"):
+        assert column in metrics.splitlines()[0]
+    lrs = [float(row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")])
+           for row in metrics.splitlines()[1:]
+           if row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")]]
+    assert max(lrs) == pytest.approx(3e-3) and min(lrs) == pytest.approx(3e-3 * 0.9**2)
