@@ -285,6 +285,7 @@ class RoundPipeEngine:
         self._window = 0
         self._window_scale: dict[int, float] = {}
         self.wait_seconds = 0.0  # time the caller's thread spent waiting on the pipeline
+        self._window_has_grads = False
         self._jobs = 0
         rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
         self._protocol = Protocol(self._host, rt.store, async_optimizer)
@@ -549,6 +550,7 @@ class RoundPipeEngine:
             window = self._window
             # the loss scale a window starts with unscales all of its gradients
             loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
+            self._window_has_grads = True
             call = Call(
                 iteration,
                 window,
@@ -604,7 +606,8 @@ class RoundPipeEngine:
                 lambda: opt.applied >= self._jobs, "the optimizer worker to finish its steps"
             )
         )
-        self._host.expose_grads()
+        if self._window_has_grads:  # evaluation alone leaves .grad untouched
+            self._host.expose_grads()
 
     def step(
         self,
@@ -639,6 +642,7 @@ class RoundPipeEngine:
             handle = StepHandle(window, _store=self._rt.store)
             job = _Job(window, fn, scale, clip_grad_norm, clip_grad_value, handle)
             self._jobs += 1
+            self._window_has_grads = False
             self._protocol.close_window(window)
         if self.async_optimizer:
             self._optimizer.submit(job)

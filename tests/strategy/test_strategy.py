@@ -301,3 +301,68 @@ def test_callbacks_loggers_and_metrics_work(tmp_path):
            for row in metrics.splitlines()[1:]
            if row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")]]
     assert max(lrs) == pytest.approx(3e-3) and min(lrs) == pytest.approx(3e-3 * 0.9**2)
+
+
+class PredictLM(CausalLM):
+    def test_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        self.log("test_loss", self.model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+
+    def predict_step(self, batch, batch_idx):
+        ids, mask, _ = batch
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def test_test_and_predict_run_forward_only_through_the_pipeline():
+    data = lm_data(16)
+    ref = PredictLM("qwen3")
+    mod = PredictLM("qwen3")
+    kw = dict(accelerator="cpu", **QUIET)
+    ref_test = L.Trainer(strategy="auto", devices=1, **kw).test(ref, loader(data))
+    ref_pred = L.Trainer(strategy="auto", devices=1, **kw).predict(ref, loader(data))
+    rp_test = L.Trainer(strategy=sync(), devices=2, **kw).test(mod, loader(data))
+    rp_pred = L.Trainer(strategy=sync(), devices=2, **kw).predict(mod, loader(data))
+    assert rp_test[0]["test_loss"] == pytest.approx(ref_test[0]["test_loss"], rel=1e-5)
+    for a, b in zip(rp_pred, ref_pred, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(p.grad is None for p in mod.parameters())
+
+
+def test_async_training_matches_a_staleness_one_reference():
+    """Window k computes with the weights after k-1 updates; update k applies to
+    the weights after k-1 updates (hand-written with plain PyTorch)."""
+    import copy
+
+    data = lm_data()
+    steps = 6
+    mod = CausalLM("qwen3")
+    reference = copy.deepcopy(mod.model)
+    fit(mod, data, RoundPipeStrategy(num_microbatches=4), devices=2, max_steps=steps)
+
+    compute = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    history = [[p.detach().clone() for p in reference.parameters()]]
+    batches = [b for _ in range(2) for b in loader(data)][:steps]
+    for k, (ids, mask, labels) in enumerate(batches):
+        with torch.no_grad():
+            for c, w in zip(compute.parameters(), history[max(0, k - 1)], strict=True):
+                c.copy_(w)
+        compute.zero_grad()
+        compute(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        for p, c in zip(reference.parameters(), compute.parameters(), strict=True):
+            p.grad = c.grad.clone()
+        opt.step()
+        history.append([p.detach().clone() for p in reference.parameters()])
+    assert_same([p.detach() for p in mod.model.parameters()],
+                [p.detach() for p in reference.parameters()])
+
+
+class ForeignOptimizer(SeqModule):
+    def configure_optimizers(self):
+        return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def test_optimizer_over_foreign_parameters_is_refused():
+    with pytest.raises(ValueError, match="the optimizer holds a parameter that is not a parameter "
+                       "of the LightningModule"):
+        fit(ForeignOptimizer(), seq_data(8), sync(), max_steps=1)
