@@ -67,6 +67,8 @@ class RoundPipeStrategy(ParallelStrategy):
             the share of the step the training loop spent waiting on the
             pipeline, ``roundpipe/simulated_bubble``, ``roundpipe/slots``);
             default: the Trainer's ``log_every_n_steps``; 0 turns it off.
+        workers_per_device: pipeline workers per device (several workers may
+            share one GPU, e.g. to test a many-GPU plan on one card).
     """
 
     strategy_name = "roundpipe"
@@ -89,6 +91,7 @@ class RoundPipeStrategy(ParallelStrategy):
         seed: int | None = None,
         watchdog_timeout: float = 600.0,
         log_every_n_steps: int | None = None,
+        workers_per_device: int = 1,
     ) -> None:
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
@@ -116,9 +119,12 @@ class RoundPipeStrategy(ParallelStrategy):
         self.seed = seed
         self.watchdog_timeout = watchdog_timeout
         self.log_every_n_steps = log_every_n_steps
+        if workers_per_device < 1:
+            raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
+        self.workers_per_device = workers_per_device
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
-        self._last_step: tuple[float, float] | None = None  # (time, engine wait seconds)
+        self._last_step: tuple[float, float, int] | None = None  # time, waited, bytes
         self.stage_plan = None
         self.pipeline_layers: list[torch.nn.Module] = []
         self.microbatches: int | None = None
@@ -250,10 +256,16 @@ class RoundPipeStrategy(ParallelStrategy):
                     )
 
     def _build_engine(self, trainer: Any) -> None:
-        module = self.lightning_module
-        adapter = find_adapter(module, self.layers)
         devices = list(self.parallel_devices or [torch.device("cpu")])
+        cuda = [d for d in devices if d.type == "cuda"]
+        if len(set(cuda)) != len(cuda):
+            raise ValueError(
+                f"devices lists a GPU more than once ({', '.join(map(str, devices))}); to run "
+                "several pipeline workers on one GPU pass workers_per_device=k"
+            )
+        devices = [d for d in devices for _ in range(self.workers_per_device)]
         n = len(devices)
+        adapter = find_adapter(self.lightning_module, self.layers)
         m = n if self.num_microbatches == "auto" else self.num_microbatches
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
@@ -341,8 +353,8 @@ class RoundPipeStrategy(ParallelStrategy):
         return result
 
     def _log_metrics(self, trainer: Any) -> None:
-        now, waited = time.perf_counter(), self.engine.wait_seconds
-        last, self._last_step = self._last_step, (now, waited)
+        now, waited, moved = time.perf_counter(), self.engine.wait_seconds, self.engine.bytes_moved
+        last, self._last_step = self._last_step, (now, waited, moved)
         every = self.log_every_n_steps
         if every is None:
             every = trainer.log_every_n_steps
@@ -357,6 +369,10 @@ class RoundPipeStrategy(ParallelStrategy):
                 "roundpipe/wait_fraction": (waited - last[1]) / step_time if step_time else 0.0,
                 "roundpipe/simulated_bubble": self._bubble or 0.0,
                 "roundpipe/slots": float(self.engine.plan.num_slots),
+                # host <-> device bytes per second of step time, all workers together
+                "roundpipe/transfer_gb_per_s": (moved - last[2]) / step_time / 1e9
+                if step_time
+                else 0.0,
             },
             step=trainer.global_step,
         )

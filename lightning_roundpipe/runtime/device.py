@@ -136,6 +136,7 @@ class DeviceContext:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.bytes_moved = 0  # host <-> device traffic issued by this worker (CUDA only)
         if self.is_cuda:
             hi, lo = -100, 0  # clamped by CUDA to its greatest / least priority
             self.compute = torch.cuda.Stream(device)
@@ -178,6 +179,7 @@ class DeviceContext:
             if dtype is not None and t.dtype != dtype:
                 return t.to(dtype)
             return t.clone() if fresh else t
+        self.bytes_moved += t.numel() * t.element_size()
         with torch.cuda.stream(stream):
             out = t.to(self.device, non_blocking=True)
             if dtype is not None and out.dtype != dtype:
@@ -190,6 +192,7 @@ class DeviceContext:
         is complete once an event recorded on ``stream`` afterwards is."""
         if not self.is_cuda:
             return t
+        self.bytes_moved += t.numel() * t.element_size()
         with torch.cuda.stream(stream):
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             out.copy_(t, non_blocking=True)

@@ -351,6 +351,11 @@ class RoundPipeEngine:
     def compute_dtype(self) -> torch.dtype:
         return self._host.compute_dtype
 
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied between host and devices so far (0 for CPU workers)."""
+        return sum(w.ctx.bytes_moved for w in self._rt.workers if w.ctx is not None)
+
     def host_memory(self) -> dict[str, int]:
         """Bytes of host memory the engine holds (master copies, gradient buffers,
         and how much of it is page-locked)."""

@@ -275,14 +275,23 @@ def test_callbacks_loggers_and_metrics_work(tmp_path):
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=2,
-                           every_n_epochs=1)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=2, every_n_epochs=1
+    )
     trainer = L.Trainer(
-        strategy="roundpipe", accelerator="cpu", devices=2, max_epochs=3,
-        logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
-        callbacks=[ckpt, LearningRateMonitor(logging_interval="step"),
-                   EarlyStopping(monitor="val_loss", patience=5)],
-        enable_progress_bar=True, enable_model_summary=True,
+        strategy="roundpipe",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3,
+        logger=CSVLogger(tmp_path, name="csv"),
+        log_every_n_steps=1,
+        callbacks=[
+            ckpt,
+            LearningRateMonitor(logging_interval="step"),
+            EarlyStopping(monitor="val_loss", patience=5),
+        ],
+        enable_progress_bar=True,
+        enable_model_summary=True,
     )
     module = MetricLM()
     data = lm_data(32)
@@ -292,14 +301,25 @@ def test_callbacks_loggers_and_metrics_work(tmp_path):
     assert best.exists()
     loaded = MetricLM.load_from_checkpoint(best)
     assert sum(p.numel() for p in loaded.parameters()) == sum(
-        p.numel() for p in module.parameters())
+        p.numel() for p in module.parameters()
+    )
     metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
-    for column in ("train_loss", "train_mean", "val_loss", "val_ppl", "lr-AdamW",
-                   "roundpipe/step_time", "roundpipe/wait_fraction", "roundpipe/simulated_bubble"):
+    for column in (
+        "train_loss",
+        "train_mean",
+        "val_loss",
+        "val_ppl",
+        "lr-AdamW",
+        "roundpipe/step_time",
+        "roundpipe/wait_fraction",
+        "roundpipe/simulated_bubble",
+    ):
         assert column in metrics.splitlines()[0]
-    lrs = [float(row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")])
-           for row in metrics.splitlines()[1:]
-           if row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")]]
+    lrs = [
+        float(row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")])
+        for row in metrics.splitlines()[1:]
+        if row.split(",")[metrics.splitlines()[0].split(",").index("lr-AdamW")]
+    ]
     assert max(lrs) == pytest.approx(3e-3) and min(lrs) == pytest.approx(3e-3 * 0.9**2)
 
 
@@ -353,8 +373,9 @@ def test_async_training_matches_a_staleness_one_reference():
             p.grad = c.grad.clone()
         opt.step()
         history.append([p.detach().clone() for p in reference.parameters()])
-    assert_same([p.detach() for p in mod.model.parameters()],
-                [p.detach() for p in reference.parameters()])
+    assert_same(
+        [p.detach() for p in mod.model.parameters()], [p.detach() for p in reference.parameters()]
+    )
 
 
 class ForeignOptimizer(SeqModule):
@@ -363,6 +384,29 @@ class ForeignOptimizer(SeqModule):
 
 
 def test_optimizer_over_foreign_parameters_is_refused():
-    with pytest.raises(ValueError, match="the optimizer holds a parameter that is not a parameter "
-                       "of the LightningModule"):
+    with pytest.raises(
+        ValueError,
+        match="the optimizer holds a parameter that is not a parameter of the LightningModule",
+    ):
         fit(ForeignOptimizer(), seq_data(8), sync(), max_steps=1)
+
+
+def test_duplicate_gpus_need_workers_per_device():
+    strategy = sync()
+    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 0)]
+    with pytest.raises(
+        ValueError,
+        match=r"devices lists a GPU more than once \(cuda:0, cuda:0\); "
+        "to run several pipeline workers on one GPU pass workers_per_device=k",
+    ):
+        strategy._build_engine(None)
+
+
+def test_workers_per_device_multiplies_cpu_workers():
+    data = seq_data()
+    ref = SeqModule()
+    fit(ref, data, "auto", max_steps=3)
+    mod = SeqModule()
+    t = fit(mod, data, sync(workers_per_device=2), devices=2, max_steps=3)
+    assert t.strategy.microbatches == 4
+    assert_same(params(mod), params(ref))
