@@ -41,6 +41,7 @@ from .optimizer import (
     StepHandle,
     _Job,
 )
+from .profiler import Profiler
 from .store import EngineFailure, Store
 from .worker import Call, Layout, Task, Worker, WorkerError
 
@@ -189,6 +190,12 @@ class RoundPipeEngine:
         optimizer_threads: intra-op threads for the asynchronous optimizer
             thread (``torch.set_num_threads`` there); default: unchanged. Keep
             some cores for the device workers.
+        profile_iterations: iterations whose per-layer forward/backward times
+            are measured after a discarded warm-up iteration (0: no profiling).
+        replan_margin: once measurements exist, switch to the partitioner's plan
+            for the measured costs if its objective is better than the current
+            plan's by more than this fraction. A plan given by the caller is never
+            changed.
     """
 
     def __init__(
@@ -205,6 +212,8 @@ class RoundPipeEngine:
         watchdog_timeout: float = 600.0,
         device_memory_limit: int | None = None,
         optimizer_threads: int | None = None,
+        profile_iterations: int = 2,
+        replan_margin: float = 0.05,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -232,6 +241,11 @@ class RoundPipeEngine:
         compute_dtype = PRECISIONS[precision]
         if optimizer_threads is not None and optimizer_threads < 1:
             raise ValueError(f"optimizer_threads must be >= 1, got {optimizer_threads}")
+        if profile_iterations < 0:
+            raise ValueError(f"profile_iterations must be >= 0, got {profile_iterations}")
+        if not replan_margin >= 0:
+            raise ValueError(f"replan_margin must be >= 0, got {replan_margin!r}")
+        user_plan = plan is not None
         if not watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
         n, m = len(devs), num_microbatches
@@ -255,6 +269,12 @@ class RoundPipeEngine:
         dispatch(plan, n, m, microbatches_per_round)  # validates M, M_R against N
 
         # ---- state
+        self._user_plan = user_plan
+        self._costs = costs
+        self._limit = limit
+        self.replan_margin = replan_margin
+        self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
+        self._replanned = False
         self.plan = plan
         self.devices = devs
         self.num_microbatches = m
@@ -263,22 +283,13 @@ class RoundPipeEngine:
         self.layers = layers
         self._iteration = 0
         self._g0 = 0
-        self._layout = Layout.of(plan.stages)
-        # forward-only slots (evaluation, outputs for a loss computed outside):
-        # the forward stages, then the fused stage's layers run forward only
-        top = plan.fused_stage
-        self._forward_slots = [
-            *plan.stages[: len(plan.forward)],
-            Stage(len(plan.forward), "Ftop", "forward", *top),
-        ]
-        self._forward_layout = Layout.of(self._forward_slots, output_readers=1)
+        self._set_plan(plan)
         self._eval_iteration = 0
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         self._stateful = {
             st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
             for st in plan.stages
         }
-        self._last_task: dict[int, tuple] = {}
         self._lock = threading.Lock()
         self.precision = precision
         self.async_optimizer = async_optimizer
@@ -318,11 +329,72 @@ class RoundPipeEngine:
             ", ".join(map(str, devs)),
         )
 
+    def _set_plan(self, plan: StagePlan) -> None:
+        """Install a stage plan (between iterations, with nothing in flight)."""
+        self.plan = plan
+        self._layout = Layout.of(plan.stages)
+        # forward-only slots (evaluation, outputs for a loss computed outside):
+        # the forward stages, then the fused stage's layers run forward only
+        top = plan.fused_stage
+        self._forward_slots = [
+            *plan.stages[: len(plan.forward)],
+            Stage(len(plan.forward), "Ftop", "forward", *top),
+        ]
+        self._forward_layout = Layout.of(self._forward_slots, output_readers=1)
+        self._last_task: dict[int, tuple] = {}
+        if hasattr(self, "_host"):
+            self._stateful = {
+                st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
+                for st in plan.stages
+            }
+
+    def measured_costs(self) -> LayerCosts | None:
+        """Per-layer costs measured so far (median per micro-batch), with the
+        size-based memory estimates; ``None`` before profiling is complete."""
+        if self._profiler is None or not self._profiler.complete:
+            return None
+        return self._profiler.costs(
+            memory=list(self._costs.memory) if self._costs.memory is not None else None,
+            weight_bytes=list(self._costs.weight_bytes)
+            if self._costs.weight_bytes is not None
+            else None,
+        )
+
+    def _maybe_replan(self) -> None:
+        """After profiling, switch to the measured plan if it is clearly better."""
+        if self._replanned or self._profiler is None or not self._profiler.complete:
+            return
+        self._replanned = True
+        if self._user_plan:
+            return
+        self._wait_tasks()  # an iteration boundary with nothing in flight
+        costs = self.measured_costs()
+        n, m = self.num_devices, self.num_microbatches
+        new = partition(costs, n, m, memory_limit=self._limit)
+        old_obj, new_obj = self.plan.objective(costs, n, m), new.objective(costs, n, m)
+        if new != self.plan and new_obj < (1 - self.replan_margin) * old_obj:
+            log.info(
+                "RoundPipe re-partitioned from measurements: %s -> %s (objective %.4g -> %.4g)",
+                self.plan,
+                new,
+                old_obj,
+                new_obj,
+            )
+            self._set_plan(new)
+        else:
+            log.info(
+                "RoundPipe kept plan %s after measuring (best %s, objective %.4g vs %.4g)",
+                self.plan,
+                new,
+                old_obj,
+                new_obj,
+            )
+
     @staticmethod
     def _memory_limit(devs: list[torch.device], costs: LayerCosts, limit: int | None) -> int | None:
         cuda = sorted({d for d in devs if d.type == "cuda"}, key=str)
-        if not cuda:
-            return limit
+        if not cuda and limit is None:
+            return None  # CPU workers: no limit unless one is given
         if limit is None:
             # each worker holds a stage and the prefetched next one; workers
             # sharing a GPU share its free memory
@@ -332,7 +404,8 @@ class RoundPipeEngine:
             if need > limit:
                 raise PlanError(
                     f"layer {i} needs about {int(need)} bytes of device memory (weights and "
-                    f"gradients) but a stage may use {limit} bytes on {cuda[0]}; even one layer "
+                    f"gradients) but a stage may use {limit} bytes on "
+                    f"{cuda[0] if cuda else devs[0]}; even one layer "
                     "at a time does not fit. Raise device_memory_limit or free device memory"
                 )
         return limit
@@ -548,6 +621,7 @@ class RoundPipeEngine:
                     f"loss_weights has {len(weights)} entries; give one per micro-batch ({m})"
                 )
         labs = [None if y is None else self._to_host(y, cast=False) for y in labs]
+        self._maybe_replan()
         with self._lock:
             if iteration is None:
                 iteration = self._iteration
@@ -565,6 +639,7 @@ class RoundPipeEngine:
                 float(scale) * loss_scale,
                 self.seed,
                 self._layout,
+                self._profiler if self._profiler and self._profiler.wants(iteration) else None,
             )
             self._submit(call, self.plan, mbs, train=True)
         store = self._rt.store

@@ -40,6 +40,7 @@ from .device import DeviceContext, layer_seed, seeded
 from .host import HostState, LayerReplica
 from .nested import call_layer, flatten_tensors, map_tensors
 from .optimizer import Protocol
+from .profiler import LayerTimer, Profiler, Stopwatch
 from .store import EngineFailure, HandoffTimeout, Store
 
 __all__ = ["Layout", "Task", "Worker", "WorkerError"]
@@ -111,6 +112,7 @@ class Call:
     scale: float
     seed: int
     layout: Layout
+    profiler: Profiler | None = None  # set while this iteration is being profiled
 
 
 @dataclass
@@ -441,6 +443,7 @@ class Worker:
         replicas: list[LayerReplica],
         x: Any,
         save: Callable[[int, Any], None] | None = None,
+        timer: LayerTimer | None = None,
     ) -> Any:
         st = task.stage
         for off, rep in enumerate(replicas):
@@ -449,7 +452,17 @@ class Worker:
                 self.ctx.on(self.ctx.compute),
                 seeded(self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)),
             ):
+                # marks inside the RNG lock: waiting for it is not the layer's time
+                if timer is not None:
+                    a = timer.watch.mark()
                 x = call_layer(rep.module, x)
+                if timer is not None:
+                    timer.forward[layer] = (a, timer.watch.mark())
+            if timer is not None and torch.is_grad_enabled():
+                # this layer's backward starts when its output's gradient arrives
+                first = next((t for t in flatten_tensors(x) if t.requires_grad), None)
+                if first is not None:
+                    first.register_hook(timer.hook(layer + 1))
             if save is not None:
                 save(layer + 1, x)
         return x
@@ -464,8 +477,10 @@ class Worker:
                 readers = task.call.layout.act_readers[boundary]
                 self._save(pending, (it, "act", boundary, j), value, readers, fresh=True)
 
+        timer = self._timer(task)
         with torch.no_grad():
-            out = self._layers(task, j, replicas, x, save)
+            out = self._layers(task, j, replicas, x, save, timer)
+        self._report(task, timer)
         readers = task.call.layout.act_readers.get(st.stop, 0)
         if readers:
             self._save(pending, (it, "act", st.stop, j), out, readers, fresh=False)
@@ -497,8 +512,9 @@ class Worker:
         it = call.iteration
         x = self._fetch(*self._inputs(task, j)[0])
         x, leaves = self._leaves(x) if st.start > 0 else (x, [])
+        timer = self._timer(task, leaves)
         with torch.enable_grad():
-            out = self._layers(task, j, replicas, x)
+            out = self._layers(task, j, replicas, x, timer=timer)
             labels = call.labels[j]
             if call.loss_fn is not None and labels is not None:
                 ctx = self.ctx
@@ -519,8 +535,11 @@ class Worker:
                     )
                 weighted = loss.reshape(()) * call.weights[j]
                 self._save(pending, (it, "loss", 0, j), weighted.detach().float(), 1, False)
+                if timer is not None:
+                    timer.boundary[st.stop] = timer.watch.mark()  # the loss's backward
                 if weighted.requires_grad:  # False only when nothing below is trainable
                     (weighted * call.scale).backward()
+        self._report(task, timer)
         self._input_grad(task, j, leaves, pending)
 
     def _backward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
@@ -528,8 +547,9 @@ class Worker:
         (xk, xw), (gk, gw) = self._inputs(task, j)
         x, g = self._fetch(xk, xw), self._fetch(gk, gw)
         x, leaves = self._leaves(x) if st.start > 0 else (x, [])
+        timer = self._timer(task, leaves)
         with torch.enable_grad():
-            out = self._layers(task, j, replicas, x)
+            out = self._layers(task, j, replicas, x, timer=timer)
             outs, grads = [], []
             for o, gg in zip(flatten_tensors(out), g, strict=True):
                 if gg is not None and o.requires_grad:
@@ -537,8 +557,30 @@ class Worker:
                     grads.append(gg)
             if outs:
                 with self.ctx.on(self.ctx.compute):
+                    if timer is not None:
+                        timer.boundary[st.stop] = timer.watch.mark()
                     torch.autograd.backward(outs, grads)
+        self._report(task, timer)
         self._input_grad(task, j, leaves, pending)
+
+    # ------------------------------------------------------------ profiling
+    def _timer(self, task: Task, leaves: list | None = None) -> LayerTimer | None:
+        if task.call.profiler is None:
+            return None
+        timer = LayerTimer(Stopwatch(self.ctx.is_cuda, self.ctx.compute))
+        first = next((t for t in leaves or () if t is not None), None)
+        if first is not None:  # the stage's backward ends when its input's gradient arrives
+            first.register_hook(timer.hook(task.stage.start))
+        return timer
+
+    def _report(self, task: Task, timer: LayerTimer | None) -> None:
+        if timer is None:
+            return
+        st = task.stage
+        if st.kind != "forward" and st.start not in timer.boundary:
+            timer.boundary[st.start] = timer.watch.mark()  # nothing below: backward is done
+        fwd, bwd = timer.samples(st.start, st.stop)
+        task.call.profiler.add(task.call.iteration, fwd, bwd)
 
     def _download_grads(self, window: int, params: list, weights: dict[int, nn.Parameter]) -> None:
         ctx = self.ctx

@@ -1,0 +1,89 @@
+"""Measured auto-partitioning: profiling, re-planning, determinism."""
+
+import time
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.plan import partition
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+
+class Slow(nn.Module):
+    """Few parameters (cheap by size-based estimates) but slow to run."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.delay = delay
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return torch.tanh(self.lin(x))
+
+
+def model(slow_at: int, n: int = 10, delay: float = 0.03, others: float = 0.01):
+    torch.manual_seed(0)
+    layers = [Slow(others) for _ in range(n)]
+    layers[slow_at] = Slow(delay)
+    return layers
+
+
+LAYER_BYTES = 72 * 4 * 2  # Linear(8, 8): weights and gradients in fp32
+
+
+def run(layers, iterations, **kw):
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    eng = RoundPipeEngine(layers, ["cpu"] * 2, 4, profile_iterations=2, **kw)
+    plans = [eng.plan]
+    try:
+        for _ in range(iterations):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.step()
+            plans.append(eng.plan)
+        return eng, plans
+    finally:
+        eng.close()
+
+
+def stage_of(plan, layer):
+    return [st for st in plan.stages if st.start <= layer < st.stop]
+
+
+def test_a_slow_layer_gets_a_stage_of_its_own_after_replanning():
+    layers = model(slow_at=4)
+    # at most two layers per stage, so the pipeline has to cut; then a stage of
+    # its own for the slow layer (30 ms vs 10 ms) beats pairing it with another
+    eng, plans = run(layers, iterations=5, device_memory_limit=2 * LAYER_BYTES)
+    costs = eng.measured_costs()
+    assert costs is not None
+    assert costs.forward[4] > 2 * max(costs.forward[i] for i in range(10) if i != 4)
+    assert plans[0] != plans[-1], "the measured plan should replace the size-based one"
+    for st in stage_of(plans[-1], 4):
+        assert (st.start, st.stop) == (4, 5), f"{st.label} shares the slow layer: {plans[-1]}"
+    # the measured plan is the partitioner's plan for the measured costs
+    assert plans[-1] == partition(costs, 2, 4, memory_limit=2 * LAYER_BYTES)
+
+
+def test_same_measurements_give_the_same_plan():
+    layers = model(slow_at=7)
+    eng, _ = run(layers, iterations=4)
+    costs = eng.measured_costs()
+    assert partition(costs, 2, 4) == partition(costs, 2, 4)
+    assert partition(costs, 4, 8) == partition(costs, 4, 8)
+
+
+def test_a_given_plan_is_never_changed():
+    layers = model(slow_at=4)
+    _, plans = run(layers, iterations=5, plan="5,4|1|4,5")
+    assert all(str(p) == "5,4|1|4,5" for p in plans)
+
+
+def test_profiling_can_be_turned_off():
+    layers = model(slow_at=4, delay=0.0, others=0.0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with RoundPipeEngine(layers, ["cpu"] * 2, 4, profile_iterations=0) as eng:
+        for _ in range(3):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.step()
+        assert eng.measured_costs() is None
