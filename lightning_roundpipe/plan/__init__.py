@@ -5,7 +5,7 @@ plan and its partitioner, the round-robin dispatch, transfer windows, and a
 schedule simulator with the baselines RoundPipe is compared against.
 """
 
-from .costs import LayerCosts, PlanError
+from .costs import LayerCosts, PlanError, decoder_costs
 from .dispatch import DispatchPlan, DispatchStep, dispatch
 from .partition import balanced_partition, partition, partition_exhaustive
 from .plot import plot_timeline
@@ -26,6 +26,7 @@ __all__ = [
     "TransferPiece",
     "TransferWindow",
     "balanced_partition",
+    "decoder_costs",
     "dispatch",
     "partition",
     "partition_exhaustive",

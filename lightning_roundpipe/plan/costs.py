@@ -26,7 +26,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LayerCosts", "PlanError"]
+__all__ = ["LayerCosts", "PlanError", "decoder_costs"]
 
 
 class PlanError(ValueError):
@@ -202,6 +202,53 @@ class LayerCosts:
                 raise PlanError("head_memory needs memory for the other layers too")
             mem[-1] = head_memory
         return cls(fwd, bwd, mem)
+
+
+def decoder_costs(
+    num_blocks: int,
+    *,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    mlp: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    flops_per_second: float = 1e12,
+    bytes_per_element: int = 2,
+) -> LayerCosts:
+    """Size-based costs of a decoder-only LM (embedding, GQA blocks, head + loss).
+
+    Per block, for ``s`` tokens per sequence, micro-batch ``b``, hidden ``h``,
+    MLP width ``m``, ``a`` heads and ``k`` key-value heads: forward matmul FLOPs
+    ``4sbh^2 + 4sbh^2 k/a + 4s^2bh + 6sbhm`` and activation memory
+    ``(12 + 4k/a) sbh + 6sbm`` bytes (as used by the RoundPipe paper's analysis);
+    backward is taken as twice the forward. The LM head costs ``2sbhV`` FLOPs
+    forward and keeps its logits (``sbV`` elements, in fp32 for the loss).
+    Times are FLOPs / ``flops_per_second``; weight bytes use
+    ``bytes_per_element``.
+    """
+    s, b, h, m, a, k, v = seq, micro_batch, hidden, mlp, heads, kv_heads, vocab
+    block_flops = (
+        4 * s * b * h * h + 4 * s * b * h * h * k / a + 4 * s * s * b * h + 6 * s * b * h * m
+    )
+    block_act = (12 + 4 * k / a) * s * b * h + 6 * s * b * m
+    block_weights = (2 * h * h + 2 * h * h * k / a + 3 * h * m) * bytes_per_element
+    head_flops = 2 * s * b * h * v
+    head_act = s * b * v * 4 + s * b * h * bytes_per_element
+    emb_weights = v * h * bytes_per_element
+    fwd = (
+        [s * b * h / flops_per_second]
+        + [block_flops / flops_per_second] * num_blocks
+        + [head_flops / flops_per_second]
+    )
+    weights = [emb_weights] + [block_weights] * num_blocks + [emb_weights]
+    memory = (
+        [emb_weights + s * b * h * bytes_per_element]
+        + [2 * block_weights + block_act] * num_blocks
+        + [2 * emb_weights + head_act]
+    )
+    return LayerCosts(fwd, [2 * f for f in fwd], memory=memory, weight_bytes=weights)
 
 
 class _Prefix:

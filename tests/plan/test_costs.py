@@ -72,3 +72,28 @@ def test_uniform_with_head():
         LayerCosts.uniform(0)
     with pytest.raises(PlanError, match="head_memory needs memory"):
         LayerCosts.uniform(3, head_memory=2)
+
+
+def test_decoder_costs_follow_the_gqa_formula():
+    from lightning_roundpipe.plan import decoder_costs
+
+    s, b, h, m, a, k, v = 2048, 1, 2048, 6144, 16, 8, 151936
+    c = decoder_costs(
+        28,
+        seq=s,
+        micro_batch=b,
+        hidden=h,
+        mlp=m,
+        heads=a,
+        kv_heads=k,
+        vocab=v,
+        flops_per_second=1.0,
+    )
+    assert c.num_layers == 30
+    block = 4 * s * b * h**2 + 4 * s * b * h**2 * k / a + 4 * s**2 * b * h + 6 * s * b * h * m
+    assert c.forward[1] == block and c.backward[1] == 2 * block
+    assert c.forward[-1] == 2 * s * b * h * v  # the LM head
+    act = (12 + 4 * k / a) * s * b * h + 6 * s * b * m
+    assert c.memory[1] - 2 * c.weight_bytes[1] == act
+    # a heavy LM head relative to a block: the reason RoundPipe exists
+    assert 2 < c.forward[-1] / c.forward[1] < 10  # ~5x for Qwen3-1.7B shapes
