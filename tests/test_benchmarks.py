@@ -35,3 +35,15 @@ def test_engine_overhead_benchmark_table():
 def test_host_memory_table():
     table = load("host_memory").table()
     assert "| Qwen3-1.7B | 3.78 | 3.78 GiB (+0.0%)" in table
+
+
+def test_bubbles_benchmark_table(tmp_path):
+    from lightning_roundpipe.plan import LayerCosts
+
+    mod = load("bubbles")
+    table = mod.run(LayerCosts.uniform(9, head_forward=3, head_backward=6), 2, devices=(1, 2, 4),
+                    png_dir=tmp_path)
+    lines = table.splitlines()
+    assert lines[0].startswith("| schedule | N=1 bubble")
+    assert len(lines) == 2 + 6
+    assert (tmp_path / "bubbles-roundpipe-n4.png").exists()
