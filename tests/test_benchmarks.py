@@ -41,8 +41,12 @@ def test_bubbles_benchmark_table(tmp_path):
     from lightning_roundpipe.plan import LayerCosts
 
     mod = load("bubbles")
-    table = mod.run(LayerCosts.uniform(9, head_forward=3, head_backward=6), 2, devices=(1, 2, 4),
-                    png_dir=tmp_path)
+    table = mod.run(
+        LayerCosts.uniform(9, head_forward=3, head_backward=6),
+        2,
+        devices=(1, 2, 4),
+        png_dir=tmp_path,
+    )
     lines = table.splitlines()
     assert lines[0].startswith("| schedule | N=1 bubble")
     assert len(lines) == 2 + 6

@@ -374,16 +374,16 @@ class OptimizerWorker:
         chaos = proto.chaos
         inv = 1.0 / job.scale if job.scale != 1.0 else None
         finite = True
-        # G copies, per parameter as its gradients complete (rule 3), then the
-        # buffer is free for the next window (rule 4)
+        # G copies, per parameter as its gradients complete (rule 3). The "copy"
+        # hands the filled buffer to the optimizer and gives the next window a
+        # fresh zeroed one (rule 4): no second fp32 gradient is kept between steps,
+        # only while a step and the next window's accumulation overlap.
         for p in trainable:
             proto.wait_grads(w, p)
             chaos("g_copy")
-            g = self._grads.get(p.index)
-            if g is None or g.shape != p.grad.shape:
-                g = self._grads[p.index] = torch.empty_like(p.grad)
-            g.copy_(p.grad)
-            p.grad.zero_()
+            with p.lock:
+                g, p.grad = p.grad, torch.zeros_like(p.grad)
+            self._grads[p.index] = g
             proto.g_copied(w, p)
             if inv is not None:
                 g.mul_(inv)
@@ -421,6 +421,7 @@ class OptimizerWorker:
                 self.scaler.scale,
                 self.scaler.scale * self.scaler.backoff_factor,
             )
+        self._grads.clear()  # the optimizer's .grad references keep what it still needs
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
         job.handle.skipped = not finite
