@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -51,3 +53,12 @@ def test_bubbles_benchmark_table(tmp_path):
     assert lines[0].startswith("| schedule | N=1 bubble")
     assert len(lines) == 2 + 6
     assert (tmp_path / "bubbles-roundpipe-n4.png").exists()
+
+
+def test_overhead_benchmark_parts():
+    mod = load("overhead")
+    per_param, n = mod.host_bytes_per_param(64, 2)
+    assert n == 2 * (64 * 64 + 64) + 65
+    assert sum(per_param.values()) == pytest.approx(18.0, abs=0.01)  # 4 + 2 + 4 + 8
+    opt_ms, sync_ms, async_ms, _ = mod.optimizer_hiding(64, 2, iters=2, workers=1)
+    assert opt_ms > 0 and sync_ms > 0 and async_ms > 0

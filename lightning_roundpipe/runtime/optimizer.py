@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import random
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -314,7 +313,9 @@ class OptimizerWorker:
         self.protocol = protocol
         self.scaler = scaler
         self.threads = threads
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        # jobs, guarded by the protocol's condition so that one wait wakes for a
+        # new job and for a pending weight copy becoming possible alike
+        self._queue: deque[_Job | None] = deque()
         self.applied = 0  # updates whose fn has run (or was skipped)
         self._pending: tuple[int, list[_Param]] | None = None  # P copies still to do
         self.thread: threading.Thread | None = None
@@ -325,11 +326,13 @@ class OptimizerWorker:
         self.thread = threading.Thread(target=self._main, name="roundpipe-optimizer", daemon=True)
         self.thread.start()
 
-    def submit(self, job: _Job) -> None:
-        self._queue.put(job)
+    def submit(self, job: _Job | None) -> None:
+        with self.protocol.cond:
+            self._queue.append(job)
+            self.protocol.cond.notify_all()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self.submit(None)
 
     def _main(self) -> None:
         if self.threads is not None:
@@ -340,12 +343,15 @@ class OptimizerWorker:
                 # P copies of the last update go out as soon as the next window
                 # stops reading each parameter (rule 1), between other work
                 self._copy_ready()
-                try:
-                    job = self._queue.get(timeout=0.01 if self._pending else 0.5)
-                except queue.Empty:
-                    if self.store.failure is not None:
-                        return
-                    continue
+                with self.protocol.cond:
+                    if not self._queue and not self._copy_possible():
+                        # woken by submit() and by every protocol hand-off
+                        self.protocol.cond.wait(0.5)
+                    if not self._queue:
+                        if self.store.failure is not None:
+                            return
+                        continue
+                    job = self._queue.popleft()
                 if job is None or self.store.failure is not None:
                     return
                 if job.window < 0:  # an ordered call (zero_grad, scheduler step)
@@ -445,6 +451,13 @@ class OptimizerWorker:
             with torch.no_grad():
                 p.master.copy_(p.param.detach())
         self.protocol.p_copied(w, p)
+
+    def _copy_possible(self) -> bool:
+        """Whether a pending weight copy could run now (call under ``cond``)."""
+        if self._pending is None:
+            return False
+        w, left = self._pending
+        return any(self.protocol.uses_done(w, p) for p in left)
 
     def _copy_ready(self, block: bool = False) -> None:
         """P copies of the pending update whose parameters the next window no
