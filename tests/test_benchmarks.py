@@ -62,3 +62,16 @@ def test_overhead_benchmark_parts():
     assert sum(per_param.values()) == pytest.approx(18.0, abs=0.01)  # 4 + 2 + 4 + 8
     opt_ms, sync_ms, async_ms, _ = mod.optimizer_hiding(64, 2, iters=2, workers=1)
     assert opt_ms > 0 and sync_ms > 0 and async_ms > 0
+
+
+def test_lm_runner_trials_in_fresh_processes():
+    pytest.importorskip("transformers")
+    mod = load("lm_runner")
+    ok = mod.trial("roundpipe_sync", "tiny", 32, 4, 1, 2, 2)
+    assert ok.get("tokens_per_second", 0) > 0, ok
+    import torch
+
+    if not torch.cuda.is_available():
+        assert mod.trial("fsdp_offload", "tiny", 32, 4, 1, 2, 1) == {
+            "skipped": "FSDP CPU offload needs CUDA"
+        }

@@ -1,0 +1,197 @@
+"""One training run of a Qwen3-style causal LM under one strategy, in its own process.
+
+Used by ``throughput.py`` and ``max_seqlen.py``: each trial runs as
+``python benchmarks/lm_runner.py --strategy NAME --size SIZE --seq S ...`` and
+prints one JSON line (tokens/s, or ``"oom": true``), so an out-of-memory error
+or a distributed strategy's process group cannot affect the next trial.
+
+Strategies: ``roundpipe`` (asynchronous), ``roundpipe_sync``, ``auto`` (the
+model on one device, activation checkpointing on), ``fsdp_offload``
+(FSDPStrategy with CPU offload, CUDA only) and ``deepspeed_offload`` (ZeRO
+stage 3 with CPU offload, when ``deepspeed`` is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "tiny": (64, 128, 4, 4, 2, 256),
+    "0.6b": (1024, 3072, 28, 16, 8, 151936),
+    "1.7b": (2048, 6144, 28, 16, 8, 151936),
+    "4b": (2560, 9728, 36, 32, 8, 151936),
+    "8b": (4096, 12288, 36, 32, 8, 151936),
+}
+STRATEGIES = ("roundpipe", "roundpipe_sync", "auto", "fsdp_offload", "deepspeed_offload")
+
+
+def build_module(size: str, lr: float = 1e-4):
+    import lightning as L
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    h, m, n, a, k, v = SIZES[size]
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = Qwen3Config(
+                vocab_size=v,
+                hidden_size=h,
+                intermediate_size=m,
+                num_hidden_layers=n,
+                num_attention_heads=a,
+                num_key_value_heads=k,
+                head_dim=h // a,
+                max_position_embeddings=1 << 20,
+                tie_word_embeddings=False,
+            )
+            self.model = Qwen3ForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+
+    return LM()
+
+
+def run_one(
+    strategy: str, size: str, seq: int, batch: int, micro: int, steps: int, devices: int
+) -> dict:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_roundpipe
+    from lightning_roundpipe import RoundPipeStrategy
+
+    gpu = torch.cuda.is_available()
+    module = build_module(size)
+    vocab = SIZES[size][5]
+    data = TensorDataset(torch.randint(0, vocab, ((steps + 1) * batch, seq)))
+    loader = DataLoader(data, batch_size=batch if strategy.startswith("roundpipe") else micro)
+    accumulate = 1 if strategy.startswith("roundpipe") else batch // micro
+    if strategy.startswith("roundpipe"):
+        strat = RoundPipeStrategy(
+            async_optimizer=strategy == "roundpipe", num_microbatches=max(batch // micro, devices)
+        )
+    elif strategy == "auto":
+        module.model.gradient_checkpointing_enable()
+        strat, devices = "auto", 1
+    elif strategy == "fsdp_offload":
+        if not gpu:
+            return {"skipped": "FSDP CPU offload needs CUDA"}
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp import CPUOffload
+
+        module.model.gradient_checkpointing_enable()
+        strat = FSDPStrategy(cpu_offload=CPUOffload(offload_params=True))
+    elif strategy == "deepspeed_offload":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            return {"skipped": "deepspeed is not installed"}
+        module.model.gradient_checkpointing_enable()
+        strat = "deepspeed_stage_3_offload"
+    else:
+        raise SystemExit(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    assert lightning_roundpipe  # registers "roundpipe"
+
+    times: list[float] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            times.append(time.perf_counter() - self.t0)
+
+    trainer = L.Trainer(
+        strategy=strat,
+        accelerator="gpu" if gpu else "cpu",
+        devices=devices,
+        precision="bf16-mixed" if gpu else "32-true",
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+    )
+    try:
+        trainer.fit(module, loader)
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    except RuntimeError as exc:
+        if "out of memory" in str(exc).lower():
+            return {"oom": True}
+        raise
+    per_step = sum(times[accumulate:]) / max(1, steps - 1)  # the first step warms up
+    return {"tokens_per_second": batch * seq / per_step if per_step else float("nan")}
+
+
+def trial(
+    strategy: str,
+    size: str,
+    seq: int,
+    batch: int,
+    micro: int,
+    steps: int,
+    devices: int,
+    timeout: float = 3600,
+) -> dict:
+    """Run one trial in a fresh process; returns its JSON result."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--strategy",
+        strategy,
+        "--size",
+        size,
+        "--seq",
+        str(seq),
+        "--batch",
+        str(batch),
+        "--micro",
+        str(micro),
+        "--steps",
+        str(steps),
+        "--devices",
+        str(devices),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout)[-800:]
+    if "out of memory" in tail.lower():
+        return {"oom": True}
+    return {"error": tail.strip().splitlines()[-1] if tail.strip() else f"exit {proc.returncode}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument("--size", choices=list(SIZES), default="tiny")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=1)
+    args = parser.parse_args()
+    result = run_one(
+        args.strategy, args.size, args.seq, args.batch, args.micro, args.steps, args.devices
+    )
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
