@@ -48,7 +48,9 @@ class RoundPipeStrategy(ParallelStrategy):
             ordinary training semantics.
         num_microbatches: micro-batches per training batch; ``"auto"`` uses the
             number of devices. Batches must have at least this many samples.
-        microbatches_per_round: micro-batches per round (default: number of devices).
+        microbatches_per_round: micro-batches per round (default: number of
+            devices); ``"auto"``: after profiling, the smallest round whose compute
+            hides the weight uploads at the measured bandwidth (GPUs).
         plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``), or
             ``"auto"`` for the partitioner's plan.
         layers: attribute path of the layer stack (``"model"``, ``"net"``) when
@@ -82,7 +84,7 @@ class RoundPipeStrategy(ParallelStrategy):
         *,
         async_optimizer: bool = True,
         num_microbatches: int | Literal["auto"] = "auto",
-        microbatches_per_round: int | None = None,
+        microbatches_per_round: int | Literal["auto"] | None = None,
         plan: str | Literal["auto"] = "auto",
         layers: str | None = None,
         device_memory_limit: int | None = None,

@@ -7,7 +7,7 @@ schedule simulator with the baselines RoundPipe is compared against.
 
 from .costs import LayerCosts, PlanError, decoder_costs
 from .dispatch import DispatchPlan, DispatchStep, dispatch
-from .partition import balanced_partition, partition, partition_exhaustive
+from .partition import balanced_partition, partition, partition_exhaustive, round_size
 from .plot import plot_timeline
 from .simulate import SCHEDULES, Segment, SimulationResult, simulate
 from .stages import Stage, StagePlan
@@ -31,6 +31,7 @@ __all__ = [
     "partition",
     "partition_exhaustive",
     "plot_timeline",
+    "round_size",
     "simulate",
     "transfer_windows",
 ]

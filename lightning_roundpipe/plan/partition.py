@@ -39,7 +39,7 @@ from itertools import accumulate
 from .costs import LayerCosts, PlanError
 from .stages import StagePlan
 
-__all__ = ["balanced_partition", "partition"]
+__all__ = ["balanced_partition", "partition", "round_size"]
 
 
 def _check_counts(num_devices: int, num_microbatches: int) -> None:
@@ -380,3 +380,38 @@ def balanced_partition(weights: Sequence[float], num_parts: int) -> list[int]:
     n = len(weights)
     counts = _min_max_cut(weights, min(num_parts, n)) if n else []
     return counts + [0] * (num_parts - len(counts))
+
+
+def round_size(
+    plan: StagePlan,
+    costs: LayerCosts,
+    num_devices: int,
+    bandwidth: float,
+    max_microbatches: int | None = None,
+) -> int:
+    """Micro-batches per round so that every stage's weight upload hides behind
+    its compute.
+
+    A device runs a slot for the ``M_R`` micro-batches of a round while the next
+    slot's weights stream in, so ``M_R * t_stage >= weight_bytes / bandwidth``
+    for every slot (stage time per micro-batch ``t_stage`` from ``costs``,
+    weights from ``costs.weight_bytes``). The result is at least
+    ``num_devices`` (round-robin needs it) and at most ``max_microbatches``.
+
+    Args:
+        bandwidth: host-to-device bytes per unit of ``costs`` time.
+    """
+    if not bandwidth > 0:
+        raise PlanError(f"bandwidth must be > 0, got {bandwidth!r}")
+    need = num_devices
+    if costs.weight_bytes is not None:
+        for st in plan.stages:
+            t = st.time(costs)
+            upload = costs.stage_weight_bytes(st.start, st.stop) / bandwidth
+            if t > 0:
+                need = max(need, math.ceil(upload / t))
+            elif upload > 0 and max_microbatches is not None:
+                need = max_microbatches
+    if max_microbatches is not None:
+        need = min(need, max(max_microbatches, num_devices))
+    return need

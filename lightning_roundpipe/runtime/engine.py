@@ -22,12 +22,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition
+from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition, round_size
 from ..plan.stages import Stage
 from .device import pin
 from .host import HostState
@@ -107,6 +107,20 @@ def _check_uniform(devs: list[torch.device]) -> None:
             )
 
 
+def _bandwidth(device: torch.device, nbytes: int = 64 << 20, repeat: int = 3) -> float:
+    """Host-to-device bytes per second from page-locked memory (CUDA)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()  # note: a CPU-GPU sync point, once, at re-planning time
+    return nbytes * repeat / (start.elapsed_time(end) / 1e3)
+
+
 class _Runtime:
     """State shared by the controller and the workers.
 
@@ -173,6 +187,9 @@ class RoundPipeEngine:
         plan: a :class:`StagePlan` or its compact text; default: the partitioner's
             plan from size-based estimates.
         microbatches_per_round: ``M_R`` (default: the number of devices).
+            ``"auto"``: once per-layer times are measured, the smallest round
+            whose compute hides every stage's weight upload at the measured
+            host-to-device bandwidth (CUDA; CPU workers copy nothing).
         precision: ``"32-true"`` (fp32 compute), ``"bf16-mixed"`` / ``"bf16-true"``
             (bf16 master copy and compute), ``"16-mixed"`` (fp16 with dynamic
             loss scaling). The optimizer copy keeps the parameters' own dtype.
@@ -205,7 +222,7 @@ class RoundPipeEngine:
         num_microbatches: int,
         plan: StagePlan | str | None = None,
         *,
-        microbatches_per_round: int | None = None,
+        microbatches_per_round: int | Literal["auto"] | None = None,
         precision: Precision = "32-true",
         async_optimizer: bool = False,
         seed: int = 0,
@@ -266,6 +283,9 @@ class RoundPipeEngine:
                     f"of device memory but the limit is {limit}; give a plan with smaller "
                     "stages, or plan=None to let the partitioner respect the limit"
                 )
+        self._auto_round = microbatches_per_round == "auto"
+        if self._auto_round:
+            microbatches_per_round = None  # the number of devices until measured
         dispatch(plan, n, m, microbatches_per_round)  # validates M, M_R against N
 
         # ---- state
@@ -372,6 +392,14 @@ class RoundPipeEngine:
         n, m = self.num_devices, self.num_microbatches
         new = partition(costs, n, m, memory_limit=self._limit)
         old_obj, new_obj = self.plan.objective(costs, n, m), new.objective(costs, n, m)
+        if self._auto_round and self.devices[0].type == "cuda":
+            bandwidth = _bandwidth(self.devices[0])
+            self.microbatches_per_round = round_size(new, costs, n, bandwidth, max_microbatches=m)
+            log.info(
+                "RoundPipe: %.1f GB/s host to device; %d micro-batches per round",
+                bandwidth / 1e9,
+                self.microbatches_per_round,
+            )
         if new != self.plan and new_obj < (1 - self.replan_margin) * old_obj:
             log.info(
                 "RoundPipe re-partitioned from measurements: %s -> %s (objective %.4g -> %.4g)",
