@@ -297,7 +297,7 @@ class RoundPipeStrategy(ParallelStrategy):
             n,
             m,
             plan=self.engine.plan,
-            microbatches_per_round=self.microbatches_per_round,
+            microbatches_per_round=self.engine.microbatches_per_round,
             async_optimizer=self.async_optimizer,
         )
         self._bubble = sim.async_bubble_ratio if self.async_optimizer else sim.bubble_ratio
