@@ -13,6 +13,7 @@ they run in order on the optimizer thread while devices compute.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -71,6 +72,8 @@ class RoundPipeStrategy(ParallelStrategy):
             default: the Trainer's ``log_every_n_steps``; 0 turns it off.
         workers_per_device: pipeline workers per device (several workers may
             share one GPU, e.g. to test a many-GPU plan on one card).
+        nonfinite: a NaN/inf loss or gradient (fp32/bf16) ``"raise"``-s before
+            the weights change, or ``"skip"``-s the step; fp16 always skips.
     """
 
     strategy_name = "roundpipe"
@@ -94,6 +97,7 @@ class RoundPipeStrategy(ParallelStrategy):
         watchdog_timeout: float = 600.0,
         log_every_n_steps: int | None = None,
         workers_per_device: int = 1,
+        nonfinite: Literal["raise", "skip", "ignore"] = "raise",
     ) -> None:
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
@@ -124,6 +128,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if workers_per_device < 1:
             raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
         self.workers_per_device = workers_per_device
+        self.nonfinite = nonfinite
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
         self._last_step: tuple[float, float, int] | None = None  # time, waited, bytes
@@ -268,6 +273,8 @@ class RoundPipeStrategy(ParallelStrategy):
         devices = [d for d in devices for _ in range(self.workers_per_device)]
         n = len(devices)
         adapter = find_adapter(self.lightning_module, self.layers)
+        if self.async_optimizer and trainer is not None and self.optimizers:
+            self._check_outside_parameters(adapter)
         m = n if self.num_microbatches == "auto" else self.num_microbatches
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
@@ -282,6 +289,7 @@ class RoundPipeStrategy(ParallelStrategy):
             watchdog_timeout=self.watchdog_timeout,
             device_memory_limit=self.device_memory_limit,
             optimizer_threads=self.optimizer_threads,
+            nonfinite=self.nonfinite,
         )
         self._adapter = adapter
         # kept after the engine closes, for reports
@@ -312,6 +320,26 @@ class RoundPipeStrategy(ParallelStrategy):
             self._route_optimizer_calls(trainer)
             self._resume_stale()
 
+    def _check_outside_parameters(self, adapter: Any) -> None:
+        """With the asynchronous optimizer the training loop must never read a
+        parameter the optimizer thread may be writing: every optimized
+        parameter has to live in the pipeline (whose devices read master copies)."""
+        inside = {id(p) for layer in adapter.layers() for p in layer.parameters()}
+        optimized = {id(p) for g in self.optimizers[0].param_groups for p in g["params"]}
+        outside = [
+            n
+            for n, p in self.lightning_module.named_parameters()
+            if id(p) in optimized and id(p) not in inside
+        ]
+        if outside:
+            shown = ", ".join(outside[:5]) + (" ..." if len(outside) > 5 else "")
+            raise ValueError(
+                f"the optimizer updates parameters outside the pipeline ({shown}); with the "
+                "asynchronous optimizer the training loop would read them while they change. "
+                "Use strategy='roundpipe_sync' (async_optimizer=False), or move them into the "
+                "layer stack"
+            )
+
     def _route_optimizer_calls(self, trainer: Any) -> None:
         """``zero_grad`` and scheduler steps run in order with the (asynchronous)
         optimizer steps, never racing them."""
@@ -326,9 +354,22 @@ class RoundPipeStrategy(ParallelStrategy):
 
         opt.zero_grad = zero_grad
         self._restore.append(lambda: opt.__dict__.pop("zero_grad", None))
+        # Lightning calls zero_grad on its LightningOptimizer wrapper (a copy of the
+        # optimizer's attributes made before this patch), through the module's
+        # optimizer_zero_grad hook: route both, or the training loop would drop
+        # gradients the optimizer thread is still stepping with
+        for lopt in self._lightning_optimizers:
+            lopt.zero_grad = zero_grad
+            self._restore.append(lambda lo=lopt: lo.__dict__.pop("zero_grad", None))
+        module = self.lightning_module
+
+        def optimizer_zero_grad(epoch: int, batch_idx: int, optimizer: Any) -> None:
+            zero_grad(set_to_none=True)
+
+        module.optimizer_zero_grad = optimizer_zero_grad
+        self._restore.append(lambda: module.__dict__.pop("optimizer_zero_grad", None))
         # scheduler steps go through the module's hook (patching the scheduler
         # itself would put the patch into its state_dict and checkpoints)
-        module = self.lightning_module
         original_hook = module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
@@ -410,7 +451,18 @@ class RoundPipeStrategy(ParallelStrategy):
         stale = self._stale_by_name() if self.engine is not None else self._final_stale
         if stale:
             checkpoint[self._STALE_KEY] = stale
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        path = str(filepath)
+        if "://" in path:  # remote filesystems: no rename; write directly
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # atomic: a crash while writing leaves the previous file intact
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def _stale_by_name(self) -> dict[str, Tensor] | None:
         if self.engine is None or not self.async_optimizer:

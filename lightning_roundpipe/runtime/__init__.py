@@ -2,13 +2,14 @@
 
 from .device import layer_seed
 from .engine import EngineClosedError, RoundPipeEngine, estimate_costs
-from .optimizer import OptimizerStepError, StepHandle, use_fused
+from .optimizer import NonFiniteError, OptimizerStepError, StepHandle, use_fused
 from .store import HandoffTimeout
 from .worker import WorkerError
 
 __all__ = [
     "EngineClosedError",
     "HandoffTimeout",
+    "NonFiniteError",
     "OptimizerStepError",
     "RoundPipeEngine",
     "StepHandle",

@@ -35,6 +35,7 @@ from .nested import batch_size_of, map_tensors, merge_microbatches, split_microb
 from .optimizer import (
     PRECISIONS,
     LossScaler,
+    NonFiniteError,
     OptimizerWorker,
     Precision,
     Protocol,
@@ -213,6 +214,10 @@ class RoundPipeEngine:
             for the measured costs if its objective is better than the current
             plan's by more than this fraction. A plan given by the caller is never
             changed.
+        nonfinite: what a NaN/inf loss or gradient does in fp32/bf16:
+            ``"raise"`` (a :class:`NonFiniteError` before the weights change),
+            ``"skip"`` (the step is skipped, like an fp16 overflow) or
+            ``"ignore"``. fp16 always skips and rescales.
     """
 
     def __init__(
@@ -231,6 +236,7 @@ class RoundPipeEngine:
         optimizer_threads: int | None = None,
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
+        nonfinite: Literal["raise", "skip", "ignore"] = "raise",
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -258,6 +264,8 @@ class RoundPipeEngine:
         compute_dtype = PRECISIONS[precision]
         if optimizer_threads is not None and optimizer_threads < 1:
             raise ValueError(f"optimizer_threads must be >= 1, got {optimizer_threads}")
+        if nonfinite not in ("raise", "skip", "ignore"):
+            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
         if profile_iterations < 0:
             raise ValueError(f"profile_iterations must be >= 0, got {profile_iterations}")
         if not replan_margin >= 0:
@@ -321,8 +329,21 @@ class RoundPipeEngine:
         rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
         self._protocol = Protocol(self._host, rt.store, async_optimizer)
         self.scaler = LossScaler(enabled=precision == "16-mixed")
+        names = {}
+        for i, layer in enumerate(layers):
+            for name, p in layer.named_parameters():
+                for hp in self._host.params:
+                    if hp.param is p and hp.index not in names:
+                        names[hp.index] = f"layers[{i}].{name}"
+        self.nonfinite = nonfinite
         rt.optimizer = self._optimizer = OptimizerWorker(
-            self._host, rt.store, self._protocol, self.scaler, optimizer_threads
+            self._host,
+            rt.store,
+            self._protocol,
+            self.scaler,
+            optimizer_threads,
+            nonfinite=nonfinite,
+            names=names,
         )
         for i, d in enumerate(devs):
             rt.workers.append(
@@ -460,7 +481,12 @@ class RoundPipeEngine:
     def host_memory(self) -> dict[str, int]:
         """Bytes of host memory the engine holds (master copies, gradient buffers,
         and how much of it is page-locked)."""
-        return self._host.host_bytes()
+        out = self._host.host_bytes()
+        # gradients handed to the optimizer by the last step, still referenced
+        out["step_grads"] = sum(
+            g.numel() * g.element_size() for g in self._optimizer._grads.values()
+        )
+        return out
 
     # ------------------------------------------------------------------ work
     def _check(self) -> None:
@@ -677,8 +703,20 @@ class RoundPipeEngine:
             )
             for j in range(m)
         ]
-        total = torch.stack([loss.reshape(()).float().cpu() for loss in losses]).sum()
-        return total * float(scale)
+        per_mb = torch.stack([loss.reshape(()).float().cpu() for loss in losses])
+        if (
+            self.nonfinite == "raise"
+            and not self.scaler.enabled
+            and not bool(torch.isfinite(per_mb).all())
+        ):
+            bad = [j for j in range(m) if not bool(torch.isfinite(per_mb[j]))]
+            raise NonFiniteError(
+                f"the loss of micro-batch(es) {bad} in iteration {iteration} is not finite "
+                f"({per_mb[bad[0]].item()}); the weights were not updated by it. Set "
+                "nonfinite='skip' to skip such steps, or look for the cause (learning rate, "
+                "data, precision)"
+            )
+        return per_mb.sum() * float(scale)
 
     def call(self, fn: Callable[[], Any]) -> StepHandle:
         """Run ``fn`` on the host in order with the optimizer steps (after the

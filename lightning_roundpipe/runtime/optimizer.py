@@ -49,6 +49,7 @@ from .store import EngineFailure, Store
 __all__ = [
     "Chaos",
     "LossScaler",
+    "NonFiniteError",
     "OptimizerWorker",
     "Precision",
     "Protocol",
@@ -290,6 +291,10 @@ class _Job:
     handle: StepHandle
 
 
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient was inf or NaN (and ``nonfinite="raise"``)."""
+
+
 class OptimizerStepError(RuntimeError):
     """An exception inside an optimizer step, a G copy or a P copy."""
 
@@ -307,7 +312,11 @@ class OptimizerWorker:
         protocol: Protocol,
         scaler: LossScaler,
         threads: int | None = None,
+        nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        names: dict[int, str] | None = None,
     ) -> None:
+        self.nonfinite = nonfinite
+        self.names = names or {}
         self.host = host
         self.store = store
         self.protocol = protocol
@@ -393,8 +402,19 @@ class OptimizerWorker:
             proto.g_copied(w, p)
             if inv is not None:
                 g.mul_(inv)
-            if self.scaler.enabled and finite and not bool(torch.isfinite(g).all()):
+            if (
+                finite
+                and (self.scaler.enabled or self.nonfinite != "ignore")
+                and not bool(torch.isfinite(g).all())
+            ):
                 finite = False
+                bad = p
+        if not finite and not self.scaler.enabled and self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"non-finite gradient (inf or NaN) in {self.names.get(bad.index, bad.index)} "
+                f"in optimizer step {w}; the weights were not updated. Set nonfinite='skip' to "
+                "skip such steps, or look for the cause (learning rate, data, precision)"
+            )
         if 5 in proto.disabled:
             # rule 5 removed: the weight copies run before the step, out of order
             self._p_copies(job)
@@ -420,14 +440,20 @@ class OptimizerWorker:
                 torch.nn.utils.clip_grad_value_([p.param for p in trainable], job.clip_value)
             chaos("step")
             job.handle.result = job.fn() if job.fn is not None else None
-        else:
+        elif self.scaler.enabled:
             log.info(
                 "fp16 overflow in window %d: step skipped, loss scale %g -> %g",
                 w,
                 self.scaler.scale,
                 self.scaler.scale * self.scaler.backoff_factor,
             )
-        self._grads.clear()  # the optimizer's .grad references keep what it still needs
+        else:
+            log.warning("non-finite gradient in step %d: step skipped (nonfinite='skip')", w)
+        # The handed-over gradients stay referenced until this parameter's next G
+        # copy. Dropping them here (leaving .grad as the only reference) crashed the
+        # asynchronous Lightning path with heap corruption: something still touches
+        # the previous step's gradient after the step. Until that reader is found,
+        # the memory stays alive (4 more bytes per parameter between steps).
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
         job.handle.skipped = not finite

@@ -380,3 +380,69 @@ def test_use_fused_switches_adamw_and_keeps_the_update():
     for p, q in zip(a, b, strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     assert not use_fused(torch.optim.SGD(a, lr=0.1))
+
+
+class Poison(nn.Module):
+    """Turns its output into NaN when asked (in forward and in recompute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.poison = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * float("nan") if self.poison else y
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_nonfinite_loss_raises_before_any_update(async_mode):
+    from lightning_roundpipe.runtime import NonFiniteError
+
+    torch.manual_seed(0)
+    poison = Poison()
+    layers = [nn.Linear(8, 8), poison, nn.Linear(8, 1)]
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    with RoundPipeEngine(layers, [CPU] * 2, 2, plan="1,1|1|1,1", async_optimizer=async_mode) as eng:
+        poison.poison = True
+        with pytest.raises(
+            NonFiniteError,
+            match=r"the loss of micro-batch\(es\) \[0, 1\] in "
+            r"iteration 0 is not finite \(nan\); .*nonfinite='skip'",
+        ):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_nonfinite_gradient_skip_or_raise(async_mode):
+    from lightning_roundpipe.runtime import NonFiniteError
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 1)]
+    params = params_of(layers)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    opt = torch.optim.SGD(params, lr=0.1)
+    before = [p.detach().clone() for p in params]
+    with RoundPipeEngine(
+        layers, [CPU] * 2, 2, plan="1|1|1", async_optimizer=async_mode, nonfinite="skip"
+    ) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng._host.params[0].grad[0, 0] = float("inf")  # a corrupted gradient
+        h = eng.step(opt.step).wait()
+        eng.synchronize()
+        assert h.skipped
+        assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    eng = RoundPipeEngine(layers, [CPU] * 2, 2, plan="1|1|1", async_optimizer=async_mode)
+    try:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        eng._host.params[1].grad[0] = float("nan")
+        with pytest.raises(
+            (NonFiniteError, RuntimeError),
+            match=r"non-finite gradient \(inf or NaN\) in layers\[0\]\.bias in "
+            "optimizer step 0",
+        ):
+            eng.step(opt.step).wait()
+        assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    finally:
+        eng.close()

@@ -88,19 +88,22 @@ class LogitsLM(CausalLM):
 
 
 class SeqModule(L.LightningModule):
-    def __init__(self, lr: float = 1e-2) -> None:
+    def __init__(self, lr: float = 1e-2, extra: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
         self.net = nn.Sequential(
             nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
         )
-        self.extra = nn.Linear(1, 1)  # a parameter outside the pipeline
+        # a parameter outside the pipeline, with its own loss term
+        self.extra = nn.Linear(1, 1) if extra else None
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self.net(x)
-        loss = nn.functional.mse_loss(out, y) + 0.1 * self.extra.weight.square().sum()
+        loss = nn.functional.mse_loss(out, y)
+        if self.extra is not None:
+            loss = loss + 0.1 * self.extra.weight.square().sum()
         self.log("train_loss", loss)
         return loss
 
