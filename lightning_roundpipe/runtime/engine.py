@@ -36,6 +36,7 @@ from .optimizer import (
     PRECISIONS,
     LossScaler,
     NonFiniteError,
+    OptimizerStepError,
     OptimizerWorker,
     Precision,
     Protocol,
@@ -43,7 +44,7 @@ from .optimizer import (
     _Job,
 )
 from .profiler import Profiler
-from .store import EngineFailure, Store
+from .store import EngineFailure, HandoffTimeout, Store
 from .worker import Call, Layout, Task, Worker, WorkerError
 
 __all__ = ["EngineClosedError", "RoundPipeEngine", "estimate_costs"]
@@ -324,6 +325,7 @@ class RoundPipeEngine:
         self._window = 0
         self._window_scale: dict[int, float] = {}
         self.wait_seconds = 0.0  # time the caller's thread spent waiting on the pipeline
+        self._last_dispatch: tuple[int, Any] | None = None
         self._window_has_grads = False
         self._jobs = 0
         rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
@@ -522,8 +524,30 @@ class RoundPipeEngine:
         except EngineFailure:
             self._raise_failure()
             raise
+        except HandoffTimeout as exc:
+            raise HandoffTimeout(f"{exc}\n{self._stuck_grid()}") from None
         finally:
             self.wait_seconds += time.perf_counter() - t0
+
+    def _stuck_grid(self) -> str:
+        """The last dispatched iteration's grid, marked at its first unfinished step."""
+        if self._last_dispatch is None:
+            return "(nothing dispatched yet)"
+        iteration, plan = self._last_dispatch
+        with self._rt.store.lock:
+            done = set(self._rt.done_keys)
+        stuck = next(
+            (i for i, st in enumerate(plan.steps) if (iteration, st.round, st.slot) not in done),
+            None,
+        )
+        where = (
+            ""
+            if stuck is None
+            else (
+                f"first unfinished step: {plan.steps[stuck]} on device {plan.steps[stuck].device}\n"
+            )
+        )
+        return f"iteration {iteration}, {where}{plan.grid(mark=stuck)}"
 
     def _split(self, inputs: Any) -> tuple[int, list[Any]]:
         m = self.num_microbatches
@@ -570,11 +594,14 @@ class RoundPipeEngine:
             start_device=self._g0,
         )
         self._g0 = plan.next_device
+        call.dispatch = plan
+        self._last_dispatch = (call.iteration, plan)
         with store.lock:
             rt.done_keys = {k for k in rt.done_keys if not 0 <= k[0] < self._iteration - 2}
-        for step in plan.steps:
+        for index, step in enumerate(plan.steps):
             stage = plan.stages[step.slot]
             task = Task(call, step.round, stage, step.microbatches)
+            task.step = index
             if train and self._stateful[step.slot]:
                 task.after = self._last_task.get(step.slot)
                 self._last_task[step.slot] = task.key
@@ -725,8 +752,16 @@ class RoundPipeEngine:
         self._check()
         handle = StepHandle(-1, _store=self._rt.store)
         if not self.async_optimizer:
-            handle.result = fn()
-            handle._event.set()
+            try:
+                self._protocol.chaos("call")
+                handle.result = fn()
+            except BaseException as exc:
+                raise OptimizerStepError(
+                    f"a queued call (zero_grad or scheduler step) failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                handle._event.set()
             return handle
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
@@ -799,6 +834,12 @@ class RoundPipeEngine:
         except EngineFailure:
             self._raise_failure()
             raise
+        except NonFiniteError:
+            raise
+        except BaseException as exc:
+            raise OptimizerStepError(
+                f"optimizer step {window} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         return handle
 
     def stale_weights(self) -> list[torch.Tensor]:

@@ -364,6 +364,7 @@ class OptimizerWorker:
                 if job is None or self.store.failure is not None:
                     return
                 if job.window < 0:  # an ordered call (zero_grad, scheduler step)
+                    self.protocol.chaos("call")
                     job.handle.result = job.fn()
                     job.handle._event.set()
                     continue
@@ -373,7 +374,11 @@ class OptimizerWorker:
             if job is not None:
                 job.handle._event.set()
         except BaseException as exc:  # every failure must reach the caller
-            step = "a scheduled call" if job is None or job.window < 0 else f"step {job.window}"
+            step = (
+                "a queued call (zero_grad or scheduler step)"
+                if job is None or job.window < 0
+                else f"step {job.window}"
+            )
             err = OptimizerStepError(f"optimizer {step} failed: {type(exc).__name__}: {exc}")
             err.__cause__ = exc
             if job is not None:
@@ -395,7 +400,12 @@ class OptimizerWorker:
         # only while a step and the next window's accumulation overlap.
         for p in trainable:
             proto.wait_grads(w, p)
-            chaos("g_copy")
+            try:
+                chaos("g_copy")
+            except Exception as exc:
+                raise RuntimeError(
+                    f"gradient copy (G copy) of {self.names.get(p.index, p.index)} failed"
+                ) from exc
             with p.lock:
                 g, p.grad = p.grad, torch.zeros_like(p.grad)
             self._grads[p.index] = g
@@ -473,9 +483,15 @@ class OptimizerWorker:
 
     def _p_copy(self, w: int, p: _Param) -> None:
         if p.trainable:  # frozen weights never change: nothing to copy
-            self.protocol.chaos("p_copy")
-            with torch.no_grad():
-                p.master.copy_(p.param.detach())
+            try:
+                self.protocol.chaos("p_copy")
+                with torch.no_grad():
+                    p.master.copy_(p.param.detach())
+            except Exception as exc:
+                raise RuntimeError(
+                    f"weight copy (P copy) of {self.names.get(p.index, p.index)} after step {w} "
+                    "failed"
+                ) from exc
         self.protocol.p_copied(w, p)
 
     def _copy_possible(self) -> bool:

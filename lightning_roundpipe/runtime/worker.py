@@ -113,6 +113,7 @@ class Call:
     seed: int
     layout: Layout
     profiler: Profiler | None = None  # set while this iteration is being profiled
+    dispatch: Any = None  # the iteration's DispatchPlan, for error messages
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Task:
     microbatches: range
     after: tuple | None = None  # task key that must be done first (buffer updates)
     keep_buffers: bool = True  # write running statistics back (not for forward-only runs)
+    step: int = -1  # index in the iteration's dispatch plan
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +168,7 @@ class Worker:
         self._prefetched: dict[tuple, tuple[dict[int, torch.Tensor], Any]] = {}
         self._ahead: dict[tuple, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
+        self._layer: int | None = None  # the layer running now, for error messages
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
         )
@@ -208,6 +211,7 @@ class Worker:
                 if task is None or self.store.failure is not None:
                     break
                 mb[0] = None
+                self._layer = None
                 self._run(task, mb)
                 self._on_done(task)
         except (EngineFailure, HandoffTimeout) as exc:
@@ -236,11 +240,17 @@ class Worker:
             )
         else:
             st = task.stage
-            where = "" if mb is None else f", micro-batch {mb}"
+            where = "" if self._layer is None else f", layer {self._layer}"
+            where += "" if mb is None else f", micro-batch {mb}"
+            extra = ""
+            if isinstance(exc, torch.OutOfMemoryError):
+                extra = self._oom_advice(st)
+            if isinstance(exc, HandoffTimeout) and task.call.dispatch is not None:
+                extra = "\n" + task.call.dispatch.grid(mark=task.step if task.step >= 0 else None)
             err = WorkerError(
                 f"device {self.device} (worker {self.index}) failed in stage {st.label} "
                 f"(layers {st.start}-{st.stop - 1}, {st.kind}){where}, round {task.round}, "
-                f"iteration {task.call.iteration}: {type(exc).__name__}: {exc}",
+                f"iteration {task.call.iteration}: {type(exc).__name__}: {exc}{extra}",
                 device=str(self.device),
                 worker=self.index,
                 stage=st.label,
@@ -250,6 +260,22 @@ class Worker:
             )
         err.__cause__ = exc
         return err
+
+    def _oom_advice(self, st: Stage) -> str:
+        params = self.host.stage_params(st.start, st.stop)
+        need = sum(
+            p.master.numel() * p.master.element_size() * (2 if p.trainable else 1) for p in params
+        )
+        if self.device.type == "cuda":
+            free = f"{torch.cuda.mem_get_info(self.device)[0] / 2**30:.2f} GiB free"
+        else:
+            free = "host memory"
+        return (
+            f". Stage {st.label} needs about {need / 2**30:.2f} GiB for weights and gradients "
+            f"plus activations; the device has {free}. Raise num_microbatches (smaller "
+            "micro-batches), lower device_memory_limit so the partitioner cuts smaller stages, "
+            "or give a plan with smaller stages"
+        )
 
     # ---------------------------------------------------------------- task
     def _replica(self, layer: int) -> LayerReplica:
@@ -415,7 +441,9 @@ class Worker:
 
     def _upload_input(self, key: tuple, what: str) -> Any:
         ctx = self.ctx
+        self.protocol.chaos("store")
         host, last = self.store.take(key, what)
+        self.protocol.chaos("upload")
         if host is None:
             return None
         # a reader before the last gets its own copy, in case a layer writes in place
@@ -448,6 +476,8 @@ class Worker:
         st = task.stage
         for off, rep in enumerate(replicas):
             layer = st.start + off
+            self._layer = layer
+            self.protocol.chaos("forward")
             with (
                 self.ctx.on(self.ctx.compute),
                 seeded(self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)),
@@ -465,6 +495,7 @@ class Worker:
                     first.register_hook(timer.hook(layer + 1))
             if save is not None:
                 save(layer + 1, x)
+        self._layer = None
         return x
 
     def _forward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
@@ -538,6 +569,7 @@ class Worker:
                 if timer is not None:
                     timer.boundary[st.stop] = timer.watch.mark()  # the loss's backward
                 if weighted.requires_grad:  # False only when nothing below is trainable
+                    self.protocol.chaos("backward")
                     (weighted * call.scale).backward()
         self._report(task, timer)
         self._input_grad(task, j, leaves, pending)
@@ -559,6 +591,7 @@ class Worker:
                 with self.ctx.on(self.ctx.compute):
                     if timer is not None:
                         timer.boundary[st.stop] = timer.watch.mark()
+                    self.protocol.chaos("backward")
                     torch.autograd.backward(outs, grads)
         self._report(task, timer)
         self._input_grad(task, j, leaves, pending)
