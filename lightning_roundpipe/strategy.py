@@ -74,6 +74,10 @@ class RoundPipeStrategy(ParallelStrategy):
             share one GPU, e.g. to test a many-GPU plan on one card).
         nonfinite: a NaN/inf loss or gradient (fp32/bf16) ``"raise"``-s before
             the weights change, or ``"skip"``-s the step; fp16 always skips.
+        profile_iterations: training iterations whose per-layer times are
+            measured (after one warm-up iteration); 0 turns profiling off.
+        replan_margin: switch to the measured plan when its objective is better
+            by more than this fraction (never when ``plan`` is given).
     """
 
     strategy_name = "roundpipe"
@@ -98,6 +102,8 @@ class RoundPipeStrategy(ParallelStrategy):
         log_every_n_steps: int | None = None,
         workers_per_device: int = 1,
         nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        profile_iterations: int = 2,
+        replan_margin: float = 0.05,
     ) -> None:
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
@@ -129,6 +135,8 @@ class RoundPipeStrategy(ParallelStrategy):
             raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
         self.workers_per_device = workers_per_device
         self.nonfinite = nonfinite
+        self.profile_iterations = profile_iterations
+        self.replan_margin = replan_margin
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
         self._last_step: tuple[float, float, int] | None = None  # time, waited, bytes
@@ -136,6 +144,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.pipeline_layers: list[torch.nn.Module] = []
         self.microbatches: int | None = None
         self._final_stale: dict[str, Tensor] | None = None
+        self._chaos: Callable[[str], None] | None = None
         self._stale: dict[str, Tensor] | None = None
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
@@ -290,8 +299,12 @@ class RoundPipeStrategy(ParallelStrategy):
             device_memory_limit=self.device_memory_limit,
             optimizer_threads=self.optimizer_threads,
             nonfinite=self.nonfinite,
+            profile_iterations=self.profile_iterations,
+            replan_margin=self.replan_margin,
         )
         self._adapter = adapter
+        if self._chaos is not None:  # tests: delays or faults at the hand-offs
+            self.engine._protocol.chaos = self._chaos
         # kept after the engine closes, for reports
         self.stage_plan = self.engine.plan
         self.pipeline_layers = adapter.layers()

@@ -38,6 +38,17 @@ def pytest_addoption(parser):
         default=50,
         help="seeds for the optimizer-protocol stress test (CI runs the default)",
     )
+    parser.addoption(
+        "--chaos-runs",
+        type=int,
+        default=3,
+        help="seeds for the Lightning-level chaos test (CI runs the default)",
+    )
+
+
+@pytest.fixture
+def chaos_runs(request):
+    return request.config.getoption("--chaos-runs")
 
 
 @pytest.fixture

@@ -140,3 +140,79 @@ def test_async_refuses_optimized_parameters_outside_the_pipeline():
         r"\(extra.weight, extra.bias\); .*Use strategy='roundpipe_sync'",
     ):
         t.fit(SeqModule(), loader(seq_data(8)))
+
+
+@pytest.mark.chaos
+def test_chaos_delays_devices_plans_and_a_resume_match_an_undisturbed_run(chaos_runs, tmp_path):
+    """Random delays at every hand-off, random device counts, plans and optimizer
+    mode, a checkpoint and resume in the middle: the final weights equal an
+    undisturbed run with the same settings."""
+    import random
+
+    from lightning_roundpipe.runtime.optimizer import Chaos
+
+    from .modules import CausalLM, lm_data
+
+    points = {
+        "upload": 0.002,
+        "grad": 0.002,
+        "g_copy": 0.001,
+        "p_copy": 0.001,
+        "step": 0.002,
+        "download": 0.001,
+        "forward": 0.001,
+        "backward": 0.001,
+        "store": 0.001,
+        "call": 0.001,
+    }
+    data = lm_data(32)
+    for seed in range(chaos_runs):
+        rng = random.Random(seed)
+        devices = rng.randint(1, 3)
+        plan = rng.choice(["auto", "1,1,1|2|1,1,1", "2,1|2|3", "|5|"])
+        asyn = rng.random() < 0.5
+
+        def strategy(chaos=None, asyn=asyn, plan=plan):
+            s = RoundPipeStrategy(async_optimizer=asyn, num_microbatches=4, plan=plan)
+            s._chaos = chaos
+            return s
+
+        calm = CausalLM("qwen3")
+        L.seed_everything(seed)
+        L.Trainer(
+            strategy=strategy(), accelerator="cpu", devices=devices, max_steps=8, **QUIET
+        ).fit(calm, loader(data), loader(data))
+
+        first = CausalLM("qwen3")
+        L.seed_everything(seed)
+        t1 = L.Trainer(
+            strategy=strategy(Chaos(seed, points)),
+            accelerator="cpu",
+            devices=devices,
+            max_epochs=1,
+            **QUIET,
+        )
+        # validation makes the epoch end cleanly in the checkpoint (without it Lightning
+        # resumes a non-resumable loader mid-epoch and replays a batch)
+        t1.fit(first, loader(data), loader(data))
+        ckpt = tmp_path / f"chaos-{seed}.ckpt"
+        t1.save_checkpoint(ckpt)
+        second = CausalLM("qwen3")
+        L.seed_everything(seed)
+        L.Trainer(
+            strategy=strategy(Chaos(seed + 1, points)),
+            accelerator="cpu",
+            devices=devices,
+            max_steps=8,
+            **QUIET,
+        ).fit(second, loader(data), loader(data), ckpt_path=ckpt)
+        for a, b in zip(calm.parameters(), second.parameters(), strict=True):
+            torch.testing.assert_close(
+                a,
+                b,
+                atol=1e-6,
+                rtol=1e-6,
+                msg=lambda m, s=seed, d=devices, p=plan, y=asyn: (
+                    f"seed {s}, {d} devices, plan {p}, async {y}: {m}"
+                ),
+            )
