@@ -103,7 +103,7 @@ def test_out_of_memory_names_the_stage_and_what_to_change():
         with pytest.raises(
             WorkerError,
             match=r"OutOfMemoryError: injected fault at upload\. "
-            r"Stage F1 needs about .* GiB for weights and gradients plus "
+            r"Stage [FB]\d needs about .* GiB for weights and gradients plus "
             r"activations; .*Raise num_microbatches .*device_memory_limit",
         ):
             drive(eng, steps=1)
