@@ -2,6 +2,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -69,3 +70,18 @@ def test_lightning_cli_yaml_config_runs(strategy, tmp_path):
     assert isinstance(cli.trainer.strategy, RoundPipeStrategy)
     assert cli.trainer.strategy.async_optimizer is (strategy is None)
     assert cli.trainer.global_step == 3
+
+
+@pytest.mark.parametrize("name", ["finetune_hf", "lora_peft"])
+def test_hugging_face_examples_train(name):
+    pytest.importorskip("transformers")
+    if name == "lora_peft":
+        pytest.importorskip("peft")
+    trainer = load(name).main(["--steps", "6", "--devices", "2"])
+    assert trainer.global_step == 6
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def test_sequential_example_learns():
+    trainer = load("sequential").main(["--steps", "60", "--devices", "2"])
+    assert float(trainer.callback_metrics["train_loss"]) < 0.5
