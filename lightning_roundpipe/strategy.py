@@ -42,8 +42,10 @@ class RoundPipeStrategy(ParallelStrategy):
     """Train with RoundPipe: host-resident state, devices as a stateless pool.
 
     Args:
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: set by
-            the Trainer (``accelerator=``, ``devices=``, ``precision=``).
+        accelerator: set by the Trainer (``accelerator=``).
+        parallel_devices: set by the Trainer (``devices=``).
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer (``precision=``).
         async_optimizer: run optimizer steps on a host thread one step behind
             (staleness 1), overlapping them with device compute. ``False`` gives
             ordinary training semantics.

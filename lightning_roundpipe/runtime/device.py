@@ -192,6 +192,8 @@ class DeviceContext:
         is complete once an event recorded on ``stream`` afterwards is."""
         if not self.is_cuda:
             return t
+        if t.is_sparse:  # e.g. nn.Embedding(sparse=True) gradients
+            t = t.to_dense()
         self.bytes_moved += t.numel() * t.element_size()
         with torch.cuda.stream(stream):
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -111,16 +111,18 @@ def _check_uniform(devs: list[torch.device]) -> None:
 
 def _bandwidth(device: torch.device, nbytes: int = 64 << 20, repeat: int = 3) -> float:
     """Host-to-device bytes per second from page-locked memory (CUDA)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()  # note: a CPU-GPU sync point, once, at re-planning time
-    return nbytes * repeat / (start.elapsed_time(end) / 1e3)
+    with torch.cuda.device(device):  # events and copies on the same device
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()  # note: a CPU-GPU sync point, once, at re-planning time
+        ms = start.elapsed_time(end)
+    return nbytes * repeat / max(ms / 1e3, 1e-9)
 
 
 class _Runtime:

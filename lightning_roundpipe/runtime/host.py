@@ -60,7 +60,18 @@ class _PinnedArena:
             total += -(-nbytes // self.ALIGN) * self.ALIGN
         buf = torch.empty(max(total, self.ALIGN), dtype=torch.uint8)
         if self.enabled:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            # register from a short-lived thread: a failed CUDA runtime call leaves a
+            # per-thread error flag that would surface at the caller's next kernel
+            result: list = []
+            helper = threading.Thread(
+                target=lambda: result.append(
+                    torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+                ),
+                name="roundpipe-pin",
+            )
+            helper.start()
+            helper.join()
+            err = result[0] if result else -1
             self.registered = int(err) == 0
             if not self.registered:
                 log.warning(

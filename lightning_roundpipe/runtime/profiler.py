@@ -75,6 +75,7 @@ class Stopwatch:
 
     def elapsed(self, a: int, b: int) -> float:
         if self.cuda:
+            self.marks[a].synchronize()
             self.marks[b].synchronize()
             return self.marks[a].elapsed_time(self.marks[b]) / 1e3
         return self.marks[b] - self.marks[a]

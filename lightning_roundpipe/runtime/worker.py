@@ -262,6 +262,12 @@ class Worker:
         return err
 
     def _oom_advice(self, st: Stage) -> str:
+        try:
+            return self._oom_text(st)
+        except Exception:  # advice must never hide the error itself
+            return ""
+
+    def _oom_text(self, st: Stage) -> str:
         params = self.host.stage_params(st.start, st.stop)
         need = sum(
             p.master.numel() * p.master.element_size() * (2 if p.trainable else 1) for p in params
@@ -334,14 +340,14 @@ class Worker:
             for w, j in enumerate(mbs):
                 mb[0] = j
                 run[st.kind](task, j, replicas, pending)
-                if prefetch is not None:
-                    self._prefetch_window(prefetch, w)
                 # on CUDA publish the previous micro-batch's downloads, one behind,
                 # so this thread never waits on a copy queued behind running compute
                 self._publish(pending, keep_last=ctx.is_cuda)
                 if w + 1 < len(mbs):
                     mb[0] = mbs[w + 1]
                     self._fetch_ahead(task, mbs[w + 1])
+                if prefetch is not None:  # after the urgent activation upload
+                    self._prefetch_window(prefetch, w)
             self._publish(pending, keep_last=False)
             mb[0] = None
             if needs_grad:
@@ -570,7 +576,8 @@ class Worker:
                     timer.boundary[st.stop] = timer.watch.mark()  # the loss's backward
                 if weighted.requires_grad:  # False only when nothing below is trainable
                     self.protocol.chaos("backward")
-                    (weighted * call.scale).backward()
+                    # in fp32: an fp16 loss times a 2^16 loss scale would overflow
+                    (weighted.float() * call.scale).backward()
         self._report(task, timer)
         self._input_grad(task, j, leaves, pending)
 
