@@ -85,3 +85,11 @@ def test_hugging_face_examples_train(name):
 def test_sequential_example_learns():
     trainer = load("sequential").main(["--steps", "60", "--devices", "2"])
     assert float(trainer.callback_metrics["train_loss"]) < 0.5
+
+
+def test_pictures_regenerate_with_one_command(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("transformers")
+    written = load("make_pictures").main(["--out", str(tmp_path), "--steps", "3"])
+    assert {p.name for p in written} == {"bubbles-bars.png", "loss-curves.png"}
+    assert len(list(tmp_path.glob("figure1-*.png"))) == 6
