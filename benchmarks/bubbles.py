@@ -25,6 +25,9 @@ from pathlib import Path
 
 from lightning_roundpipe.plan import SCHEDULES, LayerCosts, decoder_costs, simulate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
 DEVICES = (1, 2, 4, 8)
 
 
@@ -101,10 +104,7 @@ def main() -> None:
         f"{args.microbatches_per_device} micro-batches per device, no communication time.\n\n"
         f"{table}\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ from torch import nn
 
 from lightning_roundpipe.runtime import RoundPipeEngine, use_fused
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
 
 def model(width: int, depth: int) -> list[nn.Module]:
     torch.manual_seed(0)
@@ -82,10 +85,7 @@ def main() -> None:
         "\n\n| batch | blocking copy, sync (ms/iter) | per-parameter events, async (ms/iter) "
         "| saved |\n|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

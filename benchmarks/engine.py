@@ -83,6 +83,10 @@ def overhead(devices: tuple[int, ...] = (1, 2, 4), microbatches: int = 32) -> st
     return "\n".join(rows)
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit  # noqa: E402
+
+
 def _median(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -292,10 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.microbatches} micro-batches, bf16:\n\n" + throughput(args)
         )
     out = "\n\n".join(parts) + "\n"
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ import datetime
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
 CONFIGS = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab
     "Qwen3-0.6B": (1024, 3072, 28, 16, 8, 128, 151936),
     "Qwen3-1.7B": (2048, 6144, 28, 16, 8, 128, 151936),
@@ -66,10 +69,7 @@ def main() -> None:
         "`python benchmarks/host_memory.py`: bf16 master copies; allocation sizes "
         "computed from the model shapes.\n\n" + table() + "\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

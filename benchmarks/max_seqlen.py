@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_runner import trial
+from report import emit
 
 
 def longest(strategy: str, size: str, low: int, high: int, step: int, devices: int) -> str:
@@ -66,10 +67,7 @@ def main() -> None:
         + "\n".join(rows)
         + "\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
 
 def shapes(total: int, hidden: int = 1024) -> list[tuple[int, ...]]:
     per_block = [
@@ -88,10 +91,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads.\n\n{table}\n\nFastest: {best} "
         "(all three agree to 1e-5).\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ from torch import nn
 
 from lightning_roundpipe.runtime import RoundPipeEngine, use_fused
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
 
 def _engine_bench():
     spec = importlib.util.spec_from_file_location(
@@ -141,10 +144,7 @@ def main() -> None:
         f"Host memory per parameter, full fine-tuning, AdamW, bf16:\n\n"
         f"| part | bytes/parameter |\n|---|---:|\n{mem_rows}\n| **total** | **{total:.2f}** |\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

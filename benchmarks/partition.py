@@ -23,6 +23,9 @@ from pathlib import Path
 
 from lightning_roundpipe.plan import LayerCosts, partition, partition_exhaustive
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
 LAYERS = (28, 64, 94, 200)
 NUM_DEVICES, NUM_MICROBATCHES = 8, 16
 TARGETS_MS = {28: 1.0, 94: 15.0}  # issue #2, on a 2-core machine
@@ -95,10 +98,7 @@ def main() -> None:
         f"{RESEARCH_MS[94]:g} ms for 94.\n"
     )
     out = f"{header}\n{table}\n"
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

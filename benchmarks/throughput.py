@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_runner import STRATEGIES, trial
+from report import emit
 
 
 def table(sizes, seq, batch, micro, steps, devices) -> str:
@@ -70,10 +71,7 @@ def main() -> None:
         + table(args.sizes, args.seq, args.batch, args.micro, args.steps, args.devices)
         + "\n"
     )
-    sys.stdout.write(out)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as fh:
-            fh.write("\n" + out)
+    emit(out, args.append)
 
 
 if __name__ == "__main__":

@@ -27,19 +27,12 @@ def bubble_bars(out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lightning_roundpipe.plan import SCHEDULES, decoder_costs, simulate
+    from lightning_roundpipe.plan import SCHEDULES, simulate
 
-    costs = decoder_costs(
-        28,
-        seq=2048,
-        micro_batch=1,
-        hidden=2048,
-        mlp=6144,
-        heads=16,
-        kv_heads=8,
-        vocab=151936,
-        flops_per_second=1e12,
-    )
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    from bubbles import default_costs  # the benchmark's Qwen3-1.7B shapes
+
+    costs = default_costs()
     labels = ["roundpipe (async)", *SCHEDULES]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.38

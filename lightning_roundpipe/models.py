@@ -24,6 +24,7 @@ becomes engine work:
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -62,13 +63,14 @@ def _anchor() -> torch.Tensor:
     return torch.zeros((), requires_grad=True)
 
 
-class _Adapter:
+class _Adapter(ABC):
     """Common interception: patch ``target.forward``, restore on ``detach``."""
 
     target: nn.Module
 
+    @abstractmethod
     def layers(self) -> list[nn.Module]:
-        raise NotImplementedError
+        """The pipeline layers, in order."""
 
     def attach(self, engine: RoundPipeEngine, grad_scale: Callable[[], float]) -> None:
         self.engine = engine
@@ -84,8 +86,9 @@ class _Adapter:
         self.target.__dict__.pop("forward", None)
         self.engine = None
 
+    @abstractmethod
     def call(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """What a call to the intercepted module does."""
 
     def _outputs_with_backward(self, inputs: Any) -> torch.Tensor:
         """Forward now; when autograd reaches the outputs, run the pipelined

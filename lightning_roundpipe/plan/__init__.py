@@ -1,4 +1,4 @@
-"""Planning layer: pure Python, no ``torch.cuda``, no threads.
+"""Planning layer: pure Python, no CUDA calls, no threads.
 
 What to run where, decided before anything runs: per-layer costs, the stage
 plan and its partitioner, the round-robin dispatch, transfer windows, and a
