@@ -21,6 +21,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def bubble_bars(out: Path) -> Path:
     import matplotlib
 
@@ -52,12 +62,7 @@ def bubble_bars(out: Path) -> Path:
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("bubble ratio (%)")
     ax.set_title("Simulated bubbles, Qwen3-1.7B shapes (lower is better)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "bubbles-bars.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, out / "bubbles-bars.png")
 
 
 def loss_curves(out: Path, steps: int) -> Path:
@@ -108,12 +113,7 @@ def loss_curves(out: Path, steps: int) -> Path:
         "lags at this high learning rate",
         fontsize=9,
     )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "loss-curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, out / "loss-curves.png")
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

@@ -208,24 +208,10 @@ def test_each_rule_is_needed(rule):
     ref = copy.deepcopy(layers)
     guarded = copy.deepcopy(layers)
     staleness_reference(ref, data, make_sgd, accumulate=1, clip=None, m=4, seed=0, stale=True)
-    # with the rule in place the same delays are harmless
-    run_engine(
-        guarded,
-        data,
-        make_sgd,
-        accumulate=1,
-        clip=None,
-        m=4,
-        seed=0,
-        async_mode=True,
-        devices=2,
-        plan="1,1,1|1|1,1,1",
-        chaos=Chaos(0, RULE_CHAOS[rule]),
-    )
-    assert_same(guarded, ref)
-    try:
+
+    def run(target, disabled=()):
         run_engine(
-            layers,
+            target,
             data,
             make_sgd,
             accumulate=1,
@@ -236,8 +222,14 @@ def test_each_rule_is_needed(rule):
             devices=2,
             plan="1,1,1|1|1,1,1",
             chaos=Chaos(0, RULE_CHAOS[rule]),
-            disabled={rule},
+            disabled=disabled,
         )
+
+    # with the rule in place the same delays are harmless
+    run(guarded)
+    assert_same(guarded, ref)
+    try:
+        run(layers, disabled={rule})
     except WorkerError as exc:  # a detected violation: autograd saw a weight change under it
         assert "modified by an inplace operation" in str(exc)
         return
