@@ -112,7 +112,7 @@ def host_bytes_per_param(width: int, depth: int) -> tuple[dict[str, float], int]
         "fp32 parameters (optimizer copy)": sum(p.numel() * p.element_size() for p in params),
         "bf16 master copy": mem["master"],
         "fp32 gradient buffer": mem["grad"],
-        "fp32 gradients of the last step (kept until the next)": mem["step_grads"],
+        "gradients still attached after the step": mem["step_grads"],
         "AdamW moments": state,
     }
     return {k: v / n for k, v in parts.items()}, n

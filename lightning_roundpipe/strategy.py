@@ -21,10 +21,13 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -32,6 +35,8 @@ from .models import find_adapter
 from .plan import simulate
 from .precision import RoundPipePrecision
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
+from .runtime.nested import batch_size_of
+from .runtime.worker import WorkerError
 
 __all__ = ["RoundPipeStrategy"]
 
@@ -80,6 +85,14 @@ class RoundPipeStrategy(ParallelStrategy):
             measured (after one warm-up iteration); 0 turns profiling off.
         replan_margin: switch to the measured plan when its objective is better
             by more than this fraction (never when ``plan`` is given).
+        oom_replans: when a device runs out of memory during the fit's first
+            training batch, re-plan up to this many times instead of failing:
+            stages half the size of the one that failed (through a tighter
+            ``device_memory_limit``), or, when that stage is a single layer and
+            ``num_microbatches="auto"``, twice the micro-batches. The batch is
+            then run again from the start, so the result is the same as a run
+            that fitted at once. Never changes a given ``plan`` or integer
+            ``num_microbatches``. ``0`` fails at once.
     """
 
     strategy_name = "roundpipe"
@@ -106,6 +119,7 @@ class RoundPipeStrategy(ParallelStrategy):
         nonfinite: Literal["raise", "skip", "ignore"] = "raise",
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
+        oom_replans: int = 3,
     ) -> None:
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
@@ -139,6 +153,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self.nonfinite = nonfinite
         self.profile_iterations = profile_iterations
         self.replan_margin = replan_margin
+        if isinstance(oom_replans, bool) or not isinstance(oom_replans, int) or oom_replans < 0:
+            raise ValueError(f"oom_replans must be an integer >= 0, got {oom_replans!r}")
+        self.oom_replans = oom_replans
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
         self._last_step: tuple[float, float, int] | None = None  # time, waited, bytes
@@ -150,6 +167,13 @@ class RoundPipeStrategy(ParallelStrategy):
         self._stale: dict[str, Tensor] | None = None
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
+        # out-of-memory re-planning during the fit's first training batch
+        self._oom_open = False  # the first batch is running on a fresh engine
+        self._oom_left = 0
+        self._oom_limit: int | None = None  # tighter stage memory limit
+        self._oom_microbatches: int | None = None  # more micro-batches ("auto" only)
+        self._first_call: tuple[tuple, dict] | None = None
+        self._resumed: dict[str, Tensor] | None = None
 
     # ----------------------------------------------------------- registry
     @classmethod
@@ -250,6 +274,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
+        self._oom_left, self._oom_limit, self._oom_microbatches = self.oom_replans, None, None
         self._build_engine(trainer)
 
     def _check_optimizers(self) -> None:
@@ -286,7 +311,10 @@ class RoundPipeStrategy(ParallelStrategy):
         adapter = find_adapter(self.lightning_module, self.layers)
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
-        m = n if self.num_microbatches == "auto" else self.num_microbatches
+        if self.num_microbatches != "auto":
+            m = self.num_microbatches
+        else:
+            m = self._oom_microbatches or n
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
             adapter.layers(),
@@ -298,7 +326,7 @@ class RoundPipeStrategy(ParallelStrategy):
             async_optimizer=self.async_optimizer,
             seed=seed,
             watchdog_timeout=self.watchdog_timeout,
-            device_memory_limit=self.device_memory_limit,
+            device_memory_limit=self._oom_limit or self.device_memory_limit,
             optimizer_threads=self.optimizer_threads,
             nonfinite=self.nonfinite,
             profile_iterations=self.profile_iterations,
@@ -334,6 +362,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
             self._resume_stale()
+            self._oom_open = self.oom_replans > 0
 
     def _check_outside_parameters(self, adapter: Any) -> None:
         """With the asynchronous optimizer the training loop must never read a
@@ -392,6 +421,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
         module.lr_scheduler_step = lr_scheduler_step
         self._restore.append(lambda: module.__dict__.pop("lr_scheduler_step", None))
+        if self.async_optimizer:
+            _warn_gradient_hooks(trainer, module)
 
     # -------------------------------------------------------- optimizing
     def optimizer_step(
@@ -401,12 +432,24 @@ class RoundPipeStrategy(ParallelStrategy):
         hooks Lightning runs before a step, then queue the step on the engine."""
         model = model or self.lightning_module
         result = closure()
-        self.precision_plugin._after_closure(model, optimizer)
-        handle = self.engine.step(
-            lambda: optimizer.step(**kwargs), **self.precision_plugin.take_clip()
-        )
-        if not self.async_optimizer:
-            handle.wait()
+        precision = self.precision_plugin
+
+        def step() -> Any:
+            return optimizer.step(**kwargs)
+
+        if self.async_optimizer:
+            # the window's gradients do not exist yet: they are collected on the
+            # optimizer thread while the next window computes
+            precision._after_closure(model, optimizer)
+            self.engine.step(step, **precision.take_clip())
+        else:
+            # the hooks see this step's gradients in .grad, as with any strategy
+
+            def prepare() -> dict[str, float]:
+                precision._after_closure(model, optimizer)
+                return precision.take_clip()
+
+            self.engine.step(step, prepare=prepare).wait()
         self._log_metrics(model.trainer)
         return result
 
@@ -439,9 +482,90 @@ class RoundPipeStrategy(ParallelStrategy):
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         self.pre_backward(closure_loss)
-        closure_loss.backward(*args, **kwargs)
+        if not self._oom_open:
+            closure_loss.backward(*args, **kwargs)
+        else:
+            # the fit's first batch: wait for every stage, so that running out
+            # of memory surfaces here, where the batch can still be run again
+            loss = closure_loss
+            while True:
+                try:
+                    loss.backward(*args, **kwargs)
+                    self.engine._wait_tasks()
+                    break
+                except WorkerError as err:
+                    self._replan_after_oom(err)
+                    loss = self._rerun_training_step()
+            self._oom_open = False  # gradients are in the window from here on
+            self._first_call = None
         self.post_backward(closure_loss)
         return closure_loss
+
+    # ------------------------------------------------------ out of memory
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._oom_open:
+            return super().training_step(*args, **kwargs)
+        self._first_call = (args, kwargs)
+        while True:
+            try:
+                return super().training_step(*args, **kwargs)
+            except WorkerError as err:
+                self._replan_after_oom(err)
+
+    def _rerun_training_step(self) -> Tensor:
+        """The first batch's training step again, on the re-planned engine; its
+        loss, normalized for accumulation as Lightning's closure does."""
+        from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+        assert self._first_call is not None
+        args, kwargs = self._first_call
+        trainer = self.lightning_module.trainer
+        output = self.training_step(*args, **kwargs)
+        loss = ClosureResult.from_training_step_output(
+            output, trainer.accumulate_grad_batches
+        ).closure_loss
+        if loss is None:
+            raise RuntimeError("training_step returned no loss when run again after re-planning")
+        return loss
+
+    def _replan_after_oom(self, err: WorkerError) -> None:
+        """Rebuild the engine with smaller stages or more micro-batches after a
+        device ran out of memory in the first batch, or re-raise ``err``."""
+        engine = self.engine
+        if (
+            not isinstance(err.__cause__, torch.OutOfMemoryError)
+            or engine is None
+            or self._oom_left <= 0
+        ):
+            raise err
+        start, stop = err.layers
+        costs, plan, m = engine._costs, engine.plan, engine.num_microbatches
+        change = None
+        if self.plan == "auto" and stop - start > 1 and costs.memory is not None:
+            stage = costs.stage_memory(start, stop)
+            limit = max(int(max(costs.memory[start:stop])), int(stage // 2))
+            if limit < stage:
+                self._oom_limit = limit
+                change = f"device_memory_limit={limit} (stage {err.stage} needed about {stage:.0f})"
+        if change is None and self.num_microbatches == "auto" and self._first_call is not None:
+            args, kwargs = self._first_call
+            batch = batch_size_of((args, kwargs))
+            if batch is not None and 2 * m <= batch:
+                self._oom_microbatches = 2 * m
+                change = f"num_microbatches={2 * m}"
+        if change is None:
+            raise err
+        self._oom_left -= 1
+        trainer = self.lightning_module.trainer
+        self._close()
+        self._stale = self._resumed
+        self._build_engine(trainer)
+        rank_zero_warn(
+            f"RoundPipe: {err.device} ran out of memory in stage {err.stage} (layers "
+            f"{start}-{stop - 1}) during the first batch; re-planned with {change}: plan "
+            f"{plan} -> {self.engine.plan}, {m} -> {self.engine.num_microbatches} "
+            "micro-batches; running the batch again"
+        )
 
     # -------------------------------------------------------- checkpoints
     def _drain(self) -> None:
@@ -499,6 +623,7 @@ class RoundPipeStrategy(ParallelStrategy):
 
     def _resume_stale(self) -> None:
         stale, self._stale = self._stale, None
+        self._resumed = stale  # a re-plan before the first step resumes again
         if not stale or self.engine is None or not self.async_optimizer:
             return
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
@@ -532,3 +657,29 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._close()
         super().teardown()
+
+
+def _warn_gradient_hooks(trainer: Any, module: Any) -> None:
+    """With the asynchronous optimizer a window's gradients are collected on the
+    optimizer thread after ``on_before_optimizer_step`` has run on the caller's
+    thread, so hooks there cannot see them: say so when the module or a callback
+    overrides the hook."""
+    users = (
+        [type(module).__name__]
+        if is_overridden("on_before_optimizer_step", module, LightningModule)
+        else []
+    )
+    users += [
+        type(cb).__name__
+        for cb in trainer.callbacks
+        if is_overridden("on_before_optimizer_step", cb, Callback)
+    ]
+    if users:
+        rank_zero_warn(
+            f"{', '.join(users)} override(s) `on_before_optimizer_step`. With strategy="
+            "'roundpipe' (asynchronous optimizer) that hook runs before the step's "
+            "gradients reach the host, so `.grad` there is not this step's gradient "
+            "(it may be None). Use strategy='roundpipe_sync' (or "
+            "RoundPipeStrategy(async_optimizer=False)) to inspect or change gradients "
+            "in the hook; clipping through the Trainer works in both modes."
+        )

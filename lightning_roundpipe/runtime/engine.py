@@ -486,9 +486,12 @@ class RoundPipeEngine:
         """Bytes of host memory the engine holds (master copies, gradient buffers,
         and how much of it is page-locked)."""
         out = self._host.host_bytes()
-        # gradients handed to the optimizer by the last step, still referenced
+        # gradients a step handed to the optimizer, while still attached (a step
+        # releases them when it is done; zero between steps)
         out["step_grads"] = sum(
-            g.numel() * g.element_size() for g in self._optimizer._grads.values()
+            p.param.grad.numel() * p.param.grad.element_size()
+            for p in self._host.params
+            if p.param.grad is not None
         )
         return out
 
@@ -798,6 +801,7 @@ class RoundPipeEngine:
         *,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
+        prepare: Callable[[], dict[str, float] | None] | None = None,
     ) -> StepHandle:
         """Close the current window and apply an update on the host.
 
@@ -807,6 +811,12 @@ class RoundPipeEngine:
         weights are copied into the master copy afterwards. Synchronous mode:
         blocks until done. Asynchronous mode: returns at once; the update runs
         on the optimizer thread while the next window computes.
+
+        ``prepare``, if given, runs on the same thread just before clipping, with
+        the window's (unscaled) gradients in ``.grad``; it may inspect or change
+        them and may return ``{"clip_grad_norm": x}`` or ``{"clip_grad_value": x}``
+        to set the clipping. After ``fn`` the gradients are released (``.grad``
+        is ``None`` between steps, as after ``zero_grad(set_to_none=True)``).
 
         Returns a :class:`StepHandle` (``wait()``, ``grad_norm``: the total norm
         before clipping, ``skipped``: fp16 overflow, ``result``: what ``fn``
@@ -823,7 +833,7 @@ class RoundPipeEngine:
             self._window += 1
             scale = self._window_scale.pop(window, self.scaler.scale)
             handle = StepHandle(window, _store=self._rt.store)
-            job = _Job(window, fn, scale, clip_grad_norm, clip_grad_value, handle)
+            job = _Job(window, fn, scale, clip_grad_norm, clip_grad_value, handle, prepare)
             self._jobs += 1
             self._window_has_grads = False
             self._protocol.close_window(window)

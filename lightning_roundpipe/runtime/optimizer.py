@@ -289,6 +289,9 @@ class _Job:
     clip_norm: float | None
     clip_value: float | None
     handle: StepHandle
+    # called with the window's gradients in .grad, before clipping; may return
+    # clipping options (the strategy runs Lightning's pre-step hooks here)
+    prepare: Callable[[], dict[str, float] | None] | None = None
 
 
 class NonFiniteError(FloatingPointError):
@@ -429,25 +432,21 @@ class OptimizerWorker:
             # rule 5 removed: the weight copies run before the step, out of order
             self._p_copies(job)
         norm = None
+        for p in trainable:
+            g = self._grads[p.index]
+            p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
+        clip_norm, clip_value = job.clip_norm, job.clip_value
+        if job.prepare is not None:
+            clip = job.prepare() or {}
+            clip_norm = clip.get("clip_grad_norm", clip_norm)
+            clip_value = clip.get("clip_grad_value", clip_value)
         if finite:
-            for p in trainable:
-                p.param.grad = (
-                    self._grads[p.index]
-                    if p.param.dtype == torch.float32
-                    else (self._grads[p.index].to(p.param.dtype))
-                )
-            grads = [p.param.grad for p in trainable]
-            if job.clip_norm is not None:
-                norm = float(
-                    torch.nn.utils.clip_grad_norm_([p.param for p in trainable], job.clip_norm)
-                )
-            elif job.clip_value is not None:
-                norm = float(
-                    torch.linalg.vector_norm(
-                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                    )
-                )
-                torch.nn.utils.clip_grad_value_([p.param for p in trainable], job.clip_value)
+            params = [p.param for p in trainable if p.param.grad is not None]
+            if clip_norm is not None:
+                norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+            elif clip_value is not None:
+                norm = grad_norm_of([p.grad for p in params])
+                torch.nn.utils.clip_grad_value_(params, clip_value)
             chaos("step")
             job.handle.result = job.fn() if job.fn is not None else None
         elif self.scaler.enabled:
@@ -459,11 +458,12 @@ class OptimizerWorker:
             )
         else:
             log.warning("non-finite gradient in step %d: step skipped (nonfinite='skip')", w)
-        # The handed-over gradients stay referenced until this parameter's next G
-        # copy. Dropping them here (leaving .grad as the only reference) crashed the
-        # asynchronous Lightning path with heap corruption: something still touches
-        # the previous step's gradient after the step. Until that reader is found,
-        # the memory stays alive (4 more bytes per parameter between steps).
+        # The step's gradients are released as soon as it is done (as zero_grad
+        # with set_to_none would): between steps the host holds one fp32 gradient
+        # per parameter, the buffer the next window accumulates into.
+        for p in trainable:
+            p.param.grad = None
+        self._grads.clear()
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
         job.handle.skipped = not finite

@@ -410,3 +410,44 @@ def test_workers_per_device_multiplies_cpu_workers():
     t = fit(mod, data, sync(workers_per_device=2), devices=2, max_steps=3)
     assert t.strategy.microbatches == 4
     assert_same(params(mod), params(ref))
+
+
+class GradHookLM(CausalLM):
+    """Records each step's gradient norm and halves the gradients before the step."""
+
+    def __init__(self) -> None:
+        super().__init__("qwen3")
+        self.norms: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:  # the asynchronous optimizer: not available here
+            return
+        self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        for g in grads:
+            g.mul_(0.5)
+
+
+def test_sync_hooks_before_the_step_see_and_change_this_steps_gradients():
+    data = lm_data()
+    ref = GradHookLM()
+    fit(ref, data, "auto", max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    mod = GradHookLM()
+    fit(
+        mod, data, sync(), devices=2, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05
+    )
+    assert len(mod.norms) == len(ref.norms) == 4
+    torch.testing.assert_close(torch.stack(mod.norms), torch.stack(ref.norms), rtol=1e-4, atol=1e-6)
+    assert_same(params(mod), params(ref))
+    # the step releases its gradients: nothing stays attached between steps
+    assert all(p.grad is None for p in mod.parameters())
+
+
+def test_async_warns_that_hooks_before_the_step_cannot_see_gradients():
+    data = lm_data()
+    with pytest.warns(
+        UserWarning,
+        match=r"GradHookLM override\(s\) `on_before_optimizer_step`.*"
+        r"roundpipe_sync",
+    ):
+        fit(GradHookLM(), data, "roundpipe", max_steps=2)
