@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py                          # smoke: tiny model, CPU
     python benchmarks/throughput.py --sizes 0.6b 1.7b --seq 2048 --batch 16 --micro 2
-    python benchmarks/throughput.py ... --append docs/benchmarks.md
+    python benchmarks/throughput.py ... --append docs/benchmarks.md --json docs/data/throughput.json
 
 A Qwen3-style causal LM built from a config (sizes in ``lm_runner.SIZES``),
 the same global batch for every strategy, each with its micro-batch size;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import sys
 from pathlib import Path
@@ -26,17 +27,27 @@ from lm_runner import STRATEGIES, trial
 from report import emit
 
 
-def table(sizes, seq, batch, micro, steps, devices) -> str:
+def measure(sizes, seq, batch, micro, steps, devices) -> dict[str, dict[str, dict]]:
+    """Every strategy on every size, each in a fresh process: {size: {strategy: result}}."""
+    return {
+        size: {s: trial(s, size, seq, batch, micro, steps, devices) for s in STRATEGIES}
+        for size in sizes
+    }
+
+
+def _peers(res: dict[str, dict]) -> tuple[float | None, float | None]:
+    tps = {s: r.get("tokens_per_second") for s, r in res.items()}
+    peers = [tps[s] for s in ("fsdp_offload", "deepspeed_offload") if tps.get(s)]
+    return tps.get("auto"), (max(peers) if peers else None)
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
     rows = [
         "| size | strategy | tokens/s | vs no offload | vs best offloading peer |",
         "|---|---|---:|---:|---:|",
     ]
-    for size in sizes:
-        res = {s: trial(s, size, seq, batch, micro, steps, devices) for s in STRATEGIES}
-        tps = {s: r.get("tokens_per_second") for s, r in res.items()}
-        base = tps.get("auto")
-        peers = [tps[s] for s in ("fsdp_offload", "deepspeed_offload") if tps.get(s)]
-        best_peer = max(peers) if peers else None
+    for size, res in results.items():
+        base, best_peer = _peers(res)
         for s, r in res.items():
             if "tokens_per_second" in r:
                 t = r["tokens_per_second"]
@@ -50,6 +61,38 @@ def table(sizes, seq, batch, micro, steps, devices) -> str:
     return "\n".join(rows)
 
 
+def bars(results: dict[str, dict[str, dict]], title: str, path: Path) -> Path:
+    """Bar chart of tokens/s per size and strategy (missing bars say why)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(STRATEGIES)
+    for k, s in enumerate(STRATEGIES):
+        for i, size in enumerate(sizes):
+            r = results[size].get(s, {})
+            x = i + (k - (len(STRATEGIES) - 1) / 2) * width
+            t = r.get("tokens_per_second")
+            if t:
+                ax.bar(x, t, width, color=f"C{k}", label=s if i == 0 else None)
+            else:
+                why = "OOM" if r.get("oom") else "n/a"
+                ax.bar(x, 0, width, color=f"C{k}", label=s if i == 0 else None)
+                ax.text(x, 0, why, rotation=90, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(sizes)))
+    ax.set_xticklabels(sizes)
+    ax.set_ylabel("tokens/s (higher is better)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny"])
@@ -59,19 +102,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--append", type=Path)
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
+    results = measure(args.sizes, args.seq, args.batch, args.micro, args.steps, args.devices)
     out = (
         f"### Throughput ({datetime.date.today()})\n\n`python benchmarks/throughput.py`: "
         f"{device}, {platform.machine()}, torch {torch.__version__}; sequence {args.seq}, "
         f"global batch {args.batch}, micro-batch {args.micro}, {args.devices} device(s), "
-        f"{args.steps} steps.\n\n"
-        + table(args.sizes, args.seq, args.batch, args.micro, args.steps, args.devices)
-        + "\n"
+        f"{args.steps} steps.\n\n" + table(results) + "\n"
     )
     emit(out, args.append)
+    if args.json:
+        setting = {k: getattr(args, k) for k in ("seq", "batch", "micro", "steps", "devices")}
+        doc = {"date": str(datetime.date.today()), "device": device, "setting": setting}
+        args.json.write_text(json.dumps({**doc, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

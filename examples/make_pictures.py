@@ -8,7 +8,12 @@
 - a bar chart of simulated bubble ratios across schedules for 4 and 8 devices
   (Qwen3-1.7B shapes, ``benchmarks/bubbles.py``'s setting);
 - loss curves of the tiny LM main job under ``strategy="roundpipe_sync"``,
-  ``"roundpipe"`` and ``"auto"`` (same module, data and seed; sync equals auto).
+  ``"roundpipe"`` and ``"auto"`` (same module, data and seed; sync equals auto);
+- throughput bars from ``benchmarks/throughput.py``'s raw results
+  (``docs/data/throughput.json``, written with ``--json``; when the file is
+  missing, the smoke setting is measured on this machine and saved there);
+- the five ordering rules of the asynchronous optimizer, from a recorded trace
+  (``protocol_trace.py``).
 """
 
 from __future__ import annotations
@@ -116,16 +121,59 @@ def loss_curves(out: Path, steps: int) -> Path:
     return _save(fig, ax, out / "loss-curves.png")
 
 
+def throughput_bars(out: Path, results: Path) -> Path:
+    import json
+
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import throughput
+
+    if results.exists():
+        doc = json.loads(results.read_text())
+    else:  # the smoke setting, measured here (CPU workers without a GPU)
+        import datetime
+
+        import torch
+
+        setting = dict(seq=64, batch=8, micro=2, steps=4, devices=1)
+        doc = {
+            "date": str(datetime.date.today()),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only",
+            "setting": setting,
+            "results": throughput.measure(["tiny"], **setting),
+        }
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(doc, indent=1) + "\n")
+    st = doc["setting"]
+    title = (
+        f"Throughput, {doc['device']} ({doc['date']}): sequence {st['seq']}, batch "
+        f"{st['batch']}, micro-batch {st['micro']}, {st['devices']} device(s)"
+    )
+    return throughput.bars(doc["results"], title, out / "throughput-bars.png")
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "images")
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument(
+        "--throughput",
+        type=Path,
+        default=HERE.parent / "docs" / "data" / "throughput.json",
+        help="raw results of benchmarks/throughput.py --json (measured here if missing)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     import figure1_timeline
 
     figure1_timeline.main(["--out", str(args.out)])
-    written = [bubble_bars(args.out), loss_curves(args.out, args.steps)]
+    import protocol_trace
+
+    written = [
+        bubble_bars(args.out),
+        loss_curves(args.out, args.steps),
+        throughput_bars(args.out, args.throughput),
+        protocol_trace.main(["--out", str(args.out)]),
+    ]
     for path in written:
         print(f"wrote {path}")
     return written

@@ -77,3 +77,31 @@ def test_lm_runner_trials_in_fresh_processes():
         assert mod.trial("fsdp_offload", "tiny", 32, 4, 1, 2, 1) == {
             "skipped": "FSDP CPU offload needs CUDA"
         }
+
+
+def test_throughput_table_and_bars_from_results(tmp_path):
+    mod = load("throughput")
+    results = {
+        "0.6b": {
+            "roundpipe": {"tokens_per_second": 9000.0},
+            "roundpipe_sync": {"tokens_per_second": 8000.0},
+            "auto": {"tokens_per_second": 10000.0},
+            "fsdp_offload": {"tokens_per_second": 3000.0},
+            "deepspeed_offload": {"skipped": "deepspeed is not installed"},
+        },
+        "8b": {
+            "roundpipe": {"tokens_per_second": 1000.0},
+            "roundpipe_sync": {"tokens_per_second": 900.0},
+            "auto": {"oom": True},
+            "fsdp_offload": {"tokens_per_second": 250.0},
+            "deepspeed_offload": {"tokens_per_second": 500.0},
+        },
+    }
+    rows = mod.table(results).splitlines()[2:]
+    assert rows[0] == "| 0.6b | roundpipe | 9,000 | 90% | 3.00x |"
+    assert rows[3] == "| 0.6b | fsdp_offload | 3,000 | 30% | - |"
+    assert rows[4] == "| 0.6b | deepspeed_offload | deepspeed is not installed | - | - |"
+    assert rows[5] == "| 8b | roundpipe | 1,000 | - | 2.00x |"  # no baseline: it ran out
+    assert rows[7] == "| 8b | auto | out of memory | - | - |"
+    png = mod.bars(results, "test", tmp_path / "bars.png")
+    assert png.stat().st_size > 1000

@@ -2,6 +2,7 @@
 
 from .device import layer_seed
 from .engine import EngineClosedError, RoundPipeEngine, estimate_costs
+from .host import pinned_bytes
 from .optimizer import NonFiniteError, OptimizerStepError, StepHandle, use_fused
 from .store import HandoffTimeout
 from .worker import WorkerError
@@ -16,5 +17,6 @@ __all__ = [
     "WorkerError",
     "estimate_costs",
     "layer_seed",
+    "pinned_bytes",
     "use_fused",
 ]

@@ -23,9 +23,25 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["HostState", "LayerReplica"]
+__all__ = ["HostState", "LayerReplica", "pinned_bytes"]
 
 log = logging.getLogger(__name__)
+
+
+_registered_lock = threading.Lock()
+_registered_bytes = 0
+
+
+def pinned_bytes() -> int:
+    """Bytes of host memory this process has page-locked for master copies and
+    not yet released (all engines together; 0 once every engine is closed)."""
+    return _registered_bytes
+
+
+def _count_registered(delta: int) -> None:
+    global _registered_bytes
+    with _registered_lock:
+        _registered_bytes += delta
 
 
 class _PinnedArena:
@@ -73,7 +89,9 @@ class _PinnedArena:
             helper.join()
             err = result[0] if result else -1
             self.registered = int(err) == 0
-            if not self.registered:
+            if self.registered:
+                _count_registered(buf.numel())
+            else:
                 log.warning(
                     "cudaHostRegister of %d bytes failed (%s); master copies stay in pageable "
                     "memory and uploads will be slower",
@@ -98,6 +116,7 @@ class _PinnedArena:
             if int(err) != 0:  # pragma: no cover - needs a GPU
                 log.warning("cudaHostUnregister failed: %s", err)
             self.registered = False
+            _count_registered(-self._buffer.numel())
 
 
 @dataclass

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,24 @@ def test_sequential_example_learns():
 def test_pictures_regenerate_with_one_command(tmp_path):
     pytest.importorskip("matplotlib")
     pytest.importorskip("transformers")
-    written = load("make_pictures").main(["--out", str(tmp_path), "--steps", "3"])
-    assert {p.name for p in written} == {"bubbles-bars.png", "loss-curves.png"}
+    results = tmp_path / "throughput.json"
+    results.write_text(
+        json.dumps(
+            {
+                "date": "2026-11-22",
+                "device": "test",
+                "setting": dict(seq=64, batch=8, micro=2, steps=4, devices=1),
+                "results": {"tiny": {"roundpipe": {"tokens_per_second": 5.0}, "auto": {}}},
+            }
+        )
+    )
+    written = load("make_pictures").main(
+        ["--out", str(tmp_path), "--steps", "3", "--throughput", str(results)]
+    )
+    assert {p.name for p in written} == {
+        "bubbles-bars.png",
+        "loss-curves.png",
+        "throughput-bars.png",
+        "protocol-rules.png",
+    }
     assert len(list(tmp_path.glob("figure1-*.png"))) == 6

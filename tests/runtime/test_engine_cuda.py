@@ -95,3 +95,22 @@ def test_several_iterations_with_prefetch_and_steps():
         nn.Sequential(*layers).parameters(), nn.Sequential(*ref).parameters(), strict=True
     ):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_pinned_and_device_memory_return_to_their_start_after_close():
+    from lightning_roundpipe.runtime import pinned_bytes
+
+    torch.cuda.synchronize()
+    pinned, allocated = pinned_bytes(), torch.cuda.memory_allocated()
+    for i in range(5):
+        layers = mlp()
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=1e-3)
+        with RoundPipeEngine(layers, [0, 0], 4, async_optimizer=bool(i % 2)) as eng:
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.step(opt.step)
+            eng.synchronize()
+            assert pinned_bytes() > pinned
+        torch.cuda.synchronize()
+        assert pinned_bytes() == pinned, f"run {i} left page-locked memory registered"
+        assert torch.cuda.memory_allocated() == allocated, f"run {i} left device memory"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.runtime import RoundPipeEngine
+from lightning_roundpipe.runtime import RoundPipeEngine, pinned_bytes
 
 from .modules import SeqModule, loader, seq_data
 
@@ -80,17 +80,39 @@ def test_ctrl_c_stops_cleanly_and_no_thread_survives(async_optimizer):
     assert threading.active_count() == before
 
 
-def test_twenty_fits_leak_no_threads_and_no_engines():
+def _twenty_fits(accelerator, devices, workers_per_device=1):
+    cuda = accelerator == "gpu"
+    if cuda:
+        torch.cuda.synchronize()
     before = threading.active_count()
+    pinned = pinned_bytes()
+    allocated = torch.cuda.memory_allocated() if cuda else 0
     data = seq_data(16)
     for i in range(20):
-        strategy = RoundPipeStrategy(async_optimizer=bool(i % 2), num_microbatches=2)
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=2, **QUIET)
+        strategy = RoundPipeStrategy(
+            async_optimizer=bool(i % 2), num_microbatches=2, workers_per_device=workers_per_device
+        )
+        trainer = L.Trainer(
+            strategy=strategy, accelerator=accelerator, devices=devices, max_steps=2, **QUIET
+        )
         trainer.fit(SeqModule(extra=False), loader(data))
         assert threading.active_count() == before, f"fit {i} left threads behind"
+        assert pinned_bytes() == pinned, f"fit {i} left page-locked memory registered"
+        if cuda:
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == allocated, f"fit {i} left device memory"
     del trainer, strategy
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, RoundPipeEngine)]
+
+
+def test_twenty_fits_leak_no_threads_and_no_engines():
+    _twenty_fits("cpu", 2)
+
+
+@pytest.mark.gpu
+def test_twenty_fits_on_a_gpu_leak_no_threads_pinned_or_device_memory():
+    _twenty_fits("gpu", 1, workers_per_device=2)
 
 
 def test_a_second_fit_after_a_failure_works():
