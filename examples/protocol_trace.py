@@ -24,13 +24,15 @@ being the ``forward_backward`` calls before the ``w``-th ``step``:
    order, and the updates in order.
 
 Timestamps: a producer is stamped just before it signals, a consumer just after
-its wait returns, so a dependency that held reads as ``consumer >= producer``.
+the method returns (its wait, then its ``Chaos`` delay), so a dependency that
+held reads as ``consumer >= producer``.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: with string annotations ``@dataclass``
+# needs the module in ``sys.modules``, which loading this file by path skips
 import argparse
 import functools
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -48,13 +50,13 @@ OUT_NAME = "protocol-rules.png"
 
 # seeded random delays (largest, in seconds) that spread the hand-offs out
 CHAOS = {
-    "upload": 0.004,
-    "forward": 0.003,
-    "backward": 0.003,
+    "upload": 0.003,
+    "forward": 0.002,
+    "backward": 0.002,
     "grad": 0.002,
-    "g_copy": 0.001,
-    "p_copy": 0.001,
-    "step": 0.006,
+    "g_copy": 0.003,
+    "p_copy": 0.003,
+    "step": 0.008,
 }
 
 
@@ -64,8 +66,8 @@ class Event:
 
     ``t`` is milliseconds since the first ``forward_backward``; ``kind`` is the
     ``Protocol`` method (``before_upload``/``before_grad``/``wait_grads``:
-    when its wait returned; ``after_use``/``after_grad``/``g_copied``/``p_copied``:
-    just before it signalled) or ``step_begin``/``step_end`` around the
+    when the method returned, after its wait; ``after_use``/``after_grad``/
+    ``g_copied``/``p_copied``: just before it signalled) or ``step_begin``/``step_end`` around the
     optimizer's ``step``; ``param`` names the tracked parameter (``""`` for steps).
     """
 
@@ -208,6 +210,301 @@ def record(windows: int = 3, seed: int = 0) -> list[Event]:
     return sorted(rec.events, key=lambda e: e.t)
 
 
+# ------------------------------------------------------------------ analysis
+def _of(events: list[Event], kind: str, window: int, param: str) -> list[Event]:
+    return [e for e in events if e.kind == kind and e.window == window and e.param == param]
+
+
+def dependencies(events: list[Event], param: str) -> list[tuple[int, Event, Event]]:
+    """The rule 1-4 dependencies of ``param`` observed in ``events``, as
+    ``(rule, producer, consumer)``: rule 1: last ``after_use`` of window
+    ``w + 1`` -> ``p_copied(w)``; rule 2: ``p_copied(w)`` -> first
+    ``before_upload`` of window ``w + 2``; rule 3: last ``after_grad(w)`` ->
+    ``g_copied(w)``; rule 4: ``g_copied(w)`` -> first ``before_grad(w + 1)``.
+    A rule held where ``consumer.t >= producer.t``."""
+    deps: list[tuple[int, Event, Event]] = []
+    windows = sorted({e.window for e in events if e.param == param})
+    for w in windows:
+        for rule, (pk, pw, pick_p), (ck, cw, pick_c) in (
+            (1, ("after_use", w + 1, max), ("p_copied", w, min)),
+            (2, ("p_copied", w, min), ("before_upload", w + 2, min)),
+            (3, ("after_grad", w, max), ("g_copied", w, min)),
+            (4, ("g_copied", w, min), ("before_grad", w + 1, min)),
+        ):
+            prod, cons = _of(events, pk, pw, param), _of(events, ck, cw, param)
+            if prod and cons:
+                key = lambda e: e.t  # noqa: E731
+                deps.append((rule, pick_p(prod, key=key), pick_c(cons, key=key)))
+    return deps
+
+
+def updates(events: list[Event], param: str) -> list[list[Event]]:
+    """Rule 5: per update, the optimizer-thread events of ``param`` and the step,
+    in recorded order (G copy, step, P copy)."""
+    kinds = ("wait_grads", "g_copied", "step_begin", "step_end", "p_copied")
+    out = []
+    for w in sorted({e.window for e in events if e.kind == "step_begin"}):
+        out.append(
+            [e for e in events if e.window == w and e.kind in kinds and e.param in ("", param)]
+        )
+    return out
+
+
+def violations(events: list[Event], param: str) -> list[str]:
+    """Every observed dependency of ``param`` that ran backwards in time."""
+    bad = [
+        f"rule {rule}: {c.kind}(window {c.window}) at {c.t:.2f} ms before "
+        f"{p.kind}(window {p.window}) at {p.t:.2f} ms"
+        for rule, p, c in dependencies(events, param)
+        if c.t < p.t
+    ]
+    order = ["wait_grads", "g_copied", "step_begin", "step_end", "p_copied"]
+    flat = [e for u in updates(events, param) for e in u]
+    expect = sorted(flat, key=lambda e: (e.window, order.index(e.kind)))
+    if [(e.kind, e.window) for e in flat] != [(e.kind, e.window) for e in expect]:
+        bad.append("rule 5: optimizer events out of order")
+    return bad
+
+
+# ---------------------------------------------------------------------- plot
+KINDS = {  # kind: (marker, colour, y offset in the lane, legend text)
+    "before_upload": (">", "#2ca02c", 0.0, "before_upload returned: task reads the master copy"),
+    "after_use": ("s", "#1f77b4", 0.0, "after_use: task done with the master copy"),
+    "before_grad": ("v", "#ff7f0e", 0.26, "before_grad returned: may add its gradient"),
+    "after_grad": ("^", "#d62728", -0.26, "after_grad: gradient added to the buffer"),
+    "g_copied": ("D", "#9467bd", 0.0, "g_copied: G copy done (buffer -> .grad)"),
+    "p_copied": ("o", "#8c564b", 0.0, "p_copied: P copy done (weights -> master copy)"),
+}
+RULE_COLOURS = {1: "#0bb4c8", 2: "#d62f9d", 3: "#333333", 4: "#d9a400", 5: "#777777"}
+WINDOW_SHADES = ["#dbe9f6", "#fde2c8", "#d9f0d3", "#e8dff1", "#f6d5d5"]
+
+
+def _lane_name(thread: str) -> str:
+    if thread == OPTIMIZER_THREAD:
+        return "optimizer"
+    m = re.fullmatch(r"roundpipe-worker-(\d+)-(.+)", thread)
+    return f"worker {m.group(1)} ({m.group(2)})" if m else thread
+
+
+def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path:
+    """Draw the trace of ``param`` (and the steps) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    mine = [e for e in events if e.param in ("", param)]
+    workers = sorted({e.thread for e in mine if e.thread != OPTIMIZER_THREAD})
+    lanes = {t: len(workers) - i for i, t in enumerate(workers)}
+    lanes[OPTIMIZER_THREAD] = 0
+
+    def y(e: Event) -> float:
+        return lanes[e.thread] + KINDS.get(e.kind, (None, None, 0.0))[2]
+
+    # fixed geometry first: the arrow labels are placed in display coordinates
+    fig = plt.figure(figsize=(11, 4.6), dpi=120)
+    ax = fig.add_axes((0.1, 0.33, 0.88, 0.59))
+    lo, hi = min(e.t for e in mine), max(e.t for e in mine)
+    ax.set_xlim(lo - 0.015 * (hi - lo), hi + 0.06 * (hi - lo))
+    ax.set_ylim(-1.0, len(workers) + 0.55)
+
+    # tasks that read the parameter: before_upload ... after_use on one worker
+    for thread in workers:
+        start: Event | None = None
+        for e in (e for e in mine if e.thread == thread):
+            if e.kind == "before_upload":
+                start = e
+            elif e.kind == "after_use" and start is not None:
+                grads = any(
+                    g.kind == "before_grad" and g.thread == thread and start.t <= g.t <= e.t
+                    for g in mine
+                )
+                ax.broken_barh(
+                    [(start.t, e.t - start.t)],
+                    (lanes[thread] - 0.38, 0.76),
+                    facecolors=WINDOW_SHADES[e.window % len(WINDOW_SHADES)],
+                    edgecolors="#999999",
+                    linewidth=0.6,
+                    zorder=1,
+                )
+                ax.text(
+                    (start.t + e.t) / 2,
+                    lanes[thread],
+                    f"{'B' if grads else 'F'}{e.window}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="#444444",
+                    zorder=2,
+                )
+                start = None
+
+    # the optimizer's steps
+    for e in mine:
+        if e.kind == "step_begin":
+            end = next(f for f in mine if f.kind == "step_end" and f.window == e.window)
+            ax.broken_barh(
+                [(e.t, max(end.t - e.t, 0.5))],
+                (-0.3, 0.6),
+                facecolors="#bbbbbb",
+                edgecolors="#666666",
+                linewidth=0.6,
+                zorder=2,
+            )
+            ax.text(e.t, -0.33, f"step {e.window}", ha="center", va="top", fontsize=7, zorder=2)
+
+    for kind, (marker, colour, _, _) in KINDS.items():
+        pts = [e for e in mine if e.kind == kind]
+        ax.scatter(
+            [e.t for e in pts],
+            [y(e) for e in pts],
+            marker=marker,
+            s=36,
+            color=colour,
+            edgecolors="black",
+            linewidths=0.4,
+            zorder=6,
+        )
+
+    # rules 1-4: one arrow per observed dependency, numbered at the arc's middle
+    to_px, to_data = ax.transData.transform, ax.transData.inverted().transform
+    bends = {1: 0.35, 2: 0.3, 3: -0.35, 4: 0.12}
+    for rule, p, c in dependencies(events, param):
+        colour = RULE_COLOURS[rule]
+        ax.annotate(
+            "",
+            xy=(c.t, y(c)),
+            xytext=(p.t, y(p)),
+            arrowprops={
+                "arrowstyle": "-|>,head_length=0.5,head_width=0.25",
+                "color": colour,
+                "lw": 1.2,
+                "shrinkA": 4,
+                "shrinkB": 5,
+                "connectionstyle": f"arc3,rad={bends[rule]}",
+            },
+            zorder=4,
+        )
+        # matplotlib's arc3 is a quadratic Bezier whose control point lies
+        # rad * (dy, -dx) off the chord's middle; the curve's middle is half-way
+        (x0, y0), (x1, y1) = to_px((p.t, y(p))), to_px((c.t, y(c)))
+        f = bends[rule] / 2
+        mx, my = to_data(((x0 + x1) / 2 + f * (y1 - y0), (y0 + y1) / 2 - f * (x1 - x0)))
+        ax.text(
+            mx,
+            my,
+            str(rule),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
+            fontweight="bold",
+            bbox={"boxstyle": "circle,pad=0.15", "fc": colour, "ec": "none"},
+            zorder=7,
+        )
+
+    # rule 5: each update's G copy, step and P copy, in order, on one thread
+    for update in updates(events, param):
+        if not update:
+            continue
+        lo, hi = update[0].t, update[-1].t
+        ax.annotate(
+            "",
+            xy=(lo, -0.62),
+            xytext=(hi, -0.62),
+            arrowprops={
+                "arrowstyle": "|-|,widthA=0.25,widthB=0.25",
+                "color": RULE_COLOURS[5],
+                "shrinkA": 0,
+                "shrinkB": 0,
+            },
+        )
+        ax.text(
+            (lo + hi) / 2,
+            -0.69,
+            f"5: update {update[0].window}"
+            + ("" if update[-1].kind == "p_copied" else " (P copy pending)"),
+            ha="center",
+            va="top",
+            fontsize=7,
+            color=RULE_COLOURS[5],
+        )
+
+    ax.set_yticks(list(lanes.values()), [_lane_name(t) for t in lanes])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("time since the first forward_backward (ms)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", color="#eeeeee", zorder=0)
+    ax.set_axisbelow(True)
+    ax.set_title(
+        f"Five ordering rules, recorded on {len(workers)} CPU workers (parameter: {param})",
+        fontsize=11,
+    )
+    handles = [
+        Line2D(
+            [],
+            [],
+            marker=m,
+            color=c,
+            markeredgecolor="black",
+            markeredgewidth=0.4,
+            linestyle="",
+            markersize=6,
+            label=text,
+        )
+        for m, c, _, text in KINDS.values()
+    ]
+    handles += [
+        Patch(
+            facecolor=WINDOW_SHADES[0],
+            edgecolor="#999999",
+            label="task reading the weight: F/B (forward/backward) + window",
+        ),
+        Patch(facecolor="#bbbbbb", edgecolor="#666666", label="optimizer step (fn)"),
+    ]
+    handles += [
+        Line2D([], [], color=RULE_COLOURS[r], lw=1.4, label=text)
+        for r, text in (
+            (1, "1: P copy of update w waits for window w+1's reads"),
+            (2, "2: window k reads after the P copy of update k-2"),
+            (3, "3: G copy of update w waits for window w's gradients"),
+            (4, "4: window w+1 adds gradients after G copy w"),
+            (5, "5: one thread, per update: G copy, step, P copy"),
+        )
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.45, -0.17),
+        ncol=3,
+        fontsize=7,
+        frameon=False,
+        columnspacing=1.5,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "docs/images")
+    parser.add_argument("--windows", type=int, default=4, help="optimizer steps to record")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the delays")
+    args = parser.parse_args(argv)
+    events = record(args.windows, args.seed)
+    broken = [
+        f"{param}: {text}"
+        for param in sorted({e.param for e in events if e.param})
+        for text in violations(events, param)
+    ]
+    if broken:  # the runtime broke an ordering rule: a bug, never a picture
+        raise RuntimeError("ordering rule violated in the recorded trace:\n" + "\n".join(broken))
+    return plot(events, args.out / OUT_NAME)
+
+
 if __name__ == "__main__":
-    for e in record():
-        print(f"{e.t:8.2f} {e.thread:24s} {e.kind:12s} w{e.window} {e.param}")
+    print(f"wrote {main()}")

@@ -94,7 +94,7 @@ class _Adapter(ABC):
         """Forward now; when autograd reaches the outputs, run the pipelined
         backward with their gradient (same iteration: same dropout masks)."""
         engine = self.engine
-        m = engine.num_microbatches
+        m = engine.microbatches_for(batch_size_of(inputs) or 0)
         it = engine.reserve_iteration()
         out = engine.forward(inputs, iteration=it)
         if not isinstance(out, torch.Tensor):
@@ -292,8 +292,8 @@ class CausalLMAdapter(_Adapter):
         engine = self.engine
         training = torch.is_grad_enabled() and self.target.training
         if training and labels is not None:
-            m = engine.num_microbatches
             bsz = batch_size_of(input_ids)
+            m = engine.microbatches_for(bsz)
             counts = [int((_shifted(y) != -100).sum()) for y in split_microbatches(labels, m, bsz)]
             total = max(1, sum(counts))
             scale = self.grad_scale()

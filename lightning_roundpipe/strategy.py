@@ -32,10 +32,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .models import find_adapter
-from .plan import simulate
+from .plan import choose_microbatches, simulate
 from .precision import RoundPipePrecision
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.nested import batch_size_of
+from .runtime.optimizer import PRECISIONS
 from .runtime.worker import WorkerError
 
 __all__ = ["RoundPipeStrategy"]
@@ -54,8 +55,13 @@ class RoundPipeStrategy(ParallelStrategy):
         async_optimizer: run optimizer steps on a host thread one step behind
             (staleness 1), overlapping them with device compute. ``False`` gives
             ordinary training semantics.
-        num_microbatches: micro-batches per training batch; ``"auto"`` uses the
-            number of devices. Batches must have at least this many samples.
+        num_microbatches: micro-batches per training batch; batches must have
+            at least this many samples. ``"auto"``: the fewest (largest
+            micro-batches) among ``N, 2N, 4N, ... 8N`` for ``N`` workers whose
+            simulated bubble is at most 5% (with the asynchronous optimizer
+            usually ``N``); a shorter batch (the last of an epoch) is split into
+            one-sample micro-batches; doubled if the first batch runs out of
+            device memory (``oom_replans``).
         microbatches_per_round: micro-batches per round (default: number of
             devices); ``"auto"``: after profiling, the smallest round whose compute
             hides the weight uploads at the measured bandwidth (GPUs).
@@ -311,10 +317,18 @@ class RoundPipeStrategy(ParallelStrategy):
         adapter = find_adapter(self.lightning_module, self.layers)
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
-        if self.num_microbatches != "auto":
+        costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
+        auto = self.num_microbatches == "auto"
+        if not auto:
             m = self.num_microbatches
         else:
-            m = self._oom_microbatches or n
+            m = self._oom_microbatches or choose_microbatches(
+                costs,
+                n,
+                async_optimizer=self.async_optimizer,
+                plan=None if self.plan == "auto" else self.plan,
+                memory_limit=self._oom_limit or self.device_memory_limit,
+            )
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
             adapter.layers(),
@@ -322,6 +336,7 @@ class RoundPipeStrategy(ParallelStrategy):
             m,
             plan=None if self.plan == "auto" else self.plan,
             microbatches_per_round=self.microbatches_per_round,
+            fit_to_batch=auto,
             precision=self.precision_plugin.precision,
             async_optimizer=self.async_optimizer,
             seed=seed,
@@ -341,7 +356,6 @@ class RoundPipeStrategy(ParallelStrategy):
         self.microbatches = m
         adapter.attach(self.engine, lambda: 1.0 / max(1, trainer.accumulate_grad_batches))
         self._restore.append(adapter.detach)
-        costs = estimate_costs(adapter.layers(), self.engine.compute_dtype)
         sim = simulate(
             "roundpipe",
             costs,

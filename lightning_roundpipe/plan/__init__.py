@@ -9,7 +9,7 @@ from .costs import LayerCosts, PlanError, decoder_costs
 from .dispatch import DispatchPlan, DispatchStep, dispatch
 from .partition import balanced_partition, partition, partition_exhaustive, round_size
 from .plot import plot_timeline
-from .simulate import SCHEDULES, Segment, SimulationResult, simulate
+from .simulate import SCHEDULES, Segment, SimulationResult, choose_microbatches, simulate
 from .stages import Stage, StagePlan
 from .windows import TransferPiece, TransferWindow, transfer_windows
 
@@ -26,6 +26,7 @@ __all__ = [
     "TransferPiece",
     "TransferWindow",
     "balanced_partition",
+    "choose_microbatches",
     "decoder_costs",
     "dispatch",
     "partition",

@@ -499,3 +499,53 @@ def simulate(
         stages_per_device,
         recompute,
     )
+
+
+def choose_microbatches(
+    costs: LayerCosts,
+    num_devices: int,
+    *,
+    async_optimizer: bool,
+    plan: StagePlan | str | None = None,
+    target_bubble: float = 0.05,
+    max_factor: int = 8,
+    memory_limit: float | None = None,
+) -> int:
+    """The fewest micro-batches per batch whose simulated bubble is small.
+
+    Fewer micro-batches mean larger ones: fuller matmuls on the device, fewer
+    tasks to dispatch, and, since a stage's weights are uploaded once per
+    round, the same compute per round to hide them behind. More micro-batches
+    shrink the fill-and-drain bubble (``N(N-1)/(MS + N(N-1))`` without the
+    asynchronous optimizer). The answer is the smallest ``M`` in
+    ``N, 2N, 4N, ...`` (at most ``max_factor * N``) whose bubble (the
+    steady-state one with ``async_optimizer``) is at most ``target_bubble``,
+    else the candidate with the smallest bubble. ``plan``: a fixed stage plan;
+    default the partitioner's plan for each candidate.
+    """
+    if num_devices < 1:
+        raise PlanError(f"num_devices must be >= 1, got {num_devices}")
+    if not 0 <= target_bubble < 1:
+        raise PlanError(f"target_bubble must be in [0, 1), got {target_bubble!r}")
+    best: tuple[float, int] | None = None
+    factor = 1
+    while factor <= max(1, max_factor):
+        m = factor * num_devices
+        res = simulate(
+            "roundpipe",
+            costs,
+            num_devices,
+            m,
+            plan=plan,
+            async_optimizer=async_optimizer,
+            memory_limit=memory_limit,
+        )
+        ratio = res.async_bubble_ratio if async_optimizer else res.bubble_ratio
+        assert ratio is not None
+        if ratio <= target_bubble:
+            return m
+        if best is None or ratio < best[0] - 1e-12:
+            best = (ratio, m)
+        factor *= 2
+    assert best is not None
+    return best[1]

@@ -194,6 +194,9 @@ class RoundPipeEngine:
             ``"auto"``: once per-layer times are measured, the smallest round
             whose compute hides every stage's weight upload at the measured
             host-to-device bandwidth (CUDA; CPU workers copy nothing).
+        fit_to_batch: a batch smaller than ``num_microbatches`` (but at least
+            ``len(devices)``) is split into one-sample micro-batches instead of
+            being refused (for a short last batch of an epoch).
         precision: ``"32-true"`` (fp32 compute), ``"bf16-mixed"`` / ``"bf16-true"``
             (bf16 master copy and compute), ``"16-mixed"`` (fp16 with dynamic
             loss scaling). The optimizer copy keeps the parameters' own dtype.
@@ -231,6 +234,7 @@ class RoundPipeEngine:
         plan: StagePlan | str | None = None,
         *,
         microbatches_per_round: int | Literal["auto"] | None = None,
+        fit_to_batch: bool = False,
         precision: Precision = "32-true",
         async_optimizer: bool = False,
         seed: int = 0,
@@ -310,6 +314,7 @@ class RoundPipeEngine:
         self.devices = devs
         self.num_microbatches = m
         self.microbatches_per_round = microbatches_per_round
+        self.fit_to_batch = fit_to_batch
         self.seed = seed
         self.layers = layers
         self._iteration = 0
@@ -554,18 +559,27 @@ class RoundPipeEngine:
         )
         return f"iteration {iteration}, {where}{plan.grid(mark=stuck)}"
 
-    def _split(self, inputs: Any) -> tuple[int, list[Any]]:
+    def microbatches_for(self, batch_size: int) -> int:
+        """How many micro-batches a batch of ``batch_size`` samples is split into."""
         m = self.num_microbatches
+        if self.fit_to_batch and self.num_devices <= batch_size < m:
+            return batch_size  # a short batch (the last of an epoch): one sample each
+        return m
+
+    def _split(self, inputs: Any) -> tuple[int, list[Any]]:
         bsz = batch_size_of(inputs)
         if bsz is None:
             raise ValueError(
                 "cannot split inputs into micro-batches: they contain no tensor with a batch "
                 "dimension"
             )
+        m = self.microbatches_for(bsz)
         if bsz < m:
+            low = f" or {self.num_devices} devices" if self.fit_to_batch else ""
             raise ValueError(
-                f"batch size ({bsz}) is smaller than num_microbatches ({m}); use a larger batch "
-                "or lower num_microbatches"
+                f"batch size ({bsz}) is smaller than num_microbatches ({m}){low}; use a larger "
+                "batch, lower num_microbatches, or drop a short last batch (drop_last=True in "
+                "the DataLoader)"
             )
         return bsz, split_microbatches(inputs, m, bsz)
 
@@ -589,13 +603,14 @@ class RoundPipeEngine:
         Caller holds ``self._lock``."""
         it, store, rt = call.iteration, self._rt.store, self._rt
         readers0 = call.layout.act_readers[0]
+        mr = self.microbatches_per_round
         for j, x in enumerate(mbs):
             store.put((it, "act", 0, j), self._to_host(x, cast=True), readers0)
         plan = dispatch(
             slots,
             self.num_devices,
-            self.num_microbatches,
-            self.microbatches_per_round,
+            len(mbs),
+            None if mr is None else min(mr, len(mbs)),
             start_device=self._g0,
         )
         self._g0 = plan.next_device
@@ -638,8 +653,8 @@ class RoundPipeEngine:
         used so evaluation never shifts the masks of training iterations.
         Running statistics are not written back by this pass."""
         self._check()
-        m = self.num_microbatches
         _, mbs = self._split(inputs)
+        m = len(mbs)
         with self._lock:
             if iteration is None:
                 self._eval_iteration -= 1
@@ -695,8 +710,8 @@ class RoundPipeEngine:
             ``synchronize`` waits for them).
         """
         self._check()
-        m = self.num_microbatches
         bsz, mbs = self._split(inputs)
+        m = len(mbs)
         labs = [None] * m if labels is None else split_microbatches(labels, m, bsz)
         if loss_weights is None:
             weights = [batch_size_of(x) / bsz for x in mbs]

@@ -71,8 +71,10 @@ PRECISIONS: dict[str, torch.dtype] = {
 class Chaos:
     """Seeded random delays at named hand-off points (tests only).
 
-    ``points`` maps a point name (``"upload"``, ``"grad"``, ``"g_copy"``,
-    ``"p_copy"``, ``"step"``, ``"task"``) to the largest delay in seconds."""
+    ``points`` maps a point name to the largest delay in seconds. Workers call
+    ``"upload"``, ``"forward"``, ``"backward"``, ``"grad"``, ``"download"`` and
+    ``"store"``; the optimizer thread ``"g_copy"``, ``"step"``, ``"p_copy"`` and
+    ``"call"`` (queued zero_grad and scheduler steps)."""
 
     def __init__(self, seed: int, points: dict[str, float]) -> None:
         self._rng = random.Random(seed)

@@ -10,6 +10,7 @@ from lightning_roundpipe.plan import (
     LayerCosts,
     PlanError,
     StagePlan,
+    choose_microbatches,
     dispatch,
     partition,
     simulate,
@@ -213,3 +214,34 @@ def test_roundpipe_never_worse_than_its_model(n_layers, n, rounds, seed):
     m = n * rounds
     res = simulate("roundpipe", costs, n, m)
     assert res.makespan <= res.plan.objective(costs, n, m) / n + 1e-9
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_choose_microbatches_takes_the_fewest_below_the_bubble_target(n, async_optimizer):
+    costs = LayerCosts.uniform(13, head_forward=3.0, head_backward=6.0)
+    m = choose_microbatches(costs, n, async_optimizer=async_optimizer, target_bubble=0.05)
+    candidates = [k * n for k in (1, 2, 4, 8)]
+    assert m in candidates
+
+    def bubble(k):
+        res = simulate("roundpipe", costs, n, k, async_optimizer=async_optimizer)
+        return res.async_bubble_ratio if async_optimizer else res.bubble_ratio
+
+    below = [k for k in candidates if bubble(k) <= 0.05]
+    if below:
+        assert m == below[0]  # the fewest (largest micro-batches) that meet the target
+    else:
+        assert bubble(m) == min(bubble(k) for k in candidates)
+    if n == 1:
+        assert m == 1  # one device has no bubble at all
+
+
+def test_choose_microbatches_grows_with_devices_without_the_async_optimizer():
+    costs = LayerCosts.uniform(24)
+    ms = [choose_microbatches(costs, n, async_optimizer=False) for n in (2, 4, 8)]
+    assert ms == sorted(ms) and ms[-1] > 8
+    # a looser target accepts fewer, larger micro-batches
+    assert choose_microbatches(costs, 4, async_optimizer=False, target_bubble=0.5) == 4
+    with pytest.raises(PlanError, match="target_bubble must be in"):
+        choose_microbatches(costs, 4, async_optimizer=False, target_bubble=1.0)

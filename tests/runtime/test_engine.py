@@ -372,7 +372,8 @@ def test_batch_errors():
         with pytest.raises(
             ValueError,
             match=r"batch size \(3\) is smaller than "
-            r"num_microbatches \(4\); use a larger batch or lower",
+            r"num_microbatches \(4\); use a larger batch, lower num_microbatches, or drop a short "
+            r"last batch \(drop_last=True in the DataLoader\)",
         ):
             eng.forward_backward(
                 torch.randn(3, 8), labels=torch.randn(3, 4), loss_fn=nn.functional.mse_loss
@@ -557,3 +558,29 @@ def test_ordered_calls_run_after_the_queued_step():
         assert h.wait().result == "done"
         eng.synchronize()
     assert order == ["step", "zero_grad"]
+
+
+def test_fit_to_batch_splits_a_short_batch_into_single_samples():
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    with engine(layers, 2, 6, fit_to_batch=True) as eng:
+        assert eng.microbatches_for(3) == 3 and eng.microbatches_for(10) == 6
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert_grads_equal(layers, ref)
+        torch.testing.assert_close(loss, expected.detach())
+        with pytest.raises(
+            ValueError,
+            match=r"batch size \(1\) is smaller than num_microbatches \(6\) or 2 devices",
+        ):
+            eng.forward_backward(x[:1], labels=y[:1], loss_fn=nn.functional.mse_loss)
+    with (
+        engine(mlp(), 2, 6) as eng,
+        pytest.raises(
+            ValueError, match=r"batch size \(3\) is smaller than num_microbatches \(6\); use"
+        ),
+    ):
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)

@@ -451,3 +451,21 @@ def test_async_warns_that_hooks_before_the_step_cannot_see_gradients():
         r"roundpipe_sync",
     ):
         fit(GradHookLM(), data, "roundpipe", max_steps=2)
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_auto_microbatches_follow_the_simulated_bubble_and_short_batches_train(async_optimizer):
+    from lightning_roundpipe.plan import choose_microbatches
+    from lightning_roundpipe.runtime import estimate_costs
+
+    data = lm_data(n=35)  # batches of 8, the last one 3
+    strategy = RoundPipeStrategy(async_optimizer=async_optimizer)
+    mod = CausalLM()
+    fit(mod, data, strategy, devices=2, max_epochs=1)
+    costs = estimate_costs(strategy.pipeline_layers, torch.float32)
+    assert strategy.microbatches == choose_microbatches(costs, 2, async_optimizer=async_optimizer)
+    assert strategy.microbatches > 3  # the last batch was split into single samples
+    if not async_optimizer:
+        ref = CausalLM()
+        fit(ref, data, "auto", max_epochs=1)
+        assert_same(params(mod), params(ref))
