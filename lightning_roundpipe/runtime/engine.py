@@ -411,16 +411,45 @@ class RoundPipeEngine:
         )
 
     def _maybe_replan(self) -> None:
-        """After profiling, switch to the measured plan if it is clearly better."""
+        """After profiling, switch to the measured plan if it is clearly better,
+        or if the current plan's stages exceed the memory limit once their
+        measured activations are counted."""
         if self._replanned or self._profiler is None or not self._profiler.complete:
             return
         self._replanned = True
+        costs = self.measured_costs()
+        n, m, limit = self.num_devices, self.num_microbatches, self._limit
+        over = None
+        if limit is not None and costs.memory is not None:
+            need = self.plan.stage_memory(costs)
+            worst = max(range(len(need)), key=need.__getitem__)
+            if need[worst] > limit:
+                over = (self.plan.stages[worst].label, int(need[worst]))
         if self._user_plan:
+            if over is not None:
+                log.warning(
+                    "RoundPipe: stage %s of the given plan %s needs about %d bytes with its "
+                    "measured activations, over the device memory limit of %d; expect an "
+                    "out-of-memory error: give a plan with smaller stages or raise "
+                    "num_microbatches",
+                    over[0],
+                    self.plan,
+                    over[1],
+                    limit,
+                )
             return
         self._wait_tasks()  # an iteration boundary with nothing in flight
-        costs = self.measured_costs()
-        n, m = self.num_devices, self.num_microbatches
-        new = partition(costs, n, m, memory_limit=self._limit)
+        try:
+            new = partition(costs, n, m, memory_limit=limit)
+        except PlanError as exc:
+            log.warning(
+                "RoundPipe kept plan %s: no plan fits the device memory limit with the measured "
+                "activations (%s); raise num_microbatches (smaller micro-batches) or "
+                "device_memory_limit",
+                self.plan,
+                exc,
+            )
+            return
         old_obj, new_obj = self.plan.objective(costs, n, m), new.objective(costs, n, m)
         if self._auto_round and self.devices[0].type == "cuda":
             bandwidth = _bandwidth(self.devices[0])
@@ -430,13 +459,15 @@ class RoundPipeEngine:
                 bandwidth / 1e9,
                 self.microbatches_per_round,
             )
-        if new != self.plan and new_obj < (1 - self.replan_margin) * old_obj:
+        if new != self.plan and (over is not None or new_obj < (1 - self.replan_margin) * old_obj):
+            why = (
+                f"stage {over[0]} needs about {over[1]} bytes with its measured activations, "
+                f"over the limit of {limit}"
+                if over is not None
+                else f"objective {old_obj:.4g} -> {new_obj:.4g}"
+            )
             log.info(
-                "RoundPipe re-partitioned from measurements: %s -> %s (objective %.4g -> %.4g)",
-                self.plan,
-                new,
-                old_obj,
-                new_obj,
+                "RoundPipe re-partitioned from measurements: %s -> %s (%s)", self.plan, new, why
             )
             self._set_plan(new)
         else:

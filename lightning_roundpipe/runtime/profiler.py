@@ -7,6 +7,11 @@ known complete). Backward times come from gradient hooks at layer boundaries:
 the gradient reaching a layer's output marks the start of its backward, the
 gradient reaching its input the end.
 
+While profiling, the bytes each layer's forward saves for its backward (its
+activations for one micro-batch, on the device that ran it) are counted too and
+added to the size-based memory of weights and gradients, so a re-plan keeps
+stages within the device memory limit including activations.
+
 The first profiled iteration is discarded (allocator and kernel warm-up); the
 remaining samples of each layer are reduced to their median, which shrugs off
 the odd slow micro-batch. :meth:`Profiler.costs` turns them into
@@ -19,23 +24,27 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from ..plan import LayerCosts
 
-__all__ = ["LayerTimer", "Profiler", "Stopwatch"]
+__all__ = ["LayerTimer", "Profiler", "Stopwatch", "saved_bytes"]
 
 
 class LayerTimer:
-    """Timing of one micro-batch through one stage: forward marks per layer and
-    backward boundary marks (gradient arrival at each layer's input/output)."""
+    """Timing of one micro-batch through one stage: forward marks per layer,
+    backward boundary marks (gradient arrival at each layer's input/output),
+    and the bytes each layer's forward saved for its backward."""
 
     def __init__(self, watch: Stopwatch) -> None:
         self.watch = watch
         self.forward: dict[int, tuple[int, int]] = {}
         self.boundary: dict[int, int] = {}
+        self.saved: dict[int, int] = {}
 
     def hook(self, boundary: int):
         def mark(grad: torch.Tensor) -> None:
@@ -54,6 +63,30 @@ class LayerTimer:
             if top is not None and bottom is not None:
                 bwd.append((layer, w.elapsed(top, bottom)))
         return fwd, bwd
+
+
+@contextmanager
+def saved_bytes(module: torch.nn.Module, into: dict[int, int], key: int) -> Iterator[None]:
+    """Count the bytes autograd saves for backward while the block runs (the
+    activation memory a layer holds per micro-batch until its backward), each
+    tensor once and the module's own parameters (and views of them) not at all; the total goes to
+    ``into[key]``. Saved-tensor hooks are per thread, so workers do not mix."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        # a view counts its own bytes (a micro-batch is a view of the batch on CPU)
+        key = (t.data_ptr(), t.nbytes)
+        if t.untyped_storage().data_ptr() not in skip and key not in seen:
+            seen.add(key)
+            total += t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    into[key] = total
 
 
 class Stopwatch:
@@ -95,6 +128,7 @@ class Profiler:
         self._lock = threading.Lock()
         self._fwd: dict[int, list[float]] = defaultdict(list)
         self._bwd: dict[int, list[float]] = defaultdict(list)
+        self._saved: dict[int, int] = {}
         self._seen: set[int] = set()
 
     def wants(self, iteration: int) -> bool:
@@ -107,12 +141,16 @@ class Profiler:
         iteration: int,
         forward: list[tuple[int, float]],
         backward: list[tuple[int, float]],
+        saved: dict[int, int] | None = None,
     ) -> None:
-        """Samples ``(layer, seconds)`` of one task; iteration 0 is warm-up."""
+        """Samples ``(layer, seconds)`` of one task and the bytes each layer saved
+        for backward (``saved``); iteration 0 is warm-up."""
         if iteration == 0:
             return
         with self._lock:
             self._seen.add(iteration)
+            for layer, nbytes in (saved or {}).items():
+                self._saved[layer] = max(self._saved.get(layer, 0), nbytes)
             for layer, t in forward:
                 self._fwd[layer].append(t)
             for layer, t in backward:
@@ -125,10 +163,18 @@ class Profiler:
                 self._fwd.get(i) and self._bwd.get(i) for i in range(self.num_layers)
             )
 
+    def activation_bytes(self) -> list[int]:
+        """Largest number of bytes each layer saved for backward for one
+        micro-batch (0 where nothing was measured)."""
+        with self._lock:
+            return [self._saved.get(i, 0) for i in range(self.num_layers)]
+
     def costs(
         self, memory: list[float] | None = None, weight_bytes: list[float] | None = None
     ) -> LayerCosts:
-        """Median forward and backward time of each layer for one micro-batch."""
+        """Median forward and backward time of each layer for one micro-batch;
+        ``memory`` (weights and gradients) gets the measured activation bytes
+        added."""
         with self._lock:
             missing = [
                 i for i in range(self.num_layers) if not self._fwd.get(i) or not self._bwd.get(i)
@@ -137,4 +183,6 @@ class Profiler:
                 raise RuntimeError(f"no timing yet for layers {missing}")
             fwd = [statistics.median(self._fwd[i]) for i in range(self.num_layers)]
             bwd = [max(0.0, statistics.median(self._bwd[i])) for i in range(self.num_layers)]
+        if memory is not None:
+            memory = [m + a for m, a in zip(memory, self.activation_bytes(), strict=True)]
         return LayerCosts(fwd, bwd, memory=memory, weight_bytes=weight_bytes)

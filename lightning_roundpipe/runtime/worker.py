@@ -28,6 +28,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from .device import DeviceContext, layer_seed, seeded
 from .host import HostState, LayerReplica
 from .nested import call_layer, flatten_tensors, map_tensors
 from .optimizer import Protocol
-from .profiler import LayerTimer, Profiler, Stopwatch
+from .profiler import LayerTimer, Profiler, Stopwatch, saved_bytes
 from .store import EngineFailure, HandoffTimeout, Store
 
 __all__ = ["Layout", "Task", "Worker", "WorkerError"]
@@ -489,11 +490,17 @@ class Worker:
                 seeded(self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)),
             ):
                 # marks inside the RNG lock: waiting for it is not the layer's time
-                if timer is not None:
-                    a = timer.watch.mark()
-                x = call_layer(rep.module, x)
-                if timer is not None:
-                    timer.forward[layer] = (a, timer.watch.mark())
+                counting = (
+                    saved_bytes(rep.module, timer.saved, layer)
+                    if timer is not None and torch.is_grad_enabled()
+                    else nullcontext()
+                )
+                with counting:  # activation bytes kept for backward (profiling only)
+                    if timer is not None:
+                        a = timer.watch.mark()
+                    x = call_layer(rep.module, x)
+                    if timer is not None:
+                        timer.forward[layer] = (a, timer.watch.mark())
             if timer is not None and torch.is_grad_enabled():
                 # this layer's backward starts when its output's gradient arrives
                 first = next((t for t in flatten_tensors(x) if t.requires_grad), None)
@@ -620,7 +627,7 @@ class Worker:
         if st.kind != "forward" and st.start not in timer.boundary:
             timer.boundary[st.start] = timer.watch.mark()  # nothing below: backward is done
         fwd, bwd = timer.samples(st.start, st.stop)
-        task.call.profiler.add(task.call.iteration, fwd, bwd)
+        task.call.profiler.add(task.call.iteration, fwd, bwd, timer.saved)
 
     def _download_grads(self, window: int, params: list, weights: dict[int, nn.Parameter]) -> None:
         ctx = self.ctx

@@ -88,3 +88,50 @@ def test_profiling_can_be_turned_off():
             eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
             eng.step()
         assert eng.measured_costs() is None
+
+
+def test_measured_memory_adds_the_activations_each_layer_saves():
+    layers = model(slow_at=4, delay=0.0, others=0.0)
+    eng, _ = run(layers, iterations=4)
+    # batch 8 in 4 micro-batches of 2: Linear(8, 8) saves its input and tanh its
+    # output, 2 x 8 fp32 values each; the weight (saved by the matmul) is not counted
+    assert eng._profiler.activation_bytes() == [2 * (2 * 8 * 4)] * 10
+    assert list(eng.measured_costs().memory) == [LAYER_BYTES + 128] * 10
+
+
+class Blowup(nn.Module):
+    """No parameters (free by size-based estimates) but large activations."""
+
+    def forward(self, x):
+        return torch.tanh(x.repeat(1, 64)).reshape(x.shape[0], 64, -1).mean(dim=1)
+
+
+def test_stages_over_the_limit_with_measured_activations_are_cut(caplog):
+    torch.manual_seed(0)
+    layers = [Slow(0.0), Blowup(), Slow(0.0), Slow(0.0), Blowup(), Slow(0.0)]
+    limit = 5000  # one Blowup (4096 bytes measured) and one Linear fit, two Blowups do not
+    with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
+        eng, plans = run(layers, iterations=4, device_memory_limit=limit, replan_margin=0.9)
+    costs = eng.measured_costs()
+    assert costs.memory[1] == costs.memory[4] == 2 * 8 * 64 * 4  # tanh's output, 2 samples
+    assert max(plans[0].stage_memory(costs)) > limit  # the size-based plan was too big
+    assert max(plans[-1].stage_memory(costs)) <= limit  # replaced despite the 0.9 margin
+    assert "over the limit" in caplog.text
+
+
+def test_measured_activations_over_the_limit_are_reported(caplog):
+    torch.manual_seed(0)
+    layers = [Slow(0.0), Blowup(), Slow(0.0), Slow(0.0), Blowup(), Slow(0.0)]
+    with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
+        # a given plan is kept, with a warning naming what to change
+        _, plans = run(layers, iterations=4, device_memory_limit=5000, plan="3,2|1|2,3")
+        assert {str(p) for p in plans} == {"3,2|1|2,3"}
+        assert "of the given plan 3,2|1|2,3 needs about" in caplog.text
+        assert "give a plan with smaller stages or raise num_microbatches" in caplog.text
+        # no plan at all fits: the plan is kept and the message says what to raise
+        caplog.clear()
+        run(layers, iterations=4, device_memory_limit=4000)
+        assert "no plan fits the device memory limit with the measured activations" in caplog.text
+        assert "raise num_microbatches (smaller micro-batches) or device_memory_limit" in (
+            caplog.text
+        )
