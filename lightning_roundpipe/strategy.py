@@ -572,6 +572,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._oom_left -= 1
         trainer = self.lightning_module.trainer
         self._close()
+        if any(d.type == "cuda" for d in engine.devices):
+            torch.cuda.empty_cache()  # the failed engine's blocks back to the driver
         self._stale = self._resumed
         self._build_engine(trainer)
         rank_zero_warn(
