@@ -24,6 +24,7 @@ becomes engine work:
 from __future__ import annotations
 
 import logging
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .runtime.engine import EngineClosedError
 from .runtime.nested import batch_size_of, split_microbatches
 
 if TYPE_CHECKING:
@@ -103,8 +105,17 @@ class _Adapter(ABC):
                 f"is computed outside the model; it returned {type(out).__name__}"
             )
 
+        # the graph refers to the engine weakly: a graph that outlives it (a
+        # failed batch run again on a re-planned engine) does not keep it alive
+        engine_ref = weakref.ref(engine)
+
         def run(grad: torch.Tensor) -> None:
-            engine.forward_backward(
+            eng = engine_ref()
+            if eng is None:
+                raise EngineClosedError(
+                    "backward reached outputs of a RoundPipe engine that no longer exists"
+                )
+            eng.forward_backward(
                 inputs, labels=grad, loss_fn=_dot, iteration=it, loss_weights=[1.0] * m
             )
 

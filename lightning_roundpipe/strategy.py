@@ -12,9 +12,11 @@ they run in order on the optimizer thread while devices compute.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -32,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .models import find_adapter
-from .plan import choose_microbatches, simulate
+from .plan import PlanError, choose_microbatches, partition, simulate
 from .precision import RoundPipePrecision
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.nested import batch_size_of
@@ -319,16 +321,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._check_outside_parameters(adapter)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         auto = self.num_microbatches == "auto"
-        if not auto:
-            m = self.num_microbatches
-        else:
-            m = self._oom_microbatches or choose_microbatches(
-                costs,
-                n,
-                async_optimizer=self.async_optimizer,
-                plan=None if self.plan == "auto" else self.plan,
-                memory_limit=self._oom_limit or self.device_memory_limit,
-            )
+        m = self._microbatch_count(costs, n, self._oom_limit or self.device_memory_limit)
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
             adapter.layers(),
@@ -342,6 +335,8 @@ class RoundPipeStrategy(ParallelStrategy):
             seed=seed,
             watchdog_timeout=self.watchdog_timeout,
             device_memory_limit=self._oom_limit or self.device_memory_limit,
+            # a limit learned from an out-of-memory error is in size-estimate units
+            limit_activations=self._oom_limit is None,
             optimizer_threads=self.optimizer_threads,
             nonfinite=self.nonfinite,
             profile_iterations=self.profile_iterations,
@@ -426,6 +421,15 @@ class RoundPipeStrategy(ParallelStrategy):
 
         module.optimizer_zero_grad = optimizer_zero_grad
         self._restore.append(lambda: module.__dict__.pop("optimizer_zero_grad", None))
+        # the module's own zero_grad (Lightning calls it when validation starts
+        # during fit) must not drop gradients a queued step is about to use
+        original_module_zero = module.zero_grad
+
+        def module_zero_grad(set_to_none: bool = True) -> None:
+            engine.call(lambda: original_module_zero(set_to_none=set_to_none))
+
+        module.zero_grad = module_zero_grad
+        self._restore.append(lambda: module.__dict__.pop("zero_grad", None))
         # scheduler steps go through the module's hook (patching the scheduler
         # itself would put the patch into its state_dict and checkpoints)
         original_hook = module.lr_scheduler_step
@@ -446,6 +450,7 @@ class RoundPipeStrategy(ParallelStrategy):
         hooks Lightning runs before a step, then queue the step on the engine."""
         model = model or self.lightning_module
         result = closure()
+        self._end_first_batch()  # also when training_step returned None
         precision = self.precision_plugin
 
         def step() -> Any:
@@ -495,23 +500,37 @@ class RoundPipeStrategy(ParallelStrategy):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
+        """As Lightning's: ``on_before_backward``, the module's ``backward`` hook
+        (which runs the pipelined backward), ``on_after_backward``."""
         self.pre_backward(closure_loss)
+        module = self.lightning_module
+        precision = self.precision_plugin
+        closure_loss = precision.pre_backward(closure_loss, module)
         if not self._oom_open:
-            closure_loss.backward(*args, **kwargs)
+            precision.backward(closure_loss, module, optimizer, *args, **kwargs)
         else:
             # the fit's first batch: wait for every stage, so that running out
             # of memory surfaces here, where the batch can still be run again
             loss = closure_loss
             while True:
+                failure: WorkerError | None = None
                 try:
-                    loss.backward(*args, **kwargs)
+                    precision.backward(loss, module, optimizer, *args, **kwargs)
                     self.engine._wait_tasks()
                     break
                 except WorkerError as err:
-                    self._replan_after_oom(err)
-                    loss = self._rerun_training_step()
-            self._oom_open = False  # gradients are in the window from here on
-            self._first_call = None
+                    failure = err
+                # outside the except block: the failed attempt's frames and the
+                # old engine are not kept alive while the batch runs again
+                self._replan_after_oom(failure)
+                failure = None
+                # gradients autograd left in parameters outside the pipeline
+                # (sync mode) would otherwise be counted twice
+                for p in module.parameters():
+                    p.grad = None
+                loss = self._rerun_training_step()
+            self._end_first_batch()
+        closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
@@ -521,26 +540,60 @@ class RoundPipeStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         self._first_call = (args, kwargs)
         while True:
+            failure: WorkerError | None = None
             try:
-                return super().training_step(*args, **kwargs)
+                out = super().training_step(*args, **kwargs)
+                # stages still running (the backward of a loss computed inside
+                # the model) fail here, where the batch can be run again, and
+                # not in the zero_grad Lightning calls next
+                self.engine._wait_tasks()
+                return out
             except WorkerError as err:
-                self._replan_after_oom(err)
+                failure = err
+            self._replan_after_oom(failure)
+            failure = None
+            self._forget_logged()
+
+    def _forget_logged(self) -> None:
+        """What the failed attempt logged is logged again by the next one."""
+        results = getattr(self.lightning_module.trainer, "_results", None)
+        if results is not None:
+            results.reset(metrics=False, fx="training_step")
+
+    def _end_first_batch(self) -> None:
+        """Gradients are in the window (or a step is queued): no more re-runs."""
+        self._oom_open = False
+        self._first_call = None
+        self._resumed = None
 
     def _rerun_training_step(self) -> Tensor:
         """The first batch's training step again, on the re-planned engine; its
         loss, normalized for accumulation as Lightning's closure does."""
         from lightning.pytorch.loops.optimization.automatic import ClosureResult
+        from lightning.pytorch.trainer import call
 
         assert self._first_call is not None
         args, kwargs = self._first_call
         trainer = self.lightning_module.trainer
-        output = self.training_step(*args, **kwargs)
+        self._forget_logged()
+        output = call._call_strategy_hook(trainer, "training_step", *args, **kwargs)
         loss = ClosureResult.from_training_step_output(
             output, trainer.accumulate_grad_batches
         ).closure_loss
         if loss is None:
             raise RuntimeError("training_step returned no loss when run again after re-planning")
         return loss
+
+    def _microbatch_count(self, costs: Any, n: int, limit: int | None) -> int:
+        if self.num_microbatches != "auto":
+            return self.num_microbatches
+        return self._oom_microbatches or choose_microbatches(
+            costs,
+            n,
+            async_optimizer=self.async_optimizer,
+            plan=None if self.plan == "auto" else self.plan,
+            memory_limit=limit,
+        )
 
     def _replan_after_oom(self, err: WorkerError) -> None:
         """Rebuild the engine with smaller stages or more micro-batches after a
@@ -553,14 +606,25 @@ class RoundPipeStrategy(ParallelStrategy):
         ):
             raise err
         start, stop = err.layers
-        costs, plan, m = engine._costs, engine.plan, engine.num_microbatches
+        costs, plan, m, n = engine._costs, engine.plan, engine.num_microbatches, engine.num_devices
         change = None
         if self.plan == "auto" and stop - start > 1 and costs.memory is not None:
             stage = costs.stage_memory(start, stop)
-            limit = max(int(max(costs.memory[start:stop])), int(stage // 2))
+            # never below the largest layer anywhere in the model: one layer per
+            # stage must still be possible
+            limit = max(int(max(costs.memory)), int(stage // 2))
             if limit < stage:
-                self._oom_limit = limit
-                change = f"device_memory_limit={limit} (stage {err.stage} needed about {stage:.0f})"
+                try:  # the plan the new engine would build, before closing this one
+                    new_plan = partition(
+                        costs, n, self._microbatch_count(costs, n, limit), memory_limit=limit
+                    )
+                except PlanError:
+                    new_plan = None
+                if new_plan is not None and str(new_plan) != str(plan):
+                    self._oom_limit = limit
+                    change = (
+                        f"device_memory_limit={limit} (stage {err.stage} needed about {stage:.0f})"
+                    )
         if change is None and self.num_microbatches == "auto" and self._first_call is not None:
             args, kwargs = self._first_call
             batch = batch_size_of((args, kwargs))
@@ -571,8 +635,12 @@ class RoundPipeStrategy(ParallelStrategy):
             raise err
         self._oom_left -= 1
         trainer = self.lightning_module.trainer
+        cuda = any(d.type == "cuda" for d in engine.devices)
         self._close()
-        if any(d.type == "cuda" for d in engine.devices):
+        del engine
+        _forget_frames(err)  # tensors of the failed attempt held by its traceback
+        gc.collect()
+        if cuda:
             torch.cuda.empty_cache()  # the failed engine's blocks back to the driver
         self._stale = self._resumed
         self._build_engine(trainer)
@@ -675,27 +743,38 @@ class RoundPipeStrategy(ParallelStrategy):
         super().teardown()
 
 
+def _forget_frames(exc: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in ``exc``'s traceback
+    and in those of its causes (frames still running are left alone)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def _warn_gradient_hooks(trainer: Any, module: Any) -> None:
     """With the asynchronous optimizer a window's gradients are collected on the
-    optimizer thread after ``on_before_optimizer_step`` has run on the caller's
-    thread, so hooks there cannot see them: say so when the module or a callback
-    overrides the hook."""
-    users = (
-        [type(module).__name__]
-        if is_overridden("on_before_optimizer_step", module, LightningModule)
-        else []
-    )
+    optimizer thread after the hooks Lightning runs before a step have run on
+    the caller's thread, so those hooks cannot see them: say so when the module
+    or a callback overrides one."""
+    users = [
+        f"{type(module).__name__}.{hook}"
+        for hook in ("on_before_optimizer_step", "configure_gradient_clipping")
+        if is_overridden(hook, module, LightningModule)
+    ]
     users += [
-        type(cb).__name__
+        f"{type(cb).__name__}.on_before_optimizer_step"
         for cb in trainer.callbacks
         if is_overridden("on_before_optimizer_step", cb, Callback)
     ]
     if users:
         rank_zero_warn(
-            f"{', '.join(users)} override(s) `on_before_optimizer_step`. With strategy="
-            "'roundpipe' (asynchronous optimizer) that hook runs before the step's "
-            "gradients reach the host, so `.grad` there is not this step's gradient "
+            f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} overridden. With "
+            "strategy='roundpipe' (asynchronous optimizer) these hooks run before the "
+            "step's gradients reach the host, so `.grad` there is not this step's gradient "
             "(it may be None). Use strategy='roundpipe_sync' (or "
-            "RoundPipeStrategy(async_optimizer=False)) to inspect or change gradients "
-            "in the hook; clipping through the Trainer works in both modes."
+            "RoundPipeStrategy(async_optimizer=False)) to inspect or change gradients in "
+            "them; clipping through the Trainer, or `self.clip_gradients(...)` in "
+            "`configure_gradient_clipping`, works in both modes."
         )

@@ -34,6 +34,7 @@ from .host import HostState
 from .nested import batch_size_of, map_tensors, merge_microbatches, split_microbatches
 from .optimizer import (
     PRECISIONS,
+    HookError,
     LossScaler,
     NonFiniteError,
     OptimizerStepError,
@@ -172,7 +173,7 @@ class _Runtime:
                 stuck.append(t.name)
         self.store.clear()
         if not stuck:  # a stuck worker may still be copying from page-locked memory
-            self.host.release()
+            self.host.free()
         return stuck
 
 
@@ -211,6 +212,10 @@ class RoundPipeEngine:
         device_memory_limit: bytes a stage may use on a CUDA device (default:
             half of the free memory at start, the other half being for the
             prefetched next stage and activations).
+        limit_activations: whether ``device_memory_limit`` also bounds a
+            stage's measured activations once they are known (``True``), or only
+            its size-based estimate, weights and gradients (``False``; for a
+            limit derived from such estimates, e.g. after an out-of-memory error).
         optimizer_threads: intra-op threads for the asynchronous optimizer
             thread (``torch.set_num_threads`` there); default: unchanged. Keep
             some cores for the device workers.
@@ -244,6 +249,7 @@ class RoundPipeEngine:
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
         nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        limit_activations: bool = True,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -308,6 +314,7 @@ class RoundPipeEngine:
         self._costs = costs
         self._limit = limit
         self.replan_margin = replan_margin
+        self.limit_activations = limit_activations
         self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
         self._replanned = False
         self.plan = plan
@@ -418,6 +425,14 @@ class RoundPipeEngine:
             return
         self._replanned = True
         costs = self.measured_costs()
+        if not self.limit_activations:
+            # the limit is in size-estimate units: plan the measured times against it
+            costs = LayerCosts(
+                costs.forward,
+                costs.backward,
+                memory=self._costs.memory,
+                weight_bytes=costs.weight_bytes,
+            )
         n, m, limit = self.num_devices, self.num_microbatches, self._limit
         over = None
         if limit is not None and costs.memory is not None:
@@ -524,11 +539,12 @@ class RoundPipeEngine:
         out = self._host.host_bytes()
         # gradients a step handed to the optimizer, while still attached (a step
         # releases them when it is done; zero between steps)
-        out["step_grads"] = sum(
-            p.param.grad.numel() * p.param.grad.element_size()
-            for p in self._host.params
-            if p.param.grad is not None
-        )
+        attached = 0
+        for p in self._host.params:
+            g = p.param.grad  # read once: the optimizer thread may release it meanwhile
+            if g is not None:
+                attached += g.numel() * g.element_size()
+        out["step_grads"] = attached
         return out
 
     # ------------------------------------------------------------------ work
@@ -887,17 +903,26 @@ class RoundPipeEngine:
             self._optimizer.submit(job)
             return handle
         self._wait_tasks()
+        error: BaseException | None = None
         try:
             self._optimizer.run(job)
         except EngineFailure:
             self._raise_failure()
             raise
-        except NonFiniteError:
-            raise
+        except NonFiniteError as exc:
+            error = exc
+        except HookError as exc:
+            error = exc.original  # the user's hook failed: its own exception, unchanged
         except BaseException as exc:
-            raise OptimizerStepError(
+            error = OptimizerStepError(
                 f"optimizer step {window} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            )
+            error.__cause__ = exc
+        if error is not None:
+            # the window's gradients are gone and its weight copies never ran: the
+            # next window could not start, so later calls fail at once with this
+            self._rt.store.fail(error)
+            raise error
         return handle
 
     def stale_weights(self) -> list[torch.Tensor]:

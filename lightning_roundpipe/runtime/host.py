@@ -110,6 +110,10 @@ class _PinnedArena:
     def nbytes(self) -> int:
         return self._buffer.numel() if self._buffer is not None and self.registered else 0
 
+    def free(self) -> None:
+        self.release()
+        self._buffer = None
+
     def release(self) -> None:
         if self.registered and self._buffer is not None:
             err = torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
@@ -307,3 +311,15 @@ class HostState:
 
     def release(self) -> None:
         self.pool.release()
+
+    def free(self) -> None:
+        """Unpin and drop the master copies and gradient buffers (the engine is
+        closed and its workers joined): a closed engine that something still
+        refers to (an autograd graph, an exception's traceback) no longer holds
+        a copy of the model. The user's parameters are untouched."""
+        self.release()
+        for p in self.params:
+            p.master = p.master.new_empty(0)
+            if p.grad is not None:
+                p.grad = p.grad.new_empty(0)
+        self.pool.free()

@@ -304,6 +304,15 @@ class OptimizerStepError(RuntimeError):
     """An exception inside an optimizer step, a G copy or a P copy."""
 
 
+class HookError(Exception):
+    """Carries an exception raised by a step's ``prepare`` callable (user hooks)
+    to the engine, which re-raises the original unchanged."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
 class OptimizerWorker:
     """Runs updates in order: G copies, clipping, ``fn``, P copies.
 
@@ -379,6 +388,8 @@ class OptimizerWorker:
             if job is not None:
                 job.handle._event.set()
         except BaseException as exc:  # every failure must reach the caller
+            if isinstance(exc, HookError):
+                exc = exc.original
             step = (
                 "a queued call (zero_grad or scheduler step)"
                 if job is None or job.window < 0
@@ -434,38 +445,44 @@ class OptimizerWorker:
             # rule 5 removed: the weight copies run before the step, out of order
             self._p_copies(job)
         norm = None
-        for p in trainable:
-            g = self._grads[p.index]
-            p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
-        clip_norm, clip_value = job.clip_norm, job.clip_value
-        if job.prepare is not None:
-            clip = job.prepare() or {}
-            clip_norm = clip.get("clip_grad_norm", clip_norm)
-            clip_value = clip.get("clip_grad_value", clip_value)
-        if finite:
-            params = [p.param for p in trainable if p.param.grad is not None]
-            if clip_norm is not None:
-                norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
-            elif clip_value is not None:
-                norm = grad_norm_of([p.grad for p in params])
-                torch.nn.utils.clip_grad_value_(params, clip_value)
-            chaos("step")
-            job.handle.result = job.fn() if job.fn is not None else None
-        elif self.scaler.enabled:
-            log.info(
-                "fp16 overflow in window %d: step skipped, loss scale %g -> %g",
-                w,
-                self.scaler.scale,
-                self.scaler.scale * self.scaler.backoff_factor,
-            )
-        else:
-            log.warning("non-finite gradient in step %d: step skipped (nonfinite='skip')", w)
-        # The step's gradients are released as soon as it is done (as zero_grad
-        # with set_to_none would): between steps the host holds one fp32 gradient
-        # per parameter, the buffer the next window accumulates into.
-        for p in trainable:
-            p.param.grad = None
-        self._grads.clear()
+        try:
+            for p in trainable:
+                g = self._grads[p.index]
+                p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
+            clip_norm, clip_value = job.clip_norm, job.clip_value
+            if job.prepare is not None:
+                try:
+                    clip = job.prepare() or {}
+                except BaseException as exc:
+                    raise HookError(exc) from exc
+                clip_norm = clip.get("clip_grad_norm", clip_norm)
+                clip_value = clip.get("clip_grad_value", clip_value)
+            if finite:
+                params = [p.param for p in trainable if p.param.grad is not None]
+                if clip_norm is not None:
+                    norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+                elif clip_value is not None:
+                    norm = grad_norm_of([p.grad for p in params])
+                    torch.nn.utils.clip_grad_value_(params, clip_value)
+                chaos("step")
+                job.handle.result = job.fn() if job.fn is not None else None
+            elif self.scaler.enabled:
+                log.info(
+                    "fp16 overflow in window %d: step skipped, loss scale %g -> %g",
+                    w,
+                    self.scaler.scale,
+                    self.scaler.scale * self.scaler.backoff_factor,
+                )
+            else:
+                log.warning("non-finite gradient in step %d: step skipped (nonfinite='skip')", w)
+        finally:
+            # The step's gradients are released as soon as it is done (as zero_grad
+            # with set_to_none would), and when it fails: between steps the host
+            # holds one fp32 gradient per parameter, the buffer the next window
+            # accumulates into.
+            for p in trainable:
+                p.param.grad = None
+            self._grads.clear()
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
         job.handle.skipped = not finite

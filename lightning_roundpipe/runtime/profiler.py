@@ -65,23 +65,34 @@ class LayerTimer:
         return fwd, bwd
 
 
+def _footprint(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, data address, bytes) of a tensor, or None where it has
+    no plain storage to ask about (wrapper subclasses, sparse or meta tensors):
+    counting must never fail a step."""
+    try:
+        return t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes
+    except Exception:
+        return None
+
+
 @contextmanager
 def saved_bytes(module: torch.nn.Module, into: dict[int, int], key: int) -> Iterator[None]:
     """Count the bytes autograd saves for backward while the block runs (the
     activation memory a layer holds per micro-batch until its backward), each
-    tensor once and the module's own parameters (and views of them) not at all; the total goes to
-    ``into[key]``. Saved-tensor hooks are per thread, so workers do not mix."""
-    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    tensor once and the module's own parameters (and views of them) not at all;
+    the total goes to ``into[key]``. Saved-tensor hooks are per thread, so
+    workers do not mix. Tensors without plain storage are not counted."""
+    skip = {f[0] for p in module.parameters() if (f := _footprint(p)) is not None}
     seen: set[tuple[int, int]] = set()
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
+        f = _footprint(t)
         # a view counts its own bytes (a micro-batch is a view of the batch on CPU)
-        key = (t.data_ptr(), t.nbytes)
-        if t.untyped_storage().data_ptr() not in skip and key not in seen:
-            seen.add(key)
-            total += t.nbytes
+        if f is not None and f[0] not in skip and f[1:] not in seen:
+            seen.add(f[1:])
+            total += f[2]
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

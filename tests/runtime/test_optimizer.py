@@ -325,6 +325,53 @@ def test_step_errors_reach_the_caller():
         eng.close()
 
 
+class HookFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+@pytest.mark.parametrize("where", ["prepare", "step"])
+def test_a_failed_step_releases_its_gradients_and_fails_fast(async_mode, where):
+    """The hook's own exception (sync) or one naming the step (async) reaches the
+    caller; the step's gradients are released; later calls fail at once."""
+    layers = transformer(num_blocks=1)
+    params = params_of(layers)
+    opt = torch.optim.SGD(params, lr=0.1)
+    seen = []
+
+    def prepare():
+        seen.append(sum(p.grad is not None for p in params))
+        if where == "prepare":
+            raise HookFailed("hook exploded")
+
+    def fn():
+        raise HookFailed("step exploded")
+
+    ids, labels = lm_batch(4)
+    eng = RoundPipeEngine(layers, [CPU] * 2, 2, async_optimizer=async_mode)
+    try:
+        eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        if async_mode:
+            h = eng.step(fn if where == "step" else opt.step, prepare=prepare)
+            with pytest.raises(RuntimeError, match="optimizer step 0 failed: HookFailed") as info:
+                h.wait()
+            assert isinstance(info.value.__cause__, HookFailed)
+        elif where == "prepare":
+            with pytest.raises(HookFailed, match="hook exploded"):
+                eng.step(opt.step, prepare=prepare)
+        else:
+            with pytest.raises(RuntimeError, match="optimizer step 0 failed") as info:
+                eng.step(fn, prepare=prepare)
+            assert isinstance(info.value.__cause__, HookFailed)
+        assert seen == [len(params)]  # the hook saw every gradient
+        assert all(p.grad is None for p in params)
+        assert eng.host_memory()["step_grads"] == 0
+        with pytest.raises((HookFailed, RuntimeError), match="exploded"):
+            eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+    finally:
+        eng.close()
+
+
 def test_clip_arguments_are_checked():
     with RoundPipeEngine(transformer(num_blocks=1), [CPU], 2) as eng:
         with pytest.raises(ValueError, match="give clip_grad_norm or clip_grad_value, not both"):

@@ -135,3 +135,17 @@ def test_measured_activations_over_the_limit_are_reported(caplog):
         assert "raise num_microbatches (smaller micro-batches) or device_memory_limit" in (
             caplog.text
         )
+
+
+def test_tensors_without_plain_storage_are_skipped_not_fatal():
+    from lightning_roundpipe.runtime.profiler import saved_bytes
+
+    lin = nn.Linear(3, 3)
+    sparse = torch.randn(3, 3).to_sparse().requires_grad_()
+    x = torch.randn(3, 3, requires_grad=True)
+    into = {}
+    with saved_bytes(lin, into, 0):
+        y = torch.sparse.mm(sparse, lin(x))  # saves a sparse tensor for backward
+    y.sum().backward()
+    assert into[0] == 3 * 3 * 4 * 2  # the input and the dense product; the sparse one skipped
+    assert sparse.grad is not None

@@ -10,7 +10,7 @@ from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.runtime import worker as worker_mod
 from lightning_roundpipe.runtime.nested import batch_size_of
 
-from .modules import CausalLM, lm_data, loader
+from .modules import CausalLM, SeqModule, lm_data, loader, seq_data
 
 QUIET = dict(
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
@@ -20,7 +20,7 @@ QUIET = dict(
 @pytest.fixture
 def oom_when(monkeypatch):
     """Make a stage raise torch.OutOfMemoryError when ``pred(layers, micro-batch
-    size, iteration)`` holds; returns the list of failures injected."""
+    size, iteration, stage)`` holds; returns the list of failures injected."""
     hits = []
 
     def install(pred):
@@ -28,8 +28,8 @@ def oom_when(monkeypatch):
 
         def layers(self, task, j, replicas, x, *args, **kwargs):
             size = batch_size_of(x)
-            if pred(len(replicas), size, task.call.iteration):
-                hits.append((len(replicas), size, task.call.iteration))
+            if pred(len(replicas), size, task.call.iteration, task.stage):
+                hits.append((len(replicas), size, task.call.iteration, task.stage))
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             return original(self, task, j, replicas, x, *args, **kwargs)
 
@@ -55,7 +55,7 @@ def weights(module):
 def test_stages_too_big_are_cut_smaller_and_the_batch_runs_again(oom_when):
     ref = CausalLM()
     fit(ref, "auto", accumulate_grad_batches=2)
-    hits = oom_when(lambda layers, size, it: layers > 2)
+    hits = oom_when(lambda layers, size, it, *_: layers > 2)
     mod = CausalLM()
     strategy = RoundPipeStrategy(async_optimizer=False)
     with pytest.warns(
@@ -75,7 +75,7 @@ def test_async_run_after_replanning_equals_a_run_that_fitted(oom_when):
     # down to single layers the strategy doubles the micro-batches (batch 8: 1 -> 2)
     ref = CausalLM()
     fit(ref, RoundPipeStrategy(num_microbatches=2))
-    hits = oom_when(lambda layers, size, it: size is not None and size > 4)
+    hits = oom_when(lambda layers, size, it, *_: size is not None and size > 4)
     mod = CausalLM()
     strategy = RoundPipeStrategy(oom_replans=8)
     with pytest.warns(UserWarning, match=r"re-planned with num_microbatches=2"):
@@ -93,7 +93,7 @@ def test_async_run_after_replanning_equals_a_run_that_fitted(oom_when):
     ],
 )
 def test_no_replanning_when_the_options_forbid_it(oom_when, options):
-    oom_when(lambda layers, size, it: size is not None and size > 4)
+    oom_when(lambda layers, size, it, *_: size is not None and size > 4)
     with pytest.raises(
         worker_mod.WorkerError,
         match=r"OutOfMemoryError: CUDA out of memory \(injected\)\. Stage .* needs about .* "
@@ -103,7 +103,7 @@ def test_no_replanning_when_the_options_forbid_it(oom_when, options):
 
 
 def test_out_of_memory_after_the_first_batch_is_reported_not_retried(oom_when):
-    oom_when(lambda layers, size, it: it == 2)
+    oom_when(lambda layers, size, it, *_: it == 2)
     with pytest.raises(worker_mod.WorkerError, match=r"iteration 2: OutOfMemoryError"):
         fit(CausalLM(), RoundPipeStrategy(async_optimizer=False))
 
@@ -111,3 +111,88 @@ def test_out_of_memory_after_the_first_batch_is_reported_not_retried(oom_when):
 def test_oom_replans_must_be_a_count():
     with pytest.raises(ValueError, match="oom_replans must be an integer >= 0"):
         RoundPipeStrategy(oom_replans=-1)
+
+
+class EpochLoss(CausalLM):
+    """Logs its loss per step and as an epoch mean."""
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_out_of_memory_in_a_backward_stage_is_retried(oom_when, async_mode):
+    # the backward stages run after training_step returned: the failure must be
+    # caught before Lightning's zero_grad, and what the step logged is logged once
+    ref = EpochLoss()
+    # a limit that gives two-layer backward stages (plan 2,1|2|1,2)
+    opts = dict(async_optimizer=async_mode, device_memory_limit=136512)
+    ref_trainer = fit(ref, RoundPipeStrategy(**opts), devices=2)
+    hits = oom_when(lambda layers, size, it, stage: stage.kind == "backward" and layers > 1)
+    mod = EpochLoss()
+    strategy = RoundPipeStrategy(**opts)
+    with pytest.warns(UserWarning, match=r"ran out of memory in stage B"):
+        trainer = fit(mod, strategy, devices=2)
+    assert hits
+    assert all(
+        st.stop - st.start == 1 for st in strategy.stage_plan.stages if st.kind == "backward"
+    )
+    for a, b in zip(weights(mod), weights(ref), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # the failed attempt's logged loss is not counted in the epoch mean
+    torch.testing.assert_close(
+        trainer.callback_metrics["train_loss_epoch"],
+        ref_trainer.callback_metrics["train_loss_epoch"],
+    )
+
+
+def test_gradients_outside_the_pipeline_are_not_counted_twice(oom_when):
+    # SeqModule's extra parameter gets its gradient from autograd on the main
+    # thread before the pipeline's backward fails; the re-run must start afresh
+    def run(module, inject):
+        if inject:
+            # once, in the pipeline's backward (the fused stage of plan |5|)
+            hits = oom_when(lambda layers, size, it, stage: stage.kind != "forward" and not hits)
+        L.seed_everything(0)
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(async_optimizer=False),
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            **QUIET,
+        )
+        trainer.fit(module, loader(seq_data()))
+        return hits if inject else None
+
+    ref, mod = SeqModule(), SeqModule()
+    run(ref, inject=False)
+    with pytest.warns(UserWarning, match="re-planned"):
+        assert run(mod, inject=True)
+    for a, b in zip(weights(mod), weights(ref), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_no_replan_below_the_largest_layer(oom_when):
+    # the failing stage holds small layers only: halving it would go below the
+    # big layer elsewhere, which must still fit alone, so the original
+    # out-of-memory error is reported (not a planning error from a new engine)
+    class Wide(SeqModule):
+        def __init__(self):
+            super().__init__(extra=False)
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                *[torch.nn.Linear(8, 8) for _ in range(4)],
+                torch.nn.Linear(8, 512),
+                torch.nn.Linear(512, 1),
+            )
+
+    oom_when(lambda layers, size, it, stage: stage.start == 0 and layers > 1)
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
+    with pytest.raises(worker_mod.WorkerError, match=r"OutOfMemoryError"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, **QUIET).fit(
+            Wide(), loader(seq_data())
+        )
+    assert strategy.engine is None  # closed by Lightning's exception handling

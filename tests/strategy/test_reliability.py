@@ -3,6 +3,7 @@
 import gc
 import signal
 import threading
+import time
 
 import lightning as L
 import pytest
@@ -238,3 +239,42 @@ def test_chaos_delays_devices_plans_and_a_resume_match_an_undisturbed_run(chaos_
                     f"seed {s}, {d} devices, plan {p}, async {y}: {m}"
                 ),
             )
+
+
+class SlowSGD(torch.optim.SGD):
+    """Each step takes a while: the training loop moves on while it runs."""
+
+    def step(self, closure=None):
+        time.sleep(0.2)
+        return super().step(closure)
+
+
+class SlowStepModule(SeqModule):
+    def __init__(self):
+        super().__init__(extra=False)
+
+    def configure_optimizers(self):
+        return SlowSGD(self.parameters(), lr=self.hparams.lr)
+
+
+def test_validation_during_fit_does_not_drop_a_queued_steps_gradients():
+    # Lightning calls module.zero_grad() when validation starts; with the
+    # asynchronous optimizer a step may still be using the gradients then
+    def run(validate):
+        module = SlowStepModule()
+        L.seed_everything(0)
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(),
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            val_check_interval=1,
+            limit_val_batches=1 if validate else 0,
+            num_sanity_val_steps=0,
+            **QUIET,
+        )
+        trainer.fit(module, loader(seq_data()), loader(seq_data(8, seed=1)))
+        return [p.detach().clone() for p in module.parameters()]
+
+    for a, b in zip(run(validate=True), run(validate=False), strict=True):
+        torch.testing.assert_close(a, b)

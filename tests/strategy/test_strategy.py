@@ -428,6 +428,40 @@ class GradHookLM(CausalLM):
             g.mul_(0.5)
 
 
+class BackwardHooksLM(CausalLM):
+    """Counts the backward hooks Lightning runs around each backward."""
+
+    def __init__(self) -> None:
+        super().__init__("qwen3")
+        self.calls: list[str] = []
+
+    def on_before_backward(self, loss):
+        self.calls.append("before")
+
+    def backward(self, loss, *args, **kwargs):
+        self.calls.append("backward")
+        super().backward(loss, *args, **kwargs)
+
+    def on_after_backward(self):
+        self.calls.append("after")
+
+
+class CountBackward(L.Callback):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_after_backward(self, trainer, pl_module):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("strategy", ["roundpipe", "roundpipe_sync"])
+def test_backward_hooks_and_an_overridden_backward_run(strategy):
+    mod, cb = BackwardHooksLM(), CountBackward()
+    fit(mod, lm_data(), strategy, max_steps=2, accumulate_grad_batches=2, callbacks=[cb])
+    assert mod.calls == ["before", "backward", "after"] * 4
+    assert cb.calls == 4
+
+
 def test_sync_hooks_before_the_step_see_and_change_this_steps_gradients():
     data = lm_data()
     ref = GradHookLM()
@@ -447,10 +481,16 @@ def test_async_warns_that_hooks_before_the_step_cannot_see_gradients():
     data = lm_data()
     with pytest.warns(
         UserWarning,
-        match=r"GradHookLM override\(s\) `on_before_optimizer_step`.*"
-        r"roundpipe_sync",
+        match=r"GradHookLM.on_before_optimizer_step is overridden.*roundpipe_sync",
     ):
         fit(GradHookLM(), data, "roundpipe", max_steps=2)
+
+    class ClipHookLM(CausalLM):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **kw):
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)  # needs .grad
+
+    with pytest.warns(UserWarning, match=r"ClipHookLM.configure_gradient_clipping is overridden"):
+        fit(ClipHookLM(), data, "roundpipe", max_steps=2)
 
 
 @pytest.mark.parametrize("async_optimizer", [False, True])
