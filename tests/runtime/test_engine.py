@@ -478,6 +478,18 @@ def test_partitioner_plan_from_size_estimates_is_used():
         assert mem["master"] > 0 and mem["grad"] > 0 and mem["pinned"] == 0
 
 
+def test_a_closed_engine_kept_alive_holds_no_copy_of_the_model():
+    # an autograd graph or a traceback may keep a closed engine referenced
+    layers = transformer(num_blocks=2)
+    eng = engine(layers, 2, 2)
+    ids, labels = lm_batch(4)
+    eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+    eng.close()
+    mem = eng.host_memory()
+    assert mem["master"] == 0 and mem["grad"] == 0 and mem["pinned"] == 0
+    assert all(p.numel() > 0 for layer in layers for p in layer.parameters())
+
+
 def test_memory_guard_names_the_layer_that_cannot_fit():
     from lightning_roundpipe.runtime import estimate_costs
 
