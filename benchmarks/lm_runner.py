@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -146,9 +147,13 @@ def trial(
     micro: int,
     steps: int,
     devices: int,
-    timeout: float = 3600,
+    timeout: float | None = None,
 ) -> dict:
-    """Run one trial in a fresh process; returns its JSON result."""
+    """Run one trial in a fresh process; returns its JSON result. ``timeout``
+    (default: ``$ROUNDPIPE_TRIAL_TIMEOUT`` seconds, else an hour) bounds it; a
+    trial that runs out of time is reported, not raised."""
+    if timeout is None:
+        timeout = float(os.environ.get("ROUNDPIPE_TRIAL_TIMEOUT", 3600))
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -167,7 +172,10 @@ def trial(
         "--devices",
         str(devices),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)

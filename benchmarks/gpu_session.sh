@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU checks and full-size benchmarks, in parts that each fit one device
+# call (10 minutes) on a single H100/H200; together about 30 minutes:
+#
+#   bash benchmarks/gpu_session.sh tests       # the tests marked gpu           (~3 min)
+#   bash benchmarks/gpu_session.sh throughput  # 0.6B, sequence 2048, 4 strategies (~9 min)
+#   bash benchmarks/gpu_session.sh seqlen      # longest sequence, 0.6B, micro-batch 1 (~9 min)
+#   bash benchmarks/gpu_session.sh engine      # engine throughput, protocol ablation, overheads (~5 min)
+#
+# Markdown tables (ready for docs/benchmarks.md), raw JSON and logs go to $OUT
+# (set by the device tool) or runs/gpu. Every trial runs in its own process
+# with a time limit ($ROUNDPIPE_TRIAL_TIMEOUT seconds), so one slow or stuck
+# strategy is reported in its table row instead of eating the call.
+#
+# SMOKE=1 runs the same commands at tiny sizes, so the wiring can be checked on
+# a machine without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part="${1:?give a part: tests, throughput, seqlen or engine}"
+out="${OUT:-runs/gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this tree, no install
+smoke="${SMOKE:-0}"
+
+python - <<'EOF' | tee "$out/machine.txt"
+import platform, torch, lightning
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+print(f"{gpu}; {platform.machine()}; torch {torch.__version__}; lightning {lightning.__version__}")
+EOF
+
+case "$part" in
+tests)
+    # the CUDA variants (engine on a GPU, pinned/device memory leak check),
+    # then the strategy tests again with a GPU present
+    python -m pytest -q -p no:cacheprovider -m gpu -x 2>&1 | tee "$out/tests-gpu.log"
+    if [ "$smoke" != 1 ]; then
+        timeout 420 python -m pytest -q -p no:cacheprovider tests/strategy 2>&1 |
+            tee "$out/tests-strategy.log"
+    fi
+    ;;
+throughput)
+    if [ "$smoke" = 1 ]; then
+        args=(--sizes tiny --seq 64 --batch 8 --micro 2 --steps 3)
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
+    else
+        args=(--sizes 0.6b --seq 2048 --batch 16 --micro 2 --steps 6)
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-110}"
+    fi
+    python benchmarks/throughput.py "${args[@]}" --json "$out/throughput.json" \
+        --append "$out/throughput.md"
+    ;;
+seqlen)
+    if [ "$smoke" = 1 ]; then
+        args=(--size tiny --low 64 --high 256 --step 64 --strategies roundpipe auto)
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
+    else
+        args=(--size 0.6b --low 4096 --high 131072 --step 4096
+            --strategies roundpipe auto fsdp_offload)
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-60}"
+    fi
+    python benchmarks/max_seqlen.py "${args[@]}" --append "$out/max_seqlen.md"
+    ;;
+engine)
+    if [ "$smoke" = 1 ]; then
+        python benchmarks/engine.py overhead --append "$out/engine.md"
+        python benchmarks/consistency.py --iters 2 --append "$out/consistency.md"
+    else
+        timeout 240 python benchmarks/engine.py throughput --append "$out/engine.md" ||
+            echo "engine throughput: exit $?" | tee -a "$out/engine.md"
+        timeout 150 python benchmarks/consistency.py --device cuda --width 4096 --batch 256 1024 4096 \
+            --append "$out/consistency.md" ||
+            echo "consistency: exit $?" | tee -a "$out/consistency.md"
+        timeout 120 python benchmarks/overhead.py --append "$out/overhead.md" ||
+            echo "overhead: exit $?" | tee -a "$out/overhead.md"
+    fi
+    ;;
+*)
+    echo "unknown part '$part': give tests, throughput, seqlen or engine" >&2
+    exit 2
+    ;;
+esac
+echo "results in $out: $(ls "$out" | tr '\n' ' ')"
