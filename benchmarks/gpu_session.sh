@@ -52,7 +52,7 @@ throughput)
     ;;
 seqlen)
     if [ "$smoke" = 1 ]; then
-        args=(--size tiny --low 64 --high 256 --step 64 --strategies roundpipe auto)
+        args=(--size tiny --low 64 --high 256 --step 64 --strategies roundpipe)
         export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
     else
         args=(--size 0.6b --low 4096 --high 131072 --step 4096

@@ -105,3 +105,30 @@ def test_throughput_table_and_bars_from_results(tmp_path):
     assert rows[7] == "| 8b | auto | out of memory | - | - |"
     png = mod.bars(results, "test", tmp_path / "bars.png")
     assert png.stat().st_size > 1000
+
+
+def test_gpu_session_script_parts(tmp_path):
+    import subprocess
+
+    def session(part):
+        env = {**__import__("os").environ, "OUT": str(tmp_path), "SMOKE": "1"}
+        return subprocess.run(
+            ["bash", str(BENCH / "gpu_session.sh"), part],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+
+    bad = session("everything")
+    assert bad.returncode == 2 and "give tests, throughput, seqlen or engine" in bad.stderr
+    ok = session("seqlen")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    table = (tmp_path / "max_seqlen.md").read_text()
+    assert "| roundpipe | 1 | >= 256 |" in table and (tmp_path / "machine.txt").exists()
+
+
+def test_a_trial_that_runs_out_of_time_is_reported(monkeypatch):
+    mod = load("lm_runner")
+    monkeypatch.setenv("ROUNDPIPE_TRIAL_TIMEOUT", "0.01")
+    assert mod.trial("roundpipe", "tiny", 64, 8, 2, 1, 1) == {"error": "timed out after 0 s"}
