@@ -321,7 +321,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._check_outside_parameters(adapter)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         auto = self.num_microbatches == "auto"
-        m = self._microbatch_count(costs, n, self._oom_limit or self.device_memory_limit)
+        m = self._microbatch_count(costs, n, _tightest(self._oom_limit, self.device_memory_limit))
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
             adapter.layers(),
@@ -334,9 +334,9 @@ class RoundPipeStrategy(ParallelStrategy):
             async_optimizer=self.async_optimizer,
             seed=seed,
             watchdog_timeout=self.watchdog_timeout,
-            device_memory_limit=self._oom_limit or self.device_memory_limit,
-            # a limit learned from an out-of-memory error is in size-estimate units
-            limit_activations=self._oom_limit is None,
+            device_memory_limit=self.device_memory_limit,
+            # learned from an out-of-memory error, in size-estimate units
+            size_limit=self._oom_limit,
             optimizer_threads=self.optimizer_threads,
             nonfinite=self.nonfinite,
             profile_iterations=self.profile_iterations,
@@ -528,7 +528,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 # (sync mode) would otherwise be counted twice
                 for p in module.parameters():
                     p.grad = None
-                loss = self._rerun_training_step()
+                loss = precision.pre_backward(self._rerun_training_step(), module)
             self._end_first_batch()
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -547,6 +547,8 @@ class RoundPipeStrategy(ParallelStrategy):
                 # the model) fail here, where the batch can be run again, and
                 # not in the zero_grad Lightning calls next
                 self.engine._wait_tasks()
+                if out is None or (isinstance(out, Mapping) and out.get("loss") is None):
+                    self._end_first_batch()  # nothing to run backward on: what it logged stays
                 return out
             except WorkerError as err:
                 failure = err
@@ -558,7 +560,7 @@ class RoundPipeStrategy(ParallelStrategy):
         """What the failed attempt logged is logged again by the next one."""
         results = getattr(self.lightning_module.trainer, "_results", None)
         if results is not None:
-            results.reset(metrics=False, fx="training_step")
+            results.reset(metrics=None, fx="training_step")
 
     def _end_first_batch(self) -> None:
         """Gradients are in the window (or a step is queued): no more re-runs."""
@@ -615,20 +617,24 @@ class RoundPipeStrategy(ParallelStrategy):
             limit = max(int(max(costs.memory)), int(stage // 2))
             if limit < stage:
                 try:  # the plan the new engine would build, before closing this one
+                    cap = _tightest(limit, engine._limit)
                     new_plan = partition(
-                        costs, n, self._microbatch_count(costs, n, limit), memory_limit=limit
+                        costs, n, self._microbatch_count(costs, n, cap), memory_limit=cap
                     )
                 except PlanError:
                     new_plan = None
                 if new_plan is not None and str(new_plan) != str(plan):
                     self._oom_limit = limit
                     change = (
-                        f"device_memory_limit={limit} (stage {err.stage} needed about {stage:.0f})"
+                        f"stages of at most {limit} bytes of weights and gradients (stage "
+                        f"{err.stage} had {stage:.0f})"
                     )
         if change is None and self.num_microbatches == "auto" and self._first_call is not None:
             args, kwargs = self._first_call
             batch = batch_size_of((args, kwargs))
-            if batch is not None and 2 * m <= batch:
+            # more micro-batches help while this batch's are larger than one
+            # sample (a short batch is split into single samples: fit_to_batch)
+            if batch is not None and engine.microbatches_for(batch) < batch:
                 self._oom_microbatches = 2 * m
                 change = f"num_microbatches={2 * m}"
         if change is None:
@@ -741,6 +747,12 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._close()
         super().teardown()
+
+
+def _tightest(*limits: int | None) -> int | None:
+    """The smallest of the limits that are set (None when none is)."""
+    given = [x for x in limits if x is not None]
+    return min(given) if given else None
 
 
 def _forget_frames(exc: BaseException | None) -> None:

@@ -174,6 +174,8 @@ class _Runtime:
         self.store.clear()
         if not stuck:  # a stuck worker may still be copying from page-locked memory
             self.host.free()
+            if self.optimizer is not None:
+                self.optimizer._grads.clear()
         return stuck
 
 
@@ -212,10 +214,10 @@ class RoundPipeEngine:
         device_memory_limit: bytes a stage may use on a CUDA device (default:
             half of the free memory at start, the other half being for the
             prefetched next stage and activations).
-        limit_activations: whether ``device_memory_limit`` also bounds a
-            stage's measured activations once they are known (``True``), or only
-            its size-based estimate, weights and gradients (``False``; for a
-            limit derived from such estimates, e.g. after an out-of-memory error).
+        size_limit: a cap on each stage's size-based estimate (weights and
+            gradients, the unit of :func:`estimate_costs`) on top of
+            ``device_memory_limit``, kept when re-partitioning from measurements.
+            The strategy sets it after a stage ran out of device memory.
         optimizer_threads: intra-op threads for the asynchronous optimizer
             thread (``torch.set_num_threads`` there); default: unchanged. Keep
             some cores for the device workers.
@@ -228,7 +230,10 @@ class RoundPipeEngine:
         nonfinite: what a NaN/inf loss or gradient does in fp32/bf16:
             ``"raise"`` (a :class:`NonFiniteError` before the weights change),
             ``"skip"`` (the step is skipped, like an fp16 overflow) or
-            ``"ignore"``. fp16 always skips and rescales.
+            ``"ignore"``. fp16 always skips and rescales. A step that raises
+            (a non-finite gradient, the optimizer, a ``prepare`` hook) leaves
+            the engine failed: later calls raise that error at once; build a
+            new engine to go on.
     """
 
     def __init__(
@@ -249,7 +254,7 @@ class RoundPipeEngine:
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
         nonfinite: Literal["raise", "skip", "ignore"] = "raise",
-        limit_activations: bool = True,
+        size_limit: int | None = None,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -291,10 +296,14 @@ class RoundPipeEngine:
             plan = StagePlan.parse(plan, len(layers))
         elif plan is not None:
             plan.validate(len(layers))
+        if size_limit is not None and not size_limit > 0:
+            raise ValueError(f"size_limit must be > 0, got {size_limit!r}")
         costs = estimate_costs(layers, compute_dtype)
         limit = self._memory_limit(devs, costs, device_memory_limit)
         if plan is None:
-            plan = partition(costs, n, m, memory_limit=limit)
+            # estimates hold no activations: both limits bound the same numbers
+            caps = [x for x in (limit, size_limit) if x is not None]
+            plan = partition(costs, n, m, memory_limit=min(caps) if caps else None)
         elif limit is not None:
             worst = max(range(plan.num_slots), key=lambda i: plan.stage_memory(costs)[i])
             need = plan.stage_memory(costs)[worst]
@@ -314,7 +323,7 @@ class RoundPipeEngine:
         self._costs = costs
         self._limit = limit
         self.replan_margin = replan_margin
-        self.limit_activations = limit_activations
+        self.size_limit = size_limit
         self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
         self._replanned = False
         self.plan = plan
@@ -425,14 +434,6 @@ class RoundPipeEngine:
             return
         self._replanned = True
         costs = self.measured_costs()
-        if not self.limit_activations:
-            # the limit is in size-estimate units: plan the measured times against it
-            costs = LayerCosts(
-                costs.forward,
-                costs.backward,
-                memory=self._costs.memory,
-                weight_bytes=costs.weight_bytes,
-            )
         n, m, limit = self.num_devices, self.num_microbatches, self._limit
         over = None
         if limit is not None and costs.memory is not None:
@@ -455,7 +456,7 @@ class RoundPipeEngine:
             return
         self._wait_tasks()  # an iteration boundary with nothing in flight
         try:
-            new = partition(costs, n, m, memory_limit=limit)
+            new = self._partition_measured(costs)
         except PlanError as exc:
             log.warning(
                 "RoundPipe kept plan %s: no plan fits the device memory limit with the measured "
@@ -493,6 +494,33 @@ class RoundPipeEngine:
                 old_obj,
                 new_obj,
             )
+
+    def _partition_measured(self, costs: LayerCosts) -> StagePlan:
+        """The partitioner's plan for measured costs: within the device memory
+        limit with measured activations and, if set, within ``size_limit`` for
+        the size-based estimates."""
+        n, m, limit, cap, est = (
+            self.num_devices,
+            self.num_microbatches,
+            self._limit,
+            self.size_limit,
+            self._costs,
+        )
+        plan = partition(costs, n, m, memory_limit=limit)
+        if cap is None or max(plan.stage_memory(est)) <= cap:
+            return plan
+        # balance the measured times with stages no larger than the cap ...
+        sized = LayerCosts(
+            costs.forward, costs.backward, memory=est.memory, weight_bytes=costs.weight_bytes
+        )
+        plan = partition(sized, n, m, memory_limit=cap)
+        # ... and still within the device limit once activations are counted
+        if limit is not None and max(plan.stage_memory(costs)) > limit:
+            raise PlanError(
+                f"no plan keeps every stage within size_limit {cap} (weights and gradients) "
+                f"and within {limit} bytes with its measured activations"
+            )
+        return plan
 
     @staticmethod
     def _memory_limit(devs: list[torch.device], costs: LayerCosts, limit: int | None) -> int | None:

@@ -414,38 +414,42 @@ class OptimizerWorker:
         # hands the filled buffer to the optimizer and gives the next window a
         # fresh zeroed one (rule 4): no second fp32 gradient is kept between steps,
         # only while a step and the next window's accumulation overlap.
-        for p in trainable:
-            proto.wait_grads(w, p)
-            try:
-                chaos("g_copy")
-            except Exception as exc:
-                raise RuntimeError(
-                    f"gradient copy (G copy) of {self.names.get(p.index, p.index)} failed"
-                ) from exc
-            with p.lock:
-                g, p.grad = p.grad, torch.zeros_like(p.grad)
-            self._grads[p.index] = g
-            proto.g_copied(w, p)
-            if inv is not None:
-                g.mul_(inv)
-            if (
-                finite
-                and (self.scaler.enabled or self.nonfinite != "ignore")
-                and not bool(torch.isfinite(g).all())
-            ):
-                finite = False
-                bad = p
-        if not finite and not self.scaler.enabled and self.nonfinite == "raise":
-            raise NonFiniteError(
-                f"non-finite gradient (inf or NaN) in {self.names.get(bad.index, bad.index)} "
-                f"in optimizer step {w}; the weights were not updated. Set nonfinite='skip' to "
-                "skip such steps, or look for the cause (learning rate, data, precision)"
-            )
-        if 5 in proto.disabled:
-            # rule 5 removed: the weight copies run before the step, out of order
-            self._p_copies(job)
+        try:
+            for p in trainable:
+                proto.wait_grads(w, p)
+                try:
+                    chaos("g_copy")
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"gradient copy (G copy) of {self.names.get(p.index, p.index)} failed"
+                    ) from exc
+                with p.lock:
+                    g, p.grad = p.grad, torch.zeros_like(p.grad)
+                self._grads[p.index] = g
+                proto.g_copied(w, p)
+                if inv is not None:
+                    g.mul_(inv)
+                if (
+                    finite
+                    and (self.scaler.enabled or self.nonfinite != "ignore")
+                    and not bool(torch.isfinite(g).all())
+                ):
+                    finite = False
+                    bad = p
+            if not finite and not self.scaler.enabled and self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"non-finite gradient (inf or NaN) in {self.names.get(bad.index, bad.index)} "
+                    f"in optimizer step {w}; the weights were not updated. Set nonfinite='skip' to "
+                    "skip such steps, or look for the cause (learning rate, data, precision)"
+                )
+        except BaseException:
+            self._grads.clear()  # a failed step holds no gradients either
+            raise
         norm = None
         try:
+            if 5 in proto.disabled:
+                # rule 5 removed: the weight copies run before the step, out of order
+                self._p_copies(job)
             for p in trainable:
                 g = self._grads[p.index]
                 p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)

@@ -370,6 +370,7 @@ def test_a_failed_step_releases_its_gradients_and_fails_fast(async_mode, where):
             eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
     finally:
         eng.close()
+    assert not eng._optimizer._grads
 
 
 def test_clip_arguments_are_checked():
@@ -485,3 +486,4 @@ def test_nonfinite_gradient_skip_or_raise(async_mode):
         assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     finally:
         eng.close()
+    assert not eng._optimizer._grads  # the failed step holds no gradients

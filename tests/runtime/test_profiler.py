@@ -149,3 +149,27 @@ def test_tensors_without_plain_storage_are_skipped_not_fatal():
     y.sum().backward()
     assert into[0] == 3 * 3 * 4 * 2  # the input and the dense product; the sparse one skipped
     assert sparse.grad is not None
+
+
+def test_a_size_limit_holds_for_plans_from_measurements_too():
+    # size_limit (weights and gradients, as learned from an out-of-memory error)
+    # caps every stage's estimate, also after re-partitioning from measurements;
+    # device_memory_limit still bounds the measured activations
+    torch.manual_seed(0)
+    layers = [Slow(0.0), Blowup(), Slow(0.0), Slow(0.0), Blowup(), Slow(0.0)]
+    for device_limit in (None, 5000):
+        eng, plans = run(
+            layers, iterations=4, size_limit=LAYER_BYTES, device_memory_limit=device_limit
+        )
+        assert eng._replanned
+        for plan in plans:
+            assert max(plan.stage_memory(eng._costs)) <= LAYER_BYTES, plan
+        if device_limit is not None:
+            assert max(plans[-1].stage_memory(eng.measured_costs())) <= device_limit
+
+
+def test_size_limit_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="size_limit must be > 0"):
+        RoundPipeEngine([nn.Linear(2, 2)], ["cpu"], 1, size_limit=0)
