@@ -95,12 +95,13 @@ class RoundPipeStrategy(ParallelStrategy):
             by more than this fraction (never when ``plan`` is given).
         oom_replans: when a device runs out of memory during the fit's first
             training batch, re-plan up to this many times instead of failing:
-            stages half the size of the one that failed (through a tighter
-            ``device_memory_limit``), or, when that stage is a single layer and
-            ``num_microbatches="auto"``, twice the micro-batches. The batch is
-            then run again from the start, so the result is the same as a run
-            that fitted at once. Never changes a given ``plan`` or integer
-            ``num_microbatches``. ``0`` fails at once.
+            stages at most half the size of the one that failed (a cap on
+            weights and gradients per stage, never below the largest layer, kept
+            when re-partitioning from measurements), or, when that stage cannot
+            be cut and ``num_microbatches="auto"``, twice the micro-batches. The
+            batch's ``training_step`` then runs again, so the result is the same
+            as a run that fitted at once. Never changes a given ``plan`` or
+            integer ``num_microbatches``. ``0`` fails at once.
     """
 
     strategy_name = "roundpipe"
@@ -449,9 +450,19 @@ class RoundPipeStrategy(ParallelStrategy):
         """Run the closure (``training_step`` and the pipelined backward), the
         hooks Lightning runs before a step, then queue the step on the engine."""
         model = model or self.lightning_module
+        earlier = self.engine._window_has_grads  # from accumulated earlier batches
         result = closure()
         self._end_first_batch()  # also when training_step returned None
         precision = self.precision_plugin
+        if result is None and not earlier:
+            # training_step returned None: Lightning runs the hooks and steps an
+            # optimizer that has no gradients, i.e. nothing changes. Drop what a
+            # model call with labels= already put into the window.
+            precision._after_closure(model, optimizer)
+            precision.take_clip()
+            if self.engine._window_has_grads:
+                self.engine.zero_grad()
+            return None
 
         def step() -> Any:
             return optimizer.step(**kwargs)
@@ -617,9 +628,9 @@ class RoundPipeStrategy(ParallelStrategy):
             limit = max(int(max(costs.memory)), int(stage // 2))
             if limit < stage:
                 try:  # the plan the new engine would build, before closing this one
-                    cap = _tightest(limit, engine._limit)
+                    # (limit < stage <= the old engine's limit: the tighter one)
                     new_plan = partition(
-                        costs, n, self._microbatch_count(costs, n, cap), memory_limit=cap
+                        costs, n, self._microbatch_count(costs, n, limit), memory_limit=limit
                     )
                 except PlanError:
                     new_plan = None

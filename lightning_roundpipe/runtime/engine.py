@@ -467,14 +467,6 @@ class RoundPipeEngine:
             )
             return
         old_obj, new_obj = self.plan.objective(costs, n, m), new.objective(costs, n, m)
-        if self._auto_round and self.devices[0].type == "cuda":
-            bandwidth = _bandwidth(self.devices[0])
-            self.microbatches_per_round = round_size(new, costs, n, bandwidth, max_microbatches=m)
-            log.info(
-                "RoundPipe: %.1f GB/s host to device; %d micro-batches per round",
-                bandwidth / 1e9,
-                self.microbatches_per_round,
-            )
         if new != self.plan and (over is not None or new_obj < (1 - self.replan_margin) * old_obj):
             why = (
                 f"stage {over[0]} needs about {over[1]} bytes with its measured activations, "
@@ -494,6 +486,17 @@ class RoundPipeEngine:
                 old_obj,
                 new_obj,
             )
+        # the round size for the plan in use
+        if self._auto_round and self.devices[0].type == "cuda":
+            bandwidth = _bandwidth(self.devices[0])
+            self.microbatches_per_round = round_size(
+                self.plan, costs, n, bandwidth, max_microbatches=m
+            )
+            log.info(
+                "RoundPipe: %.1f GB/s host to device; %d micro-batches per round",
+                bandwidth / 1e9,
+                self.microbatches_per_round,
+            )
 
     def _partition_measured(self, costs: LayerCosts) -> StagePlan:
         """The partitioner's plan for measured costs: within the device memory
@@ -509,18 +512,35 @@ class RoundPipeEngine:
         plan = partition(costs, n, m, memory_limit=limit)
         if cap is None or max(plan.stage_memory(est)) <= cap:
             return plan
-        # balance the measured times with stages no larger than the cap ...
-        sized = LayerCosts(
-            costs.forward, costs.backward, memory=est.memory, weight_bytes=costs.weight_bytes
-        )
-        plan = partition(sized, n, m, memory_limit=cap)
-        # ... and still within the device limit once activations are counted
-        if limit is not None and max(plan.stage_memory(costs)) > limit:
-            raise PlanError(
-                f"no plan keeps every stage within size_limit {cap} (weights and gradients) "
-                f"and within {limit} bytes with its measured activations"
+
+        def fits(p: StagePlan) -> bool:
+            return max(p.stage_memory(est)) <= cap and (
+                limit is None or max(p.stage_memory(costs)) <= limit
             )
-        return plan
+
+        # the measured times with stages no larger than the cap; if that packs
+        # too many activations together, a figure that bounds both at once:
+        # within `limit` by max(measured, estimate * limit / cap) means within
+        # `limit` measured and within `cap` estimated
+        memories = [est.memory]
+        if limit is not None:
+            memories.append(
+                [max(a, b * limit / cap) for a, b in zip(costs.memory, est.memory, strict=True)]
+            )
+        for memory, bound in zip(memories, (cap, limit), strict=False):
+            sized = LayerCosts(
+                costs.forward, costs.backward, memory=memory, weight_bytes=costs.weight_bytes
+            )
+            try:
+                plan = partition(sized, n, m, memory_limit=bound)
+            except PlanError:
+                continue
+            if fits(plan):
+                return plan
+        raise PlanError(
+            f"no plan keeps every stage within size_limit {cap} (weights and gradients) "
+            f"and within {limit} bytes with its measured activations"
+        )
 
     @staticmethod
     def _memory_limit(devs: list[torch.device], costs: LayerCosts, limit: int | None) -> int | None:
@@ -1006,9 +1026,15 @@ class RoundPipeEngine:
         self._host.refresh_masters()
 
     def zero_grad(self) -> None:
-        """Drop the gradients accumulated in the current window."""
+        """Drop the gradients accumulated in the current window (after waiting
+        for every dispatched stage and queued step); ``.grad`` is ``None``
+        afterwards, as between steps."""
         self.synchronize()
         self._host.zero_grads()
+        for p in self._host.params:
+            if p.trainable:
+                p.param.grad = None
+        self._window_has_grads = False
 
     def close(self) -> None:
         """Stop and join every worker thread and release pinned memory. Safe to

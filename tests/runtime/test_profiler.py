@@ -168,6 +168,18 @@ def test_a_size_limit_holds_for_plans_from_measurements_too():
             assert max(plans[-1].stage_memory(eng.measured_costs())) <= device_limit
 
 
+def test_a_plan_within_both_limits_is_found_when_one_exists():
+    # the fastest plan under the size cap packs the Blowup's activations with
+    # its neighbours, over the device limit; a plan with smaller stages meets both
+    torch.manual_seed(0)
+    layers = [Slow(0.0), Blowup(), *[Slow(0.0) for _ in range(6)]]
+    limit, cap = 5000, 2 * LAYER_BYTES
+    eng, plans = run(layers, iterations=4, size_limit=cap, device_memory_limit=limit)
+    assert max(plans[0].stage_memory(eng.measured_costs())) > limit  # from estimates: too big
+    assert max(plans[-1].stage_memory(eng._costs)) <= cap
+    assert max(plans[-1].stage_memory(eng.measured_costs())) <= limit
+
+
 def test_size_limit_must_be_positive():
     import pytest
 

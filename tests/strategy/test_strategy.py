@@ -509,3 +509,25 @@ def test_auto_microbatches_follow_the_simulated_bubble_and_short_batches_train(a
         ref = CausalLM()
         fit(ref, data, "auto", max_epochs=1)
         assert_same(params(mod), params(ref))
+
+
+class SkipsABatch(CausalLM):
+    """Returns None for batch 1, after calling the model (whose pipelined
+    backward has then already run) when ``call_model``."""
+
+    def __init__(self, call_model: bool) -> None:
+        super().__init__("qwen3")
+        self.call_model = call_model
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx) if self.call_model else None
+        return None if batch_idx == 1 else loss
+
+
+@pytest.mark.parametrize("call_model", [False, True])
+def test_a_training_step_returning_none_changes_nothing(call_model):
+    ref, mod = SkipsABatch(call_model), SkipsABatch(call_model)
+    fit(ref, lm_data(), "auto", max_steps=3)
+    fit(mod, lm_data(), sync(), devices=2, max_steps=3)
+    # tight: a step on zero gradients still moves AdamW's weights a little
+    assert_same(params(mod), params(ref), atol=5e-6, rtol=1e-6)
