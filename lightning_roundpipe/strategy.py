@@ -37,6 +37,7 @@ from .models import find_adapter
 from .plan import PlanError, choose_microbatches, partition, simulate
 from .precision import RoundPipePrecision
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
+from .runtime.engine import tightest
 from .runtime.nested import batch_size_of
 from .runtime.optimizer import PRECISIONS
 from .runtime.worker import WorkerError
@@ -322,7 +323,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._check_outside_parameters(adapter)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         auto = self.num_microbatches == "auto"
-        m = self._microbatch_count(costs, n, _tightest(self._oom_limit, self.device_memory_limit))
+        m = self._microbatch_count(costs, n, tightest(self._oom_limit, self.device_memory_limit))
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
             adapter.layers(),
@@ -758,12 +759,6 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._close()
         super().teardown()
-
-
-def _tightest(*limits: int | None) -> int | None:
-    """The smallest of the limits that are set (None when none is)."""
-    given = [x for x in limits if x is not None]
-    return min(given) if given else None
 
 
 def _forget_frames(exc: BaseException | None) -> None:

@@ -79,6 +79,12 @@ def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> L
     return LayerCosts(fwd, bwd, memory=mem, weight_bytes=[n * size for n in counts])
 
 
+def tightest(*limits: float | None) -> float | None:
+    """The smallest of the memory limits that are set (None when none is)."""
+    given = [x for x in limits if x is not None]
+    return min(given) if given else None
+
+
 def _as_device(d: torch.device | str | int) -> torch.device:
     if isinstance(d, int):
         d = torch.device("cuda", d)
@@ -302,8 +308,7 @@ class RoundPipeEngine:
         limit = self._memory_limit(devs, costs, device_memory_limit)
         if plan is None:
             # estimates hold no activations: both limits bound the same numbers
-            caps = [x for x in (limit, size_limit) if x is not None]
-            plan = partition(costs, n, m, memory_limit=min(caps) if caps else None)
+            plan = partition(costs, n, m, memory_limit=tightest(limit, size_limit))
         elif limit is not None:
             worst = max(range(plan.num_slots), key=lambda i: plan.stage_memory(costs)[i])
             need = plan.stage_memory(costs)[worst]
@@ -1031,9 +1036,7 @@ class RoundPipeEngine:
         afterwards, as between steps."""
         self.synchronize()
         self._host.zero_grads()
-        for p in self._host.params:
-            if p.trainable:
-                p.param.grad = None
+        self._host.detach_grads()
         self._window_has_grads = False
 
     def close(self) -> None:

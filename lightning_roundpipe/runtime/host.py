@@ -297,6 +297,12 @@ class HostState:
             if p.grad is not None:
                 p.grad.zero_()
 
+    def detach_grads(self) -> None:
+        """``.grad = None`` on every trainable parameter (as between steps)."""
+        for p in self.params:
+            if p.trainable:
+                p.param.grad = None
+
     def refresh_masters(self) -> None:
         """Copy the optimizer copy into the master copy (after a step)."""
         with torch.no_grad():
@@ -317,7 +323,6 @@ class HostState:
         closed and its workers joined): a closed engine that something still
         refers to (an autograd graph, an exception's traceback) no longer holds
         a copy of the model. The user's parameters are untouched."""
-        self.release()
         for p in self.params:
             p.master = p.master.new_empty(0)
             if p.grad is not None:

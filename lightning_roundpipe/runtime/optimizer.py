@@ -484,8 +484,7 @@ class OptimizerWorker:
             # with set_to_none would), and when it fails: between steps the host
             # holds one fp32 gradient per parameter, the buffer the next window
             # accumulates into.
-            for p in trainable:
-                p.param.grad = None
+            self.host.detach_grads()
             self._grads.clear()
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
