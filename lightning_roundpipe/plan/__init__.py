@@ -6,7 +6,7 @@ schedule simulator with the baselines RoundPipe is compared against.
 """
 
 from .costs import LayerCosts, PlanError, decoder_costs
-from .dispatch import DispatchPlan, DispatchStep, dispatch
+from .schedule import Clock, Schedule, Task, lower
 from .partition import balanced_partition, partition, partition_exhaustive, round_size
 from .plot import plot_timeline
 from .simulate import SCHEDULES, Segment, SimulationResult, choose_microbatches, simulate

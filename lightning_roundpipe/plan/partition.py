@@ -39,7 +39,7 @@ from itertools import accumulate
 from .costs import LayerCosts, PlanError
 from .stages import StagePlan
 
-__all__ = ["balanced_partition", "partition", "round_size"]
+__all__ = ["balanced_partition", "frontier", "partition", "round_size"]
 
 
 def _check_counts(num_devices: int, num_microbatches: int) -> None:
@@ -234,6 +234,54 @@ def partition(
     return _rebalance(costs, _plan_at(costs, cands[best_k], limit), limit)
 
 
+def frontier(costs: LayerCosts, memory_limit: float | None = None) -> list[StagePlan]:
+    """Every plan the partitioner could pick, one per slot count: for each
+    number of slots ``S`` reachable within ``memory_limit``, the balanced plan
+    with the smallest ``t_max`` (most slots first). :func:`partition` picks
+    one of these by its formula; :func:`~lightning_roundpipe.plan.choose_plan`
+    by simulating the best few."""
+    check_memory(costs, memory_limit)
+    limit = memory_limit if costs.memory is not None else None
+    cands = _candidates(costs)
+    slots: dict[int, int] = {}
+
+    def s_at(k: int) -> int:
+        s = slots.get(k)
+        if s is None:
+            packed = _pack(costs, cands[k], limit)
+            assert packed is not None, "candidates start at a feasible slot time"
+            s = slots[k] = packed[0] + 1 + packed[2]
+        return s
+
+    # S(t) is a non-increasing step function of the sorted candidates: bisect
+    # each interval whose ends differ down to the steps
+    first: dict[int, int] = {s_at(0): 0}
+    stack = [(0, len(cands) - 1)]
+    while stack:
+        lo, hi = stack.pop()
+        if s_at(lo) == s_at(hi):
+            continue
+        if hi - lo == 1:
+            first.setdefault(s_at(hi), hi)
+            continue
+        mid = (lo + hi) // 2
+        stack.append((mid, hi))
+        stack.append((lo, mid))
+    plans = [
+        _rebalance(costs, _plan_at(costs, cands[k], limit), limit)
+        for _, k in sorted(first.items(), key=lambda sk: sk[0])
+    ]
+    # keep a plan only if its slots buy a smaller t_max than every plan with
+    # fewer slots (sums of equal layers differ in their last bits, which makes
+    # spurious steps)
+    out: list[StagePlan] = []
+    for p in plans:
+        t = p.max_stage_time(costs)
+        if not out or t < out[-1].max_stage_time(costs) * (1 - 1e-9):
+            out.append(p)
+    return out[::-1]
+
+
 # ------------------------------------------------------- reference (research)
 def _pack_linear(costs: LayerCosts, t: float, limit: float | None) -> StagePlan | None:
     """Greedy packing by a layer-by-layer scan, the way the research code does it."""
@@ -360,13 +408,18 @@ def _rebalance(costs: LayerCosts, plan: StagePlan, limit: float | None) -> Stage
     mem = None if costs.memory is None else list(costs.memory[:top])
     forward = _min_max_cut(f, len(plan.forward), mem, limit)
     backward = _min_max_cut(fb[::-1], len(plan.backward), None if mem is None else mem[::-1], limit)
-    new = StagePlan(tuple(forward), plan.fused, tuple(backward))
-    old_t, new_t = plan.max_stage_time(costs), new.max_stage_time(costs)
-    if new_t > old_t:
-        return plan
-    if limit is not None and max(new.stage_memory(costs)) > limit:
-        return plan
-    return new
+    t_max = plan.max_stage_time(costs)
+    # sums of the same numbers in another order differ in the last bits: a cut
+    # is no worse when it is within rounding of the greedy plan's t_max
+    tol = t_max * 1e-9
+
+    def ok(p: StagePlan) -> bool:
+        fits = limit is None or max(p.stage_memory(costs)) <= limit
+        return fits and p.max_stage_time(costs) <= t_max + tol
+
+    fwd = tuple(forward) if ok(StagePlan(tuple(forward), plan.fused, plan.backward)) else plan.forward
+    bwd = tuple(backward) if ok(StagePlan(fwd, plan.fused, tuple(backward))) else plan.backward
+    return StagePlan(fwd, plan.fused, bwd)
 
 
 def balanced_partition(weights: Sequence[float], num_parts: int) -> list[int]:

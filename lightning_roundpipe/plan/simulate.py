@@ -37,35 +37,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .costs import LayerCosts, PlanError
-from .dispatch import dispatch
 from .partition import balanced_partition, partition
+from .schedule import Clock, Placement, Schedule, Segment, SegmentKind, lower
 from .stages import StagePlan
 
 __all__ = ["SCHEDULES", "Schedule", "Segment", "SimulationResult", "simulate"]
 
 Schedule = Literal["roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"]
 SCHEDULES: tuple[str, ...] = ("roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
-
-SegmentKind = Literal["F", "R", "B"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A busy interval of one device: ``kind`` is ``"F"`` (forward), ``"R"``
-    (recompute) or ``"B"`` (backward) of ``stage`` for ``microbatch``."""
-
-    device: int
-    start: float
-    end: float
-    kind: SegmentKind
-    stage: str
-    microbatch: int
-    iteration: int = 0
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
 
 @dataclass(frozen=True)
 class SimulationResult:
@@ -167,28 +146,80 @@ def _result(
     iterations: int,
     **extra,
 ) -> SimulationResult:
-    n = len(queues)
     segments: list[Segment] = []
-    busy = [0.0] * n
-    first = [None] * n
-    last = [0.0] * n
     for d, q in enumerate(queues):
         for op in q:
-            start, end = done[op.key]
-            t = start
+            t = done[op.key][0]
             for kind, dur in op.parts:
                 if dur > 0:
                     segments.append(
                         Segment(d, t, t + dur, kind, op.stage, op.microbatch, op.iteration)
                     )
                 t += dur
-            busy[d] += end - start
-            if end > start:
-                if first[d] is None:
-                    first[d] = start
-                last[d] = max(last[d], end)
+    return _segments_result(name, segments, len(queues), num_microbatches, iterations, **extra)
+
+
+# ----------------------------------------------------------------- RoundPipe
+def simulate_schedules(
+    costs: LayerCosts,
+    plan: StagePlan,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    *,
+    async_optimizer: bool,
+    round_size: int | None = None,
+    comm_time: float = 0.0,
+    optimizer_time: float = 0.0,
+    placement: Placement = "free-first",
+) -> tuple[list[Schedule], Clock]:
+    """Lower ``iterations`` training iterations back to back (one optimizer
+    step each) on one clock, exactly as the runtime lowers them; the clock
+    holds every predicted segment."""
+    clock = Clock(
+        costs,
+        num_devices,
+        async_optimizer=async_optimizer,
+        comm_time=comm_time,
+        optimizer_time=optimizer_time,
+        record=True,
+    )
+    out = []
+    for it in range(iterations):
+        out.append(
+            lower(
+                plan,
+                num_devices,
+                num_microbatches,
+                round_size=round_size,
+                clock=clock,
+                iteration=it,
+                placement=placement,
+                start_device=out[-1].tasks[-1].device if out and placement == "rotate" else 0,
+            )
+        )
+        clock.step(it)
+    return out, clock
+
+
+def _segments_result(
+    name: str,
+    segments: Sequence[Segment],
+    n: int,
+    num_microbatches: int,
+    iterations: int,
+    **extra,
+) -> SimulationResult:
+    busy = [0.0] * n
+    first: list[float | None] = [None] * n
+    last = [0.0] * n
+    for s in segments:
+        busy[s.device] += s.duration
+        if s.end > s.start:
+            f = first[s.device]
+            first[s.device] = s.start if f is None else min(f, s.start)
+            last[s.device] = max(last[s.device], s.end)
     makespan = max(last, default=0.0)
-    segments.sort(key=lambda s: (s.start, s.device))
     if makespan <= 0:
         ratios = (0.0, 0.0, 0.0, 0.0)
     else:
@@ -209,59 +240,9 @@ def _result(
         fill_ratio=ratios[1],
         drain_ratio=ratios[2],
         steady_ratio=ratios[3],
-        timeline=tuple(segments),
+        timeline=tuple(sorted(segments, key=lambda s: (s.start, s.device))),
         **extra,
     )
-
-
-# ----------------------------------------------------------------- RoundPipe
-def _roundpipe_queues(
-    costs: LayerCosts,
-    plan: StagePlan,
-    n: int,
-    m: int,
-    mr: int | None,
-    iterations: int,
-    async_optimizer: bool,
-) -> list[list[_Op]]:
-    queues: list[list[_Op]] = [[] for _ in range(n)]
-    stages = plan.stages
-    last_slot = len(stages) - 1
-    g0 = 0
-    grad_ops: list[list[tuple[int, int, tuple]]] = []  # per iteration: (start, stop, key)
-    for it in range(iterations):
-        dp = dispatch(plan, n, m, mr, start_device=g0)
-        g0 = dp.next_device
-        finals: list[tuple[int, int, tuple]] = []
-        for step in dp.steps:
-            st = stages[step.slot]
-            fwd = costs.forward_time(st.start, st.stop)
-            bwd = costs.backward_time(st.start, st.stop)
-            if st.kind == "forward":
-                parts: list[tuple[SegmentKind, float]] = [("F", fwd)]
-            elif st.kind == "fused":
-                parts = [("F", fwd), ("B", bwd)]
-            else:
-                parts = [("R", fwd), ("B", bwd)]
-            for mb in step.microbatches:
-                op = _Op((it, step.slot, mb), step.device, parts, st.label, mb, it)
-                if step.slot > 0:
-                    op.deps.append((it, step.slot - 1, mb))
-                if mb == step.mb_start and it > 0:
-                    if not async_optimizer and step.slot == 0:
-                        # synchronous optimizer: the step waits for every gradient
-                        op.deps.extend((it - 1, last_slot, k) for k in range(m))
-                    elif async_optimizer and it > 1:
-                        # staleness 1: weights of these layers need iteration it-2's
-                        # gradients of the same layers (the optimizer is assumed to keep up)
-                        op.deps.extend(
-                            key for a, b, key in grad_ops[it - 2] if a < st.stop and st.start < b
-                        )
-                queues[step.device].append(op)
-            if st.kind != "forward":
-                finals.append((st.start, st.stop, (it, step.slot, step.mb_stop - 1)))
-        grad_ops.append(finals)
-    return queues
 
 
 def _simulate_roundpipe(
@@ -274,37 +255,43 @@ def _simulate_roundpipe(
     async_optimizer: bool,
     iterations: int,
     memory_limit: float | None,
+    optimizer_time: float,
+    placement: Placement,
 ) -> SimulationResult:
     if plan is None:
         plan = partition(costs, n, m, memory_limit=memory_limit)
     plan.validate(costs.num_layers)
-    queues = _roundpipe_queues(costs, plan, n, m, mr, iterations, async_optimizer)
-    done = _run(queues, comm_time)
+    kw = dict(
+        async_optimizer=async_optimizer,
+        round_size=mr,
+        comm_time=comm_time,
+        optimizer_time=optimizer_time,
+        placement=placement,
+    )
+    _, clock = simulate_schedules(costs, plan, n, m, iterations, **kw)
     extra: dict = {"plan": plan}
     if async_optimizer:
-        extra["async_bubble_ratio"] = _steady_async_bubble(costs, plan, n, m, mr, comm_time)
-    return _result("roundpipe", queues, done, m, iterations, **extra)
+        extra["async_bubble_ratio"] = steady_async_bubble(costs, plan, n, m, **kw)
+    return _segments_result("roundpipe", clock.segments, n, m, iterations, **extra)
 
 
-def _steady_async_bubble(
-    costs: LayerCosts, plan: StagePlan, n: int, m: int, mr: int | None, comm_time: float
+def steady_async_bubble(
+    costs: LayerCosts, plan: StagePlan, n: int, m: int, *, iterations: int | None = None, **kw
 ) -> float:
-    """Idle fraction per iteration once iterations run back to back.
-
-    Simulates ``K = N + 2`` iterations (enough for the rotation offset to
-    cycle) and measures the period between the ends of the first and the last."""
-    k = n + 2
-    queues = _roundpipe_queues(costs, plan, n, m, mr, k, True)
-    done = _run(queues, comm_time)
+    """Idle fraction per iteration once iterations run back to back with the
+    asynchronous optimizer: ``1 - work / (N * period)``, the period measured
+    between the ends of iterations after the first two (which start from
+    idle devices), over ``iterations`` (default ``max(8, 2N + 2)``)."""
+    k = iterations if iterations is not None else max(8, 2 * n + 2)
+    _, clock = simulate_schedules(costs, plan, n, m, k, async_optimizer=True, **kw)
     ends = [0.0] * k
     work = 0.0
-    for q in queues:
-        for op in q:
-            start, end = done[op.key]
-            ends[op.iteration] = max(ends[op.iteration], end)
-            if op.iteration == 0:
-                work += end - start
-    period = (ends[-1] - ends[0]) / (k - 1)
+    for s in clock.segments:
+        ends[s.iteration] = max(ends[s.iteration], s.end)
+        if s.iteration == 0:
+            work += s.duration
+    skip = min(2, k - 2)
+    period = (ends[-1] - ends[skip]) / (k - 1 - skip) if k - 1 > skip else ends[-1]
     if period <= 0:
         return 0.0
     return max(0.0, 1.0 - work / (n * period))
@@ -432,6 +419,8 @@ def simulate(
     recompute: bool = True,
     memory_limit: float | None = None,
     iterations: int = 1,
+    optimizer_time: float = 0.0,
+    placement: Placement = "free-first",
 ) -> SimulationResult:
     """Simulate one schedule on ``num_devices`` devices.
 
@@ -450,13 +439,17 @@ def simulate(
             optimizer) and ``async_bubble_ratio`` is reported.
         stages: baselines only: layers per stage (zero allowed), stage ``s``
             bound to device ``s mod N``; default a min-max balanced cut.
-        microbatches_per_round: RoundPipe only: ``M_R`` (default ``N``).
+        microbatches_per_round: RoundPipe only: ``M_R`` (default ``M``, one
+            round per iteration).
         stages_per_device: looped baselines: stages per device when ``stages``
             is not given (default 2).
         recompute: baselines only: backward ops recompute their stage first
             (activation checkpointing), as RoundPipe's backward stages do.
         memory_limit: RoundPipe only: passed to the partitioner.
         iterations: RoundPipe only: iterations to simulate back to back.
+        optimizer_time: RoundPipe only: time of one host optimizer step.
+        placement: RoundPipe only: ``"free-first"`` (rounds start on the
+            device free first, as the runtime places them) or ``"rotate"``.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -484,6 +477,8 @@ def simulate(
             async_optimizer,
             iterations,
             memory_limit,
+            optimizer_time,
+            placement,
         )
     if plan is not None:
         raise PlanError(f"plan= is for RoundPipe; {schedule} takes stages=")

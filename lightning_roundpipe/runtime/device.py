@@ -10,12 +10,18 @@ operation is synchronous on the worker's thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
+from functools import cache
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DeviceContext", "layer_seed", "pin", "seeded"]
+__all__ = ["DeviceContext", "LayerRandomness", "layer_seed", "pin", "seeded"]
+
+log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 
@@ -64,11 +70,12 @@ def _generator(device: torch.device) -> torch.Generator:
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
     """Run a block with the device's default generator seeded to ``seed``.
 
-    Workers sharing a physical device (and every CPU worker) share its
-    default generator, so the block holds that device's RNG lock; the
-    generator's previous state is restored afterwards, so the caller's own
-    random stream is left as it was. On CUDA the RNG is consumed when kernels
-    are launched, so the lock covers launches only, not execution."""
+    Workers sharing a physical device share its default generator, so the
+    block holds that device's RNG lock; the generator's previous state is
+    restored afterwards, so the caller's own random stream is left as it was.
+    On CUDA the RNG is consumed when kernels are launched, so the lock covers
+    launches only, not execution. CPU workers use :class:`LayerRandomness`
+    instead, which holds no lock around compute."""
     gen = _generator(device)
     with _rng_lock(device):
         state = gen.get_state()
@@ -77,6 +84,91 @@ def seeded(device: torch.device, seed: int) -> Iterator[None]:
             yield
         finally:
             gen.set_state(state)
+
+
+@cache
+def _takes_generator(func: Any) -> bool:
+    """Whether an aten overload has a keyword ``generator`` argument."""
+    return any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments)
+
+
+class _SeededOps(TorchDispatchMode):
+    """Every random op in the block draws from ``gen``, in order: as if the
+    process's default generator had been seeded with ``gen``'s seed before the
+    block, but without touching it (dispatch modes are per thread)."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.gen = gen
+        self.used = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        self.used = True
+        if _takes_generator(func) and kwargs.get("generator") is None:
+            return func(*args, **kwargs, generator=self.gen)
+        # an op without a generator argument draws from the default generator:
+        # lend it our state for this one op only
+        shared = torch.default_generator
+        with _rng_lock(torch.device("cpu")):
+            saved = shared.get_state()
+            shared.set_state(self.gen.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.gen.set_state(shared.get_state())
+                shared.set_state(saved)
+
+
+class LayerRandomness:
+    """Reproducible random numbers for one worker's replica of one layer.
+
+    A layer call draws its random numbers (dropout) from a generator seeded
+    with its :func:`layer_seed`, exactly as ``torch.manual_seed(seed)`` before
+    the call would in plain PyTorch, whichever device runs it and whatever
+    runs beside it.
+
+    CPU workers share one default generator, so seeding it would need a lock
+    around every layer and CPU workers would never compute concurrently.
+    Instead the first call in each mode (train/eval) runs under a per-thread
+    dispatch mode that gives every random op the layer's own generator, and
+    notes whether the layer drew any random numbers. Layers that did keep
+    that mode (only their random ops touch shared state, briefly); the others
+    run untouched (a layer whose randomness depends on its data, seen only
+    later, is caught by a check that the default generator did not move, and
+    seeded from then on). CUDA workers seed the device's
+    generator under a lock that covers kernel launches only (:func:`seeded`)."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self.device = device
+        self.name = name
+        self.random: dict[bool, bool] = {}  # training flag -> draws random numbers
+
+    @contextlib.contextmanager
+    def __call__(self, seed: int, training: bool) -> Iterator[None]:
+        if self.device.type != "cpu":
+            with seeded(self.device, seed):
+                yield
+            return
+        if self.random.get(training) is False:
+            gen = torch.default_generator
+            before = gen.get_state()
+            yield
+            if not torch.equal(before, gen.get_state()):
+                # this layer, or another thread (the training loop drawing random
+                # numbers while workers compute), moved the default generator:
+                # seed this layer from now on, to be safe
+                self.random[training] = True
+                log.debug("%s: default generator moved; seeding its calls from now on", self.name)
+            return
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        mode = _SeededOps(gen)
+        with mode:
+            yield
+        self.random[training] = mode.used
 
 
 class _NullEvent:

@@ -1,13 +1,15 @@
 """The RoundPipe engine: the controller that runs a stage plan on a pool of devices.
 
 The caller's thread is the controller. ``forward_backward`` splits the batch
-into micro-batches, puts their inputs into the host activation store, and
-dispatches the iteration's stage slots round-robin to the device workers
+into micro-batches, puts their inputs into the host activation store, lowers
+the iteration to its tasks (:func:`~lightning_roundpipe.plan.lower`, the list
+the simulator runs too) and hands each task to its device's worker
 (:mod:`.worker`); it returns the loss as soon as every micro-batch's loss is
-known, while backward stages may still be running. The next call continues
-the rotation where this one stopped. ``synchronize`` waits for all
-outstanding work and exposes the accumulated fp32 gradients as ``.grad``;
-``step(fn)`` runs an optimizer step on the host and refreshes the master copy.
+known, while backward stages may still be running. A round starts on the
+device the engine's clock predicts to become free first. ``synchronize`` waits
+for all outstanding work and exposes the accumulated fp32 gradients as
+``.grad``; ``step(fn)`` runs an optimizer step on the host and refreshes the
+master copy.
 
     engine = RoundPipeEngine(layers, devices=[torch.device("cpu")] * 3, num_microbatches=4)
     loss = engine.forward_backward(inputs, labels=labels, loss_fn=loss_fn)
@@ -18,20 +20,31 @@ outstanding work and exposes the accumulated fp32 gradients as ``.grad``;
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
-from ..plan import LayerCosts, PlanError, StagePlan, dispatch, partition, round_size
+from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
+from ..plan.policy import RoundChoice, choose_plan, choose_round, simulated_period
+from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
 from .device import pin
 from .host import HostState
-from .nested import batch_size_of, map_tensors, merge_microbatches, split_microbatches
+from .nested import (
+    batch_size_of,
+    flatten_tensors,
+    map_tensors,
+    merge_microbatches,
+    split_microbatches,
+)
 from .optimizer import (
     PRECISIONS,
     HookError,
@@ -44,11 +57,11 @@ from .optimizer import (
     StepHandle,
     _Job,
 )
-from .profiler import Profiler
+from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder
 from .store import EngineFailure, HandoffTimeout, Store
-from .worker import Call, Layout, Task, Worker, WorkerError
+from .worker import Call, Job, Runtime, Worker, WorkerError
 
-__all__ = ["EngineClosedError", "RoundPipeEngine", "estimate_costs"]
+__all__ = ["EngineClosedError", "RoundPipeEngine", "TrafficReport", "estimate_costs"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +77,8 @@ def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> L
     FLOPs per token are ~2 x parameters) with a small floor so parameter-free
     layers still cost something; backward is twice the forward for layers with
     trainable weights (input and weight gradients) and equal to it otherwise.
-    Memory is weights plus gradients in the compute dtype."""
+    Memory is the weights in the compute dtype plus, for trainable weights, the
+    fp32 gradient accumulator."""
     size = torch.empty(0, dtype=compute_dtype).element_size()
     counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     floor = max(1.0, 1e-3 * max(counts, default=1))
@@ -75,7 +89,7 @@ def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> L
         fwd.append(f)
         bwd.append(2 * f if trainable else f)
         grads = sum(p.numel() for p in layer.parameters() if p.requires_grad)
-        mem.append((n + grads) * size)
+        mem.append(n * size + grads * 4)
     return LayerCosts(fwd, bwd, memory=mem, weight_bytes=[n * size for n in counts])
 
 
@@ -132,57 +146,88 @@ def _bandwidth(device: torch.device, nbytes: int = 64 << 20, repeat: int = 3) ->
     return nbytes * repeat / max(ms / 1e3, 1e-9)
 
 
-class _Runtime:
-    """State shared by the controller and the workers.
+def _shutdown(rt: Runtime, join_timeout: float = 30.0) -> list[str]:
+    """Stop and join every thread of a runtime; returns the names of threads
+    that did not stop. (A function, not a method: the engine's finalizer must
+    not refer to the engine.)"""
+    if rt.closed:
+        return []
+    rt.closed = True
+    rt.store.fail(EngineClosedError("the RoundPipe engine was closed"))
+    threads = []
+    for w in rt.workers:
+        w.stop()
+        w.wake()
+        w.courier.stop()
+        threads.extend(w.threads)
+    if rt.optimizer is not None and rt.optimizer.thread is not None:
+        rt.optimizer.stop()
+        threads.append(rt.optimizer.thread)
+    stuck = []
+    deadline = time.monotonic() + join_timeout
+    for t in threads:
+        if t.ident is not None:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            stuck.append(t.name)
+    rt.store.clear()
+    if not stuck:  # a stuck worker may still be copying from page-locked memory
+        rt.host.free()
+        if rt.optimizer is not None:
+            rt.optimizer._grads.clear()
+    return stuck
 
-    It holds no reference to the engine, so an engine that is dropped without
-    ``close()`` is garbage collected and its finalizer stops the threads."""
 
-    def __init__(self, host: HostState, store: Store) -> None:
-        self.host = host
-        self.store = store
-        self.workers: list[Worker] = []
-        self.optimizer: OptimizerWorker | None = None
-        self.submitted = 0
-        self.done = 0
-        self.done_keys: set[tuple] = set()
-        self.closed = False
+@dataclass(frozen=True)
+class TrafficReport:
+    """Bytes one training iteration moved between host and devices, against
+    the least its schedule could move.
 
-    def task_done(self, task: Task) -> None:
-        with self.store.lock:
-            self.done += 1
-            self.done_keys.add(task.key)
-            self.store.lock.notify_all()
+    Attributes:
+        iteration: the iteration measured.
+        moved: bytes by kind (``weights_up``, ``grads_down``, ``acts_up``,
+            ``acts_down``, ``buffers``); on CPU workers, the bytes a device
+            would have moved.
+        weights_minimum, grads_minimum: each stage's weights up once, its fp32
+            gradients down once: the least any round size moves per iteration.
+        rounds: rounds of the iteration (each moves every stage's weights
+            and gradients once).
+        round: the round choice in use, with its reason.
+        uploads_hidden: whether each round's compute hides its weight uploads
+            at the measured host-to-device bandwidth (None: not known, e.g. on
+            CPU workers or before per-layer times are measured).
+    """
 
-    def is_done(self, key: tuple) -> bool:
-        return key in self.done_keys
+    iteration: int
+    moved: dict[str, int]
+    weights_minimum: int
+    grads_minimum: int
+    rounds: int
+    round: RoundChoice
+    uploads_hidden: bool | None
 
-    def shutdown(self, join_timeout: float = 30.0) -> list[str]:
-        """Stop and join every worker; returns the names of threads that did not stop."""
-        if self.closed:
-            return []
-        self.closed = True
-        self.store.fail(EngineClosedError("the RoundPipe engine was closed"))
-        for w in self.workers:
-            w.stop()
-            w.wake()
-        threads = [w.thread for w in self.workers]
-        if self.optimizer is not None and self.optimizer.thread is not None:
-            self.optimizer.stop()
-            threads.append(self.optimizer.thread)
-        stuck = []
-        deadline = time.monotonic() + join_timeout
-        for t in threads:
-            if t.ident is not None:
-                t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                stuck.append(t.name)
-        self.store.clear()
-        if not stuck:  # a stuck worker may still be copying from page-locked memory
-            self.host.free()
-            if self.optimizer is not None:
-                self.optimizer._grads.clear()
-        return stuck
+    def __str__(self) -> str:
+        gib = 2**30
+        m = self.moved
+        w = m["weights_up"] / self.weights_minimum if self.weights_minimum else 0.0
+        g = m["grads_down"] / self.grads_minimum if self.grads_minimum else 0.0
+        hidden = {None: "not measured", True: "yes", False: "no"}[self.uploads_hidden]
+        return (
+            f"iteration {self.iteration}: weights up {m['weights_up'] / gib:.3f} GiB "
+            f"({w:.2f}x the minimum), gradients down {m['grads_down'] / gib:.3f} GiB "
+            f"({g:.2f}x), activations up {m['acts_up'] / gib:.3f} GiB, down "
+            f"{m['acts_down'] / gib:.3f} GiB, buffers {m['buffers'] / gib:.3f} GiB; "
+            f"{self.rounds} round(s): {self.round.reason}; uploads hidden behind compute: "
+            f"{hidden}"
+        )
+
+
+def _host_available() -> int | None:
+    """Host memory available now, in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class RoundPipeEngine:
@@ -195,17 +240,32 @@ class RoundPipeEngine:
         devices: one worker per entry (``torch.device``, ``"cuda:0"``, ``0``,
             ``"cpu"``); entries may repeat to let several workers share one
             device.
-        num_microbatches: ``M``, micro-batches per ``forward_backward``; must be
-            ``>= len(devices)``.
-        plan: a :class:`StagePlan` or its compact text; default: the partitioner's
-            plan from size-based estimates.
-        microbatches_per_round: ``M_R`` (default: the number of devices).
-            ``"auto"``: once per-layer times are measured, the smallest round
-            whose compute hides every stage's weight upload at the measured
-            host-to-device bandwidth (CUDA; CPU workers copy nothing).
-        fit_to_batch: a batch smaller than ``num_microbatches`` (but at least
-            ``len(devices)``) is split into one-sample micro-batches instead of
-            being refused (for a short last batch of an epoch).
+        num_microbatches: ``M``, micro-batches per ``forward_backward`` (fewer
+            than devices is allowed: some devices idle).
+        plan: a :class:`StagePlan` or its compact text; default: the plan with
+            the shortest simulated iteration among the partitioner's best
+            (:func:`~lightning_roundpipe.plan.choose_plan`), from size-based
+            estimates.
+        microbatches_per_round: ``M_R``, an integer, or ``None``/``"auto"``
+            (default): the whole batch, so each stage's weights go up once per
+            iteration, unless a round's stage-boundary activations would
+            exceed ``activation_memory``; then the largest round that fits.
+        activation_memory: host bytes one round's stage-boundary activations
+            may take (default: a quarter of the host memory available when the
+            engine starts). The size of a micro-batch's activations comes from
+            ``activation_estimate`` until the first training iteration has
+            measured it.
+        activation_estimate: bytes of one stage-boundary value of a micro-batch,
+            given that micro-batch's input (a model adapter knows it: hidden
+            size x tokens); None: measured in the first iteration.
+        placement: ``"free-first"`` (default): each round starts on the device
+            predicted to become free first; ``"rotate"``: a fixed rotation.
+            Where work runs never changes what is computed.
+        trace: record the real start and end of every operation per device
+            (:meth:`trace_operations`, :meth:`chrome_trace`).
+        fit_to_batch: a batch smaller than ``num_microbatches`` is split into
+            one-sample micro-batches instead of being refused (for a short last
+            batch of an epoch).
         precision: ``"32-true"`` (fp32 compute), ``"bf16-mixed"`` / ``"bf16-true"``
             (bf16 master copy and compute), ``"16-mixed"`` (fp16 with dynamic
             loss scaling). The optimizer copy keeps the parameters' own dtype.
@@ -250,6 +310,10 @@ class RoundPipeEngine:
         plan: StagePlan | str | None = None,
         *,
         microbatches_per_round: int | Literal["auto"] | None = None,
+        activation_memory: int | None = None,
+        activation_estimate: Callable[[Any], int] | None = None,
+        placement: Placement = "free-first",
+        trace: bool = False,
         fit_to_batch: bool = False,
         precision: Precision = "32-true",
         async_optimizer: bool = False,
@@ -297,6 +361,25 @@ class RoundPipeEngine:
         user_plan = plan is not None
         if not watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
+            num_microbatches < 1
+        ):
+            raise PlanError(
+                f"num_microbatches must be an integer >= 1, got {num_microbatches!r}"
+            )
+        if microbatches_per_round not in (None, "auto") and (
+            isinstance(microbatches_per_round, bool)
+            or not isinstance(microbatches_per_round, int)
+            or microbatches_per_round < 1
+        ):
+            raise PlanError(
+                f"microbatches_per_round must be an integer >= 1, 'auto' or None, got "
+                f"{microbatches_per_round!r}; leave it unset for one round per batch"
+            )
+        if activation_memory is not None and not activation_memory > 0:
+            raise ValueError(f"activation_memory must be > 0 bytes, got {activation_memory!r}")
+        if placement not in ("free-first", "rotate"):
+            raise ValueError(f"placement must be 'free-first' or 'rotate', got {placement!r}")
         n, m = len(devs), num_microbatches
         if isinstance(plan, str):
             plan = StagePlan.parse(plan, len(layers))
@@ -308,7 +391,9 @@ class RoundPipeEngine:
         limit = self._memory_limit(devs, costs, device_memory_limit)
         if plan is None:
             # estimates hold no activations: both limits bound the same numbers
-            plan = partition(costs, n, m, memory_limit=tightest(limit, size_limit))
+            plan = choose_plan(
+                costs, n, m, async_optimizer=async_optimizer, memory_limit=tightest(limit, size_limit)
+            )
         elif limit is not None:
             worst = max(range(plan.num_slots), key=lambda i: plan.stage_memory(costs)[i])
             need = plan.stage_memory(costs)[worst]
@@ -318,10 +403,6 @@ class RoundPipeEngine:
                     f"of device memory but the limit is {limit}; give a plan with smaller "
                     "stages, or plan=None to let the partitioner respect the limit"
                 )
-        self._auto_round = microbatches_per_round == "auto"
-        if self._auto_round:
-            microbatches_per_round = None  # the number of devices until measured
-        dispatch(plan, n, m, microbatches_per_round)  # validates M, M_R against N
 
         # ---- state
         self._user_plan = user_plan
@@ -331,33 +412,45 @@ class RoundPipeEngine:
         self.size_limit = size_limit
         self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
         self._replanned = False
-        self.plan = plan
         self.devices = devs
         self.num_microbatches = m
-        self.microbatches_per_round = microbatches_per_round
+        self.microbatches_per_round = (
+            None if microbatches_per_round == "auto" else microbatches_per_round
+        )
+        available = _host_available()
+        self.activation_memory = (
+            activation_memory
+            if activation_memory is not None
+            else (available // 4 if available else None)
+        )
+        self.activation_estimate = activation_estimate
+        self.placement = placement
         self.fit_to_batch = fit_to_batch
         self.seed = seed
         self.layers = layers
-        self._iteration = 0
-        self._g0 = 0
-        self._set_plan(plan)
-        self._eval_iteration = 0
-        self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
-        self._stateful = {
-            st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
-            for st in plan.stages
-        }
-        self._lock = threading.Lock()
         self.precision = precision
         self.async_optimizer = async_optimizer
+        self._iteration = 0
+        self._eval_iteration = 0
+        self._serial = 0
         self._window = 0
         self._window_scale: dict[int, float] = {}
         self.wait_seconds = 0.0  # time the caller's thread spent waiting on the pipeline
-        self._last_dispatch: tuple[int, Any] | None = None
+        self._last_schedule: tuple[Call, Schedule] | None = None
+        self._last_train: Schedule | None = None
+        self._boundary_per_sample: float | None = None  # measured activation bytes
+        self.round: RoundChoice | None = None
+        self._bandwidth: float | None = None
         self._window_has_grads = False
         self._jobs = 0
-        rt = self._rt = _Runtime(self._host, Store(watchdog_timeout))
-        self._protocol = Protocol(self._host, rt.store, async_optimizer)
+        self._lock = threading.Lock()
+        self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
+        store = Store(watchdog_timeout)
+        self._protocol = Protocol(self._host, store, async_optimizer)
+        rt = self._rt = Runtime(self._host, store, self._protocol)
+        if trace:
+            rt.trace = TraceRecorder()
+        self._set_plan(plan)
         self.scaler = LossScaler(enabled=precision == "16-mixed")
         names = {}
         for i, layer in enumerate(layers):
@@ -368,26 +461,15 @@ class RoundPipeEngine:
         self.nonfinite = nonfinite
         rt.optimizer = self._optimizer = OptimizerWorker(
             self._host,
-            rt.store,
+            store,
             self._protocol,
             self.scaler,
             optimizer_threads,
             nonfinite=nonfinite,
             names=names,
         )
-        for i, d in enumerate(devs):
-            rt.workers.append(
-                Worker(
-                    i,
-                    d,
-                    self._host,
-                    rt.store,
-                    rt.task_done,
-                    rt.is_done,
-                    self._protocol,
-                )
-            )
-        self._finalizer = weakref.finalize(self, rt.shutdown)
+        rt.workers.extend(Worker(i, d, rt) for i, d in enumerate(devs))
+        self._finalizer = weakref.finalize(self, _shutdown, rt)
         for w in rt.workers:
             w.start()
         if async_optimizer:
@@ -400,10 +482,10 @@ class RoundPipeEngine:
             ", ".join(map(str, devs)),
         )
 
-    def _set_plan(self, plan: StagePlan) -> None:
-        """Install a stage plan (between iterations, with nothing in flight)."""
+    def _set_plan(self, plan: StagePlan, costs: LayerCosts | None = None) -> None:
+        """Install a stage plan (between iterations, with nothing in flight) and
+        a fresh clock for the costs in use."""
         self.plan = plan
-        self._layout = Layout.of(plan.stages)
         # forward-only slots (evaluation, outputs for a loss computed outside):
         # the forward stages, then the fused stage's layers run forward only
         top = plan.fused_stage
@@ -411,13 +493,18 @@ class RoundPipeEngine:
             *plan.stages[: len(plan.forward)],
             Stage(len(plan.forward), "Ftop", "forward", *top),
         ]
-        self._forward_layout = Layout.of(self._forward_slots, output_readers=1)
-        self._last_task: dict[int, tuple] = {}
-        if hasattr(self, "_host"):
-            self._stateful = {
-                st.index: st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
-                for st in plan.stages
-            }
+        # slots with running statistics run their rounds in micro-batch order
+        self._ordered = {
+            st.index
+            for st in plan.stages
+            if st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
+        }
+        self._last_ordered: dict[int, tuple] = {}
+        self._clock = Clock(
+            costs if costs is not None else self._costs,
+            self.num_devices,
+            async_optimizer=self.async_optimizer,
+        )
 
     def measured_costs(self) -> LayerCosts | None:
         """Per-layer costs measured so far (median per micro-batch), with the
@@ -471,40 +558,37 @@ class RoundPipeEngine:
                 exc,
             )
             return
-        old_obj, new_obj = self.plan.objective(costs, n, m), new.objective(costs, n, m)
-        if new != self.plan and (over is not None or new_obj < (1 - self.replan_margin) * old_obj):
+        kw = {"async_optimizer": self.async_optimizer, "round_size": self.microbatches_per_round}
+        old_t = simulated_period(costs, self.plan, n, m, **kw)
+        new_t = simulated_period(costs, new, n, m, **kw)
+        if new != self.plan and (over is not None or new_t < (1 - self.replan_margin) * old_t):
             why = (
                 f"stage {over[0]} needs about {over[1]} bytes with its measured activations, "
                 f"over the limit of {limit}"
                 if over is not None
-                else f"objective {old_obj:.4g} -> {new_obj:.4g}"
+                else f"simulated time per iteration {old_t:.4g} -> {new_t:.4g} s"
             )
             log.info(
                 "RoundPipe re-partitioned from measurements: %s -> %s (%s)", self.plan, new, why
             )
-            self._set_plan(new)
+            self._set_plan(new, costs)
         else:
             log.info(
-                "RoundPipe kept plan %s after measuring (best %s, objective %.4g vs %.4g)",
+                "RoundPipe kept plan %s after measuring (best %s, simulated time per iteration "
+                "%.4g vs %.4g s)",
                 self.plan,
                 new,
-                old_obj,
-                new_obj,
+                old_t,
+                new_t,
             )
-        # the round size for the plan in use
-        if self._auto_round and self.devices[0].type == "cuda":
-            bandwidth = _bandwidth(self.devices[0])
-            self.microbatches_per_round = round_size(
-                self.plan, costs, n, bandwidth, max_microbatches=m
-            )
-            log.info(
-                "RoundPipe: %.1f GB/s host to device; %d micro-batches per round",
-                bandwidth / 1e9,
-                self.microbatches_per_round,
-            )
+            self._set_plan(self.plan, costs)  # the clock now predicts with measured times
+        if self.devices[0].type == "cuda":
+            # for the report: whether a round's compute hides its weight uploads
+            self._bandwidth = _bandwidth(self.devices[0])
+            log.info("RoundPipe: %.1f GB/s host to device", self._bandwidth / 1e9)
 
     def _partition_measured(self, costs: LayerCosts) -> StagePlan:
-        """The partitioner's plan for measured costs: within the device memory
+        """The chosen plan for measured costs: within the device memory
         limit with measured activations and, if set, within ``size_limit`` for
         the size-based estimates."""
         n, m, limit, cap, est = (
@@ -514,7 +598,8 @@ class RoundPipeEngine:
             self.size_limit,
             self._costs,
         )
-        plan = partition(costs, n, m, memory_limit=limit)
+        kw = {"async_optimizer": self.async_optimizer, "round_size": self.microbatches_per_round}
+        plan = choose_plan(costs, n, m, memory_limit=limit, **kw)
         if cap is None or max(plan.stage_memory(est)) <= cap:
             return plan
 
@@ -537,7 +622,7 @@ class RoundPipeEngine:
                 costs.forward, costs.backward, memory=memory, weight_bytes=costs.weight_bytes
             )
             try:
-                plan = partition(sized, n, m, memory_limit=bound)
+                plan = choose_plan(sized, n, m, memory_limit=bound, **kw)
             except PlanError:
                 continue
             if fits(plan):
@@ -583,8 +668,70 @@ class RoundPipeEngine:
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes copied between host and devices so far (0 for CPU workers)."""
-        return sum(w.ctx.bytes_moved for w in self._rt.workers if w.ctx is not None)
+        """Bytes copied between host and devices so far (on CPU workers: the bytes
+        a device would have moved)."""
+        return self._rt.traffic.bytes
+
+    def traffic(self, iteration: int | None = None) -> dict[str, int]:
+        """Bytes one (recent) iteration moved, by kind (default: the last
+        training iteration). See :class:`~lightning_roundpipe.runtime.profiler.Traffic`."""
+        if iteration is None:
+            if self._last_train is None:
+                return dict.fromkeys(TRAFFIC_KINDS, 0)
+            iteration = self._last_train.iteration
+        return self._rt.traffic.of(iteration)
+
+    def traffic_report(self) -> TrafficReport | None:
+        """The last training iteration's traffic against the least its schedule
+        could move (call after :meth:`synchronize`); None before any."""
+        sched = self._last_train
+        if sched is None or self.round is None:
+            return None
+        host = self._host
+        weights = grads = 0
+        for st in sched.stages:
+            span = host.span(st.start, st.stop)
+            weights += span.nbytes + sum(p.nbytes for p in span.outside)
+            if st.kind != "forward":
+                grads += 4 * sum(p.master.numel() for p in host.stage_params(st.start, st.stop)
+                                 if p.trainable)
+        hidden = None
+        costs = self.measured_costs()
+        if self._bandwidth and costs is not None:
+            mr = sched.round_size
+            hidden = all(
+                mr * st.time(costs) >= (host.span(st.start, st.stop).nbytes / self._bandwidth)
+                for st in sched.stages
+            )
+        return TrafficReport(
+            sched.iteration,
+            self.traffic(sched.iteration),
+            weights,
+            grads,
+            sched.num_rounds,
+            self.round,
+            hidden,
+        )
+
+    # ---------------------------------------------------------------- trace
+    def trace_operations(self) -> list[dict[str, Any]]:
+        """Real start and end of every recorded operation (needs ``trace=True``);
+        see :meth:`~lightning_roundpipe.runtime.profiler.TraceRecorder.operations`."""
+        if self._rt.trace is None:
+            raise RuntimeError("the engine records no trace; create it with trace=True")
+        return self._rt.trace.operations()
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The recorded operations as a Chrome/Perfetto trace (``trace=True``)."""
+        if self._rt.trace is None:
+            raise RuntimeError("the engine records no trace; create it with trace=True")
+        return self._rt.trace.chrome_trace()
+
+    @property
+    def last_schedule(self) -> Schedule | None:
+        """The schedule of the last training iteration (with the clock's
+        prediction of its timeline)."""
+        return self._last_train
 
     def host_memory(self) -> dict[str, int]:
         """Bytes of host memory the engine holds (master copies, gradient buffers,
@@ -640,44 +787,43 @@ class RoundPipeEngine:
             self.wait_seconds += time.perf_counter() - t0
 
     def _stuck_grid(self) -> str:
-        """The last dispatched iteration's grid, marked at its first unfinished step."""
-        if self._last_dispatch is None:
+        """The last submitted iteration's grid, marked at its first unfinished task."""
+        if self._last_schedule is None:
             return "(nothing dispatched yet)"
-        iteration, plan = self._last_dispatch
+        call, sched = self._last_schedule
         with self._rt.store.lock:
             done = set(self._rt.done_keys)
         stuck = next(
-            (i for i, st in enumerate(plan.steps) if (iteration, st.round, st.slot) not in done),
+            (i for i in range(len(sched.tasks)) if (call.serial, i) not in done),
             None,
         )
         where = (
             ""
             if stuck is None
-            else (
-                f"first unfinished step: {plan.steps[stuck]} on device {plan.steps[stuck].device}\n"
-            )
+            else f"first unfinished task: {sched.tasks[stuck]} on device {sched.tasks[stuck].device}\n"
         )
-        return f"iteration {iteration}, {where}{plan.grid(mark=stuck)}"
+        return f"iteration {call.iteration}, {where}{sched.grid(mark=stuck)}"
 
-    def microbatches_for(self, batch_size: int) -> int:
-        """How many micro-batches a batch of ``batch_size`` samples is split into."""
+    def microbatches_for(self, batch_size: int, training: bool = True) -> int:
+        """How many micro-batches a batch of ``batch_size`` samples is split into:
+        ``num_microbatches``, or one sample each when the batch is shorter (for
+        evaluation always; for training with ``fit_to_batch``)."""
         m = self.num_microbatches
-        if self.fit_to_batch and self.num_devices <= batch_size < m:
-            return batch_size  # a short batch (the last of an epoch): one sample each
+        if batch_size < m and (self.fit_to_batch or not training):
+            return max(1, batch_size)  # a short batch (the last of an epoch): one sample each
         return m
 
-    def _split(self, inputs: Any) -> tuple[int, list[Any]]:
+    def _split(self, inputs: Any, training: bool = True) -> tuple[int, list[Any]]:
         bsz = batch_size_of(inputs)
         if bsz is None:
             raise ValueError(
                 "cannot split inputs into micro-batches: they contain no tensor with a batch "
                 "dimension"
             )
-        m = self.microbatches_for(bsz)
+        m = self.microbatches_for(bsz, training)
         if bsz < m:
-            low = f" or {self.num_devices} devices" if self.fit_to_batch else ""
             raise ValueError(
-                f"batch size ({bsz}) is smaller than num_microbatches ({m}){low}; use a larger "
+                f"batch size ({bsz}) is smaller than num_microbatches ({m}); use a larger "
                 "batch, lower num_microbatches, or drop a short last batch (drop_last=True in "
                 "the DataLoader)"
             )
@@ -698,42 +844,89 @@ class RoundPipeEngine:
 
         return map_tensors(conv, value)
 
+    def _round_size(self, mbs: list[Any], train: bool) -> int:
+        """Micro-batches per round: as given, else the whole batch within the
+        host activation budget."""
+        m = len(mbs)
+        if self.microbatches_per_round is not None:
+            return min(self.microbatches_per_round, m)
+        if not train:
+            return m  # forward-only: nothing is kept for a backward
+        per_mb = None
+        largest = max(batch_size_of(x) or 1 for x in mbs)
+        if self._boundary_per_sample is not None:  # measured in an earlier iteration
+            per_mb = int(self._boundary_per_sample * largest)
+        elif self.activation_estimate is not None:
+            # every boundary value a forward stage writes may be held at once
+            kept = sum(1 for layer in readers_of(self.plan.stages) if layer > 0)
+            per_mb = int(self.activation_estimate(mbs[0]) * kept)
+        self.round = choose_round(m, boundary_bytes=per_mb, budget=self.activation_memory)
+        return self.round.round_size
+
     def _submit(self, call: Call, slots: Any, mbs: list[Any], train: bool) -> None:
-        """Put the micro-batch inputs into the store and dispatch every slot.
-        Caller holds ``self._lock``."""
-        it, store, rt = call.iteration, self._rt.store, self._rt
-        readers0 = call.layout.act_readers[0]
-        mr = self.microbatches_per_round
-        for j, x in enumerate(mbs):
-            store.put((it, "act", 0, j), self._to_host(x, cast=True), readers0)
-        plan = dispatch(
+        """Lower the iteration, put the micro-batch inputs into the store and hand
+        every task to its worker. Caller holds ``self._lock``."""
+        store, rt = self._rt.store, self._rt
+        sched = lower(
             slots,
             self.num_devices,
             len(mbs),
-            None if mr is None else min(mr, len(mbs)),
-            start_device=self._g0,
+            round_size=self._round_size(mbs, train),
+            clock=self._clock,
+            iteration=call.iteration,
+            window=call.window,
+            training=train,
+            ordered_slots=self._ordered if train else (),
+            output_readers=0 if train else 1,
+            placement=self.placement,
         )
-        self._g0 = plan.next_device
-        call.dispatch = plan
-        self._last_dispatch = (call.iteration, plan)
-        with store.lock:
-            rt.done_keys = {k for k in rt.done_keys if not 0 <= k[0] < self._iteration - 2}
-        for index, step in enumerate(plan.steps):
-            stage = plan.stages[step.slot]
-            task = Task(call, step.round, stage, step.microbatches)
-            task.step = index
-            if train and self._stateful[step.slot]:
-                task.after = self._last_task.get(step.slot)
-                self._last_task[step.slot] = task.key
-            task.keep_buffers = train
+        call.schedule = sched
+        for j, x in enumerate(mbs):
+            store.put((call.iteration, "act", 0, j), self._to_host(x, cast=True), sched.readers[0])
+        self._last_schedule = (call, sched)
+        if train:
+            self._last_train = sched
+        rt.forget(call.serial - 4, call.iteration - 4)
+        for index, task in enumerate(sched.tasks):
+            job = Job(call, task, index)
+            if task.ordered:
+                job.after = self._last_ordered.get(task.slot)
+                self._last_ordered[task.slot] = job.key
             self._protocol.register(
                 call.window,
-                self._host.stage_params(stage.start, stage.stop),
-                grads=stage.kind != "forward",
+                self._host.stage_params(task.start, task.stop),
+                grads=task.needs_grad,
             )
             with store.lock:
                 rt.submitted += 1
-            rt.workers[step.device].submit(task)
+            rt.workers[task.device].submit(job)
+
+    def _call(
+        self,
+        iteration: int,
+        labels: list[Any],
+        weights: list[float],
+        loss_fn: Callable[..., torch.Tensor] | None,
+        scale: float,
+        train: bool,
+    ) -> Call:
+        """A call record (its schedule is filled in by :meth:`_submit`).
+        Caller holds ``self._lock``."""
+        self._serial += 1
+        profiler = self._profiler
+        return Call(
+            iteration,
+            self._window,
+            self._serial,
+            labels,
+            weights,
+            loss_fn,
+            scale,
+            self.seed,
+            None,  # type: ignore[arg-type]
+            train,
+            profiler if train and profiler is not None and profiler.wants(iteration) else None,
+        )
 
     def reserve_iteration(self) -> int:
         """Take the next iteration number now (for a ``forward`` whose
@@ -753,22 +946,13 @@ class RoundPipeEngine:
         used so evaluation never shifts the masks of training iterations.
         Running statistics are not written back by this pass."""
         self._check()
-        _, mbs = self._split(inputs)
+        _, mbs = self._split(inputs, training=False)
         m = len(mbs)
         with self._lock:
             if iteration is None:
                 self._eval_iteration -= 1
                 iteration = self._eval_iteration
-            call = Call(
-                iteration,
-                self._window,
-                [None] * m,
-                [1.0] * m,
-                None,
-                1.0,
-                self.seed,
-                self._forward_layout,
-            )
+            call = self._call(iteration, [None] * m, [1.0] * m, None, 1.0, train=False)
             self._submit(call, self._forward_slots, mbs, train=False)
         store, top = self._rt.store, self.plan.num_layers
         outs = [
@@ -831,25 +1015,26 @@ class RoundPipeEngine:
             # the loss scale a window starts with unscales all of its gradients
             loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
             self._window_has_grads = True
-            call = Call(
-                iteration,
-                window,
-                labs,
-                weights,
-                loss_fn,
-                float(scale) * loss_scale,
-                self.seed,
-                self._layout,
-                self._profiler if self._profiler and self._profiler.wants(iteration) else None,
+            call = self._call(
+                iteration, labs, weights, loss_fn, float(scale) * loss_scale, train=True
             )
             self._submit(call, self.plan, mbs, train=True)
         store = self._rt.store
-        losses = [
-            self._wait(
-                lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[0]
-            )
-            for j in range(m)
-        ]
+        with record_function(f"RP wait losses of iteration {iteration}"):
+            losses = [
+                self._wait(
+                    lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[
+                        0
+                    ]
+                )
+                for j in range(m)
+            ]
+        # every forward stage is done: the host memory one sample's activations take
+        with store.lock:
+            kept = self._rt.kept.get(iteration, 0)
+        if kept:
+            per_sample = kept / bsz
+            self._boundary_per_sample = max(self._boundary_per_sample or 0.0, per_sample)
         per_mb = torch.stack([loss.reshape(()).float().cpu() for loss in losses])
         if (
             self.nonfinite == "raise"
@@ -952,6 +1137,7 @@ class RoundPipeEngine:
             self._jobs += 1
             self._window_has_grads = False
             self._protocol.close_window(window)
+            self._clock.step(window)
         if self.async_optimizer:
             self._optimizer.submit(job)
             return handle

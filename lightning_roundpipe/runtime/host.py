@@ -3,9 +3,13 @@
 * the **optimizer copy**: the user's own parameters, on the host, untouched in
   name, dtype and identity (``state_dict`` keys do not change);
 * the **master copy**: the weights in the compute dtype in host memory that
-  devices upload from (pinned when CUDA is present);
-* per trainable parameter an fp32 **gradient buffer** on the host that devices
-  accumulate into. Frozen parameters have none and never cause gradient traffic.
+  devices upload from: views into one flat buffer in layer order (page-locked
+  when CUDA is present), so a stage's weights go up as one copy;
+* per trainable parameter an fp32 **gradient buffer** on the host that device
+  gradients are added into (also one flat buffer, page-locked with CUDA). The
+  buffers live as long as the engine: the first gradient of a window is
+  copied in, later ones added, so nothing is allocated or zero-filled per
+  step. Frozen parameters have none and never cause gradient traffic.
 
 Workers never touch the user's modules: each keeps a *replica* of every layer,
 a structural copy whose parameters are placeholders that are pointed at
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,37 +49,42 @@ def _count_registered(delta: int) -> None:
         _registered_bytes += delta
 
 
-class _PinnedArena:
-    """Page-locked host memory for the master copies, without rounding waste.
+class _Arena:
+    """One flat host buffer holding many tensors, without rounding waste.
 
     ``pin_memory()`` goes through the caching host allocator, which rounds each
     block up to a power of two (a 300 MB layer would take 512 MB). Here every
-    master copy is a view into one flat buffer of exactly the bytes needed
-    (each tensor 512-byte aligned), registered once with the CUDA driver
-    (``cudaHostRegister``) and unregistered on :meth:`release`. If registration
-    fails the buffer stays pageable: transfers are slower but correct."""
+    tensor is a view into one flat buffer of exactly the bytes needed (each
+    tensor 512-byte aligned), registered once with the CUDA driver
+    (``cudaHostRegister``) when ``pinned`` and unregistered on :meth:`release`.
+    If registration fails the buffer stays pageable: transfers are slower but
+    correct. Contiguous tensors are one contiguous byte range, so a run of
+    them is copied with one ``copy_``."""
 
     ALIGN = 512
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and torch.cuda.is_available()
-        self._buffer: torch.Tensor | None = None
+    def __init__(self, pinned: bool) -> None:
+        self.enabled = pinned and torch.cuda.is_available()
+        self.buffer: torch.Tensor | None = None
+        self.offsets: list[int] = []
         self.registered = False
 
     def build(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Copies of ``tensors`` in ``dtype``: views into one buffer when
-        page-locking, else separate tensors. (Views share one autograd version
-        counter; CPU workers compute on the master copies themselves, so there
-        a copy into one master would look like a change to all of them.)"""
-        if not self.enabled:
-            return [t.detach().to(dtype, copy=True) for t in tensors]
+        """Copies of ``tensors`` in ``dtype``, as views into one buffer."""
+        views = self.allocate([t.shape for t in tensors], dtype)
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t)
+        return views
+
+    def allocate(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Zero-filled tensors of ``shapes`` in ``dtype``, as views into one buffer."""
         size = torch.empty(0, dtype=dtype).element_size()
         offsets, total = [], 0
-        for t in tensors:
+        for shape in shapes:
             offsets.append(total)
-            nbytes = t.numel() * size
+            nbytes = math.prod(shape) * size
             total += -(-nbytes // self.ALIGN) * self.ALIGN
-        buf = torch.empty(max(total, self.ALIGN), dtype=torch.uint8)
+        buf = torch.zeros(max(total, self.ALIGN), dtype=torch.uint8)
         if self.enabled:
             # register from a short-lived thread: a failed CUDA runtime call leaves a
             # per-thread error flag that would surface at the caller's next kernel
@@ -93,49 +103,73 @@ class _PinnedArena:
                 _count_registered(buf.numel())
             else:
                 log.warning(
-                    "cudaHostRegister of %d bytes failed (%s); master copies stay in pageable "
-                    "memory and uploads will be slower",
+                    "cudaHostRegister of %d bytes failed (%s); host copies stay in pageable "
+                    "memory and transfers will be slower",
                     buf.numel(),
                     err,
                 )
-        self._buffer = buf
-        out = []
-        for t, off in zip(tensors, offsets, strict=True):
-            view = buf[off : off + t.numel() * size].view(dtype).view(t.shape)
-            view.copy_(t)
-            out.append(view)
-        return out
+        self.buffer = buf
+        self.offsets = offsets
+        return [
+            buf[off : off + math.prod(shape) * size].view(dtype).view(shape)
+            for shape, off in zip(shapes, offsets, strict=True)
+        ]
 
     @property
     def nbytes(self) -> int:
-        return self._buffer.numel() if self._buffer is not None and self.registered else 0
+        """Page-locked bytes held (0 when pageable)."""
+        return self.buffer.numel() if self.buffer is not None and self.registered else 0
 
     def free(self) -> None:
         self.release()
-        self._buffer = None
+        self.buffer = None
 
     def release(self) -> None:
-        if self.registered and self._buffer is not None:
-            err = torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+        if self.registered and self.buffer is not None:
+            err = torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             if int(err) != 0:  # pragma: no cover - needs a GPU
                 log.warning("cudaHostUnregister failed: %s", err)
             self.registered = False
-            _count_registered(-self._buffer.numel())
+            _count_registered(-self.buffer.numel())
 
 
 @dataclass
 class _Param:
-    """One distinct parameter of the model (tied parameters appear once)."""
+    """One distinct parameter of the model (tied parameters appear once).
+
+    ``offset`` is the byte offset of its master copy in the master arena;
+    ``filled`` says whether ``grad`` holds gradients of the current window
+    (the first one is copied in, so the buffer is never zero-filled)."""
 
     index: int
     param: nn.Parameter
     master: torch.Tensor
     grad: torch.Tensor | None
+    offset: int = 0
+    filled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def trainable(self) -> bool:
         return self.grad is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the master copy."""
+        return self.master.numel() * self.master.element_size()
+
+
+@dataclass(frozen=True)
+class Span:
+    """The master copies of a stage's parameters: one byte range of the arena
+    (``offset``, ``nbytes``) holding ``inside`` (each with its offset relative
+    to the range), plus ``outside``: parameters first used by an earlier layer
+    (tied weights), uploaded on their own."""
+
+    offset: int
+    nbytes: int
+    inside: tuple[tuple[_Param, int], ...]
+    outside: tuple[_Param, ...]
 
 
 @dataclass
@@ -235,25 +269,33 @@ class HostState:
     Args:
         layers: the model's layers, in pipeline order; moved to the host.
         compute_dtype: dtype of the master copy (the dtype devices compute in).
+        pinned: page-lock the master copies and gradient buffers (CUDA).
     """
 
     def __init__(
         self, layers: Sequence[nn.Module], compute_dtype: torch.dtype, pinned: bool = False
     ) -> None:
         self.compute_dtype = compute_dtype
-        self.pool = _PinnedArena(pinned)
+        self.pool = _Arena(pinned)
+        self.grad_pool = _Arena(pinned)
         unique: list[nn.Parameter] = []
         index: dict[int, int] = {}
+        self._first: list[int] = []  # first parameter index introduced by each layer
         for layer in layers:
             layer.to("cpu")
+            self._first.append(len(unique))
             for p in layer.parameters():
                 if id(p) not in index:
                     index[id(p)] = len(unique)
                     unique.append(p)
+        self._first.append(len(unique))
         masters = self.pool.build([p.detach() for p in unique], compute_dtype)
+        trainable = [p for p in unique if p.requires_grad]
+        # zero-filled once here; later windows copy their first gradient in
+        grads = iter(self.grad_pool.allocate([p.shape for p in trainable], torch.float32))
         self.params: list[_Param] = [
-            _Param(i, p, m, torch.zeros(p.shape, dtype=torch.float32) if p.requires_grad else None)
-            for i, (p, m) in enumerate(zip(unique, masters, strict=True))
+            _Param(i, p, m, next(grads) if p.requires_grad else None, offset=off)
+            for i, (p, m, off) in enumerate(zip(unique, masters, self.pool.offsets, strict=True))
         ]
         self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
 
@@ -262,6 +304,21 @@ class HostState:
         """Distinct parameters of layers ``[start, stop)``."""
         ids = dict.fromkeys(i for info in self.layers[start:stop] for i in info.param_ids)
         return [self.params[i] for i in ids]
+
+    def span(self, start: int, stop: int) -> Span:
+        """Where the master copies of layers ``[start, stop)`` lie in the arena.
+
+        Parameters are stored in the order layers first use them, so those a
+        stage introduces are one contiguous range."""
+        a, b = self._first[start], self._first[stop]
+        inside = self.params[a:b]
+        if inside:
+            offset = inside[0].offset
+            nbytes = inside[-1].offset + inside[-1].nbytes - offset
+        else:
+            offset, nbytes = 0, 0
+        outside = tuple(p for p in self.stage_params(start, stop) if not a <= p.index < b)
+        return Span(offset, nbytes, tuple((p, p.offset - offset) for p in inside), outside)
 
     def stage_has_state(self, start: int, stop: int) -> bool:
         return any(info.has_state for info in self.layers[start:stop])
@@ -277,25 +334,38 @@ class HostState:
 
     # ----------------------------------------------------------- gradients
     def accumulate(self, p: _Param, grad: torch.Tensor) -> None:
-        """Add a downloaded gradient into the fp32 buffer (thread-safe)."""
+        """Add a gradient into the fp32 buffer (thread-safe): the window's first
+        is copied in, later ones added."""
         assert p.grad is not None
         with p.lock:
-            p.grad.add_(grad)
+            if p.filled:
+                p.grad.add_(grad)
+            else:
+                p.grad.copy_(grad)
+                p.filled = True
+
+    def grad_of(self, p: _Param) -> torch.Tensor:
+        """The window's gradient of ``p`` (zeros when nothing was added)."""
+        assert p.grad is not None
+        with p.lock:
+            if not p.filled:
+                p.grad.zero_()
+                p.filled = True
+            return p.grad
 
     def expose_grads(self) -> None:
         """Point every trainable parameter's ``.grad`` at its accumulated gradient."""
         for p in self.params:
             if p.grad is None:
                 continue
-            if p.param.dtype == torch.float32:
-                p.param.grad = p.grad
-            else:
-                p.param.grad = p.grad.to(p.param.dtype)
+            g = self.grad_of(p)
+            p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
 
     def zero_grads(self) -> None:
+        """Empty every buffer (the next gradient is copied in)."""
         for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
+            with p.lock:
+                p.filled = False
 
     def detach_grads(self) -> None:
         """``.grad = None`` on every trainable parameter (as between steps)."""
@@ -313,10 +383,11 @@ class HostState:
         """Host memory held by the engine, by kind (for reports)."""
         masters = sum(p.master.numel() * p.master.element_size() for p in self.params)
         grads = sum(p.grad.numel() * 4 for p in self.params if p.grad is not None)
-        return {"master": masters, "grad": grads, "pinned": self.pool.nbytes}
+        return {"master": masters, "grad": grads, "pinned": self.pool.nbytes + self.grad_pool.nbytes}
 
     def release(self) -> None:
         self.pool.release()
+        self.grad_pool.release()
 
     def free(self) -> None:
         """Unpin and drop the master copies and gradient buffers (the engine is
@@ -328,3 +399,4 @@ class HostState:
             if p.grad is not None:
                 p.grad = p.grad.new_empty(0)
         self.pool.free()
+        self.grad_pool.free()

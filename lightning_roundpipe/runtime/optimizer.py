@@ -17,10 +17,13 @@ window start while deep layers are still being copied:
    (``uses``, counted down by workers);
 2. a task of window ``k`` reads the master copy only once P copies of updates
    ``0 .. k-2`` are done (``p_done``; sync mode: ``0 .. k-1``);
-3. the G copy of update ``w`` (gradient buffer -> ``.grad``) waits until every
-   task of window ``w`` has added its gradient (``grads``, counted down);
-4. a task of window ``k`` adds into the gradient buffer only once G copies of
-   updates ``0 .. k-1`` are done (``g_done``);
+3. the G copy of update ``w`` (the gradient buffer lent to the step as
+   ``.grad``) waits until every task of window ``w`` has added its gradient
+   (``grads``, counted down);
+4. a gradient of window ``k`` is added into the buffer only once update
+   ``k - 1`` has released it (``g_done``; the step is done with ``.grad``).
+   Device threads never wait for this: their gradients are handed to the
+   worker's courier thread, which holds them until the buffer is free;
 5. the worker runs each update's G copies, step and P copies in order, and
    updates in order.
 
@@ -155,13 +158,10 @@ class Protocol:
                 self.uses[(p.index, window)] -= 1
             self._notify()
 
-    def before_grad(self, window: int, p: _Param) -> None:
-        """Rule 4: the buffer was emptied by the G copy of the previous window."""
-        self._wait(
-            lambda: 4 in self.disabled or self.g_done[p.index] >= window,
-            f"the gradient copy (G copy) of window {window - 1}",
-        )
-        self.chaos("grad")
+    def grad_ready(self, window: int, p: _Param) -> bool:
+        """Rule 4: the buffer was released by the step of the previous window
+        (call under ``cond``)."""
+        return 4 in self.disabled or self.g_done[p.index] >= window
 
     def after_grad(self, window: int, p: _Param) -> None:
         """Rule 3 producer: this task's gradient of ``p`` is in the buffer."""
@@ -182,8 +182,14 @@ class Protocol:
 
     def g_copied(self, window: int, p: _Param) -> None:
         with self.cond:
-            self.g_done[p.index] = window + 1
             self.grads.pop((p.index, window), None)
+            self._notify()
+
+    def released(self, window: int, params: Sequence[_Param]) -> None:
+        """Rule 4 producer: update ``window`` is done with these buffers."""
+        with self.cond:
+            for p in params:
+                self.g_done[p.index] = window + 1
             self._notify()
 
     def uses_done(self, window: int, p: _Param) -> bool:
@@ -410,10 +416,9 @@ class OptimizerWorker:
         chaos = proto.chaos
         inv = 1.0 / job.scale if job.scale != 1.0 else None
         finite = True
-        # G copies, per parameter as its gradients complete (rule 3). The "copy"
-        # hands the filled buffer to the optimizer and gives the next window a
-        # fresh zeroed one (rule 4): no second fp32 gradient is kept between steps,
-        # only while a step and the next window's accumulation overlap.
+        # G copies, per parameter as its gradients complete (rule 3): the buffer
+        # itself is lent to the step as .grad (nothing is allocated or copied);
+        # the next window's gradients wait for its release (rule 4)
         try:
             for p in trainable:
                 proto.wait_grads(w, p)
@@ -423,8 +428,7 @@ class OptimizerWorker:
                     raise RuntimeError(
                         f"gradient copy (G copy) of {self.names.get(p.index, p.index)} failed"
                     ) from exc
-                with p.lock:
-                    g, p.grad = p.grad, torch.zeros_like(p.grad)
+                g = self.host.grad_of(p)
                 self._grads[p.index] = g
                 proto.g_copied(w, p)
                 if inv is not None:
@@ -443,7 +447,7 @@ class OptimizerWorker:
                     "skip such steps, or look for the cause (learning rate, data, precision)"
                 )
         except BaseException:
-            self._grads.clear()  # a failed step holds no gradients either
+            self._release(w, trainable)  # a failed step holds no gradients either
             raise
         norm = None
         try:
@@ -480,12 +484,7 @@ class OptimizerWorker:
             else:
                 log.warning("non-finite gradient in step %d: step skipped (nonfinite='skip')", w)
         finally:
-            # The step's gradients are released as soon as it is done (as zero_grad
-            # with set_to_none would), and when it fails: between steps the host
-            # holds one fp32 gradient per parameter, the buffer the next window
-            # accumulates into.
-            self.host.detach_grads()
-            self._grads.clear()
+            self._release(w, trainable)
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
         job.handle.skipped = not finite
@@ -497,6 +496,15 @@ class OptimizerWorker:
             self._pending = (w, list(self.host.params))
             if not proto.async_mode:
                 self._copy_ready(block=True)
+
+    def _release(self, w: int, trainable: list[_Param]) -> None:
+        """The step's gradients are released as soon as it is done (as zero_grad
+        with set_to_none would), and when it fails: the buffers are emptied (the
+        next window's first gradient is copied in) and handed back (rule 4)."""
+        self.host.detach_grads()
+        self.host.zero_grads()
+        self._grads.clear()
+        self.protocol.released(w, trainable)
 
     def _p_copies(self, job: _Job) -> None:
         """Rule 5 removed (tests only): copy every weight now, out of order."""

@@ -32,7 +32,7 @@ import torch
 
 from ..plan import LayerCosts
 
-__all__ = ["LayerTimer", "Profiler", "Stopwatch", "saved_bytes"]
+__all__ = ["LayerTimer", "Profiler", "Stopwatch", "TraceRecorder", "Traffic", "saved_bytes"]
 
 
 class LayerTimer:
@@ -197,3 +197,143 @@ class Profiler:
         if memory is not None:
             memory = [m + a for m, a in zip(memory, self.activation_bytes(), strict=True)]
         return LayerCosts(fwd, bwd, memory=memory, weight_bytes=weight_bytes)
+
+
+TRAFFIC_KINDS = ("weights_up", "grads_down", "acts_up", "acts_down", "buffers")
+
+
+class Traffic:
+    """Bytes moved between host and devices, per iteration and kind.
+
+    Workers count every copy as the bytes a device would move, also on CPU
+    workers (where a "copy" may be the host tensor itself), so the numbers say
+    what a GPU run of the same schedule moves. Kinds: ``weights_up``,
+    ``grads_down`` (fp32 gradients, once per task), ``acts_up`` and
+    ``acts_down`` (stage-boundary values, gradients of boundaries and losses)
+    and ``buffers`` (module buffers, both ways)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._by_iteration: dict[int, dict[str, int]] = {}
+        self.total: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
+        self.keep = keep
+
+    def add(self, iteration: int, kind: str, nbytes: int) -> None:
+        with self._lock:
+            row = self._by_iteration.get(iteration)
+            if row is None:
+                row = self._by_iteration[iteration] = dict.fromkeys(TRAFFIC_KINDS, 0)
+                while len(self._by_iteration) > self.keep:
+                    del self._by_iteration[min(self._by_iteration)]
+            row[kind] += nbytes
+            self.total[kind] += nbytes
+
+    def of(self, iteration: int) -> dict[str, int]:
+        """Bytes of one (recent) iteration by kind (zeros when unknown)."""
+        with self._lock:
+            return dict(self._by_iteration.get(iteration, dict.fromkeys(TRAFFIC_KINDS, 0)))
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(self.total.values())
+
+
+class TraceRecorder:
+    """Real start and end times of every operation (a stage for one
+    micro-batch: ``F``, ``R`` or ``B``), per device, for the timeline picture
+    and a Chrome/Perfetto trace. CPU workers read the wall clock; CUDA workers
+    record timing events on their compute stream, resolved when the trace is
+    read (no synchronization while recording). Keeps the last ``keep``
+    iterations."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._lock = threading.Lock()
+        self._ops: list[tuple] = []
+        self.keep = keep
+        self._t0 = time.perf_counter()
+        self._bases: dict[Any, tuple[Any, float]] = {}  # cuda device -> (event, host time)
+
+    def mark(self, device: torch.device, stream: Any = None) -> Any:
+        if device.type != "cuda":
+            return time.perf_counter()
+        if device not in self._bases:
+            with self._lock:
+                if device not in self._bases:
+                    base = torch.cuda.Event(enable_timing=True)
+                    base.record(stream)
+                    base.synchronize()  # note: a CPU-GPU sync point, once per device
+                    self._bases[device] = (base, time.perf_counter())
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def add(
+        self,
+        device_index: int,
+        device: torch.device,
+        iteration: int,
+        label: str,
+        stage: str,
+        microbatch: int,
+        kind: str,
+        start: Any,
+        end: Any,
+    ) -> None:
+        with self._lock:
+            self._ops.append(
+                (device_index, device, iteration, label, stage, microbatch, kind, start, end)
+            )
+            iterations = sorted({op[2] for op in self._ops if op[2] >= 0})
+            if len(iterations) > self.keep:
+                cut = iterations[-self.keep]
+                self._ops = [op for op in self._ops if op[2] >= cut or op[2] < 0]
+
+    def _seconds(self, device: torch.device, mark: Any) -> float:
+        if isinstance(mark, float):
+            return mark - self._t0
+        base, host = self._bases[device]
+        mark.synchronize()
+        return host - self._t0 + base.elapsed_time(mark) / 1e3
+
+    def operations(self) -> list[dict[str, Any]]:
+        """Every recorded operation: ``device`` (worker index), ``iteration``,
+        ``task`` (``"0.F2@1:0-3"``), ``stage``, ``microbatch``, ``kind`` and
+        ``start``/``end`` in seconds since the recorder started."""
+        with self._lock:
+            ops = list(self._ops)
+        out = []
+        for idx, dev, it, label, stage, mb, kind, a, b in ops:
+            out.append(
+                {
+                    "device": idx,
+                    "iteration": it,
+                    "task": label,
+                    "stage": stage,
+                    "microbatch": mb,
+                    "kind": kind,
+                    "start": self._seconds(dev, a),
+                    "end": self._seconds(dev, b),
+                }
+            )
+        return sorted(out, key=lambda o: (o["start"], o["device"]))
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The operations as a Chrome/Perfetto trace (``chrome://tracing``,
+        ui.perfetto.dev): one track per device, times in microseconds."""
+        names = {"F": "forward", "R": "recompute", "B": "backward"}
+        events = []
+        for op in self.operations():
+            events.append(
+                {
+                    "name": f"{op['stage']} {names.get(op['kind'], op['kind'])} mb{op['microbatch']}",
+                    "cat": op["kind"],
+                    "ph": "X",
+                    "ts": op["start"] * 1e6,
+                    "dur": max(0.0, op["end"] - op["start"]) * 1e6,
+                    "pid": 0,
+                    "tid": op["device"],
+                    "args": {"task": f"RP {op['iteration']}:{op['task']}"},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,25 +1,35 @@
-"""Device workers: one thread per device entry, running dispatched stage slots.
+"""Device workers: one thread per device entry, running its lowered tasks in order.
 
-A worker runs its tasks in dispatch order. For a task (one stage slot for the
-micro-batches of one round) it uploads the stage's weights, binds them into
-its private layer replicas, runs every micro-batch, and sends the results to
-the activation store:
+The controller lowers each iteration (:func:`~lightning_roundpipe.plan.lower`)
+and hands every :class:`~lightning_roundpipe.plan.Task` to the worker of its
+device. For a task (one stage for the micro-batches of one round) a worker
+uploads the stage's weights as one copy of its range of the master arena,
+binds them into its private layer replicas and runs every micro-batch:
 
-* forward stage: ``no_grad`` forward; saves the input of every layer where a
-  later stage starts, and the stage output;
-* fused stage: forward with autograd, loss, backward; saves the loss and the
+* forward stage: ``no_grad`` forward; writes the boundaries later stages read;
+* fused stage: forward with autograd, loss, backward; writes the loss and the
   gradient of the stage input;
-* backward stage: recompute from the saved input, backward from the saved
-  output gradient; saves the gradient of the stage input.
+* backward stage: recompute from the saved input as soon as it is there, then
+  wait for the output gradient and run backward; writes the gradient of the
+  stage input.
 
-Weight gradients accumulate on the device over the round's micro-batches and
-are added into the host fp32 buffers once at the end of the task.
+Weight gradients are added, as each micro-batch's backward produces them, into
+an fp32 accumulator on the device (so results do not depend on how
+micro-batches are grouped into rounds), which goes down once per task.
+
+The worker thread never waits for the host to finish anything: a per-worker
+*courier* thread waits for each copy to complete and then publishes the value
+to the activation store, adds the gradient into the host fp32 buffer (holding
+it while the previous step still uses that buffer, ordering rule 4), signals
+that an upload has finished reading the master copy (rule 1) and writes running
+statistics back. On CPU workers copies are synchronous, so values are published
+at once; gradients still go through the courier.
 
 CUDA ordering (no-ops on CPU devices): the compute stream waits for the weight
-upload event and for each micro-batch's activation upload event; activation
-downloads wait for the compute event of their micro-batch and are published
-one micro-batch behind, so the thread never stalls the compute stream; the
-next micro-batch's input is uploaded while the current one computes.
+upload and for each micro-batch's activation upload; every download waits for
+the compute that produced it; the next micro-batch's input is uploaded while
+the current one computes, and the next task's weights are uploaded in windows,
+one after each micro-batch's activation upload.
 """
 
 from __future__ import annotations
@@ -27,24 +37,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
-from ..plan.stages import Stage
-from ..plan.windows import transfer_windows
-from .device import DeviceContext, layer_seed, seeded
-from .host import HostState, LayerReplica
+from ..plan.schedule import Schedule, Task
+from .device import DeviceContext, LayerRandomness, layer_seed
+from .host import HostState, LayerReplica, _Param
 from .nested import call_layer, flatten_tensors, map_tensors
 from .optimizer import Protocol
-from .profiler import LayerTimer, Profiler, Stopwatch, saved_bytes
+from .profiler import LayerTimer, Profiler, Stopwatch, TraceRecorder, Traffic, saved_bytes
+from .scope import stage_scope
 from .store import EngineFailure, HandoffTimeout, Store
 
-__all__ = ["Layout", "Task", "Worker", "WorkerError"]
+__all__ = ["Call", "Job", "Worker", "WorkerError"]
 
 log = logging.getLogger(__name__)
 
@@ -76,100 +87,225 @@ class WorkerError(RuntimeError):
         self.iteration = iteration
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Who reads which stage-boundary value, derived from a stage plan."""
-
-    act_readers: dict[int, int]  # layer index -> readers of its input activation
-    saves: dict[int, tuple[int, ...]]  # forward slot -> boundaries strictly inside it to save
-
-    @classmethod
-    def of(cls, stages: Sequence[Stage], output_readers: int = 0) -> Layout:
-        """``output_readers``: readers of the last layer's output (the
-        controller, for forward-only runs)."""
-        readers: dict[int, int] = {}
-        for st in stages:
-            readers[st.start] = readers.get(st.start, 0) + 1
-        if output_readers:
-            top = max(st.stop for st in stages)
-            readers[top] = readers.get(top, 0) + output_readers
-        saves = {
-            st.index: tuple(i for i in range(st.start + 1, st.stop) if i in readers)
-            for st in stages
-            if st.kind == "forward"
-        }
-        return cls(readers, saves)
-
-
 @dataclass
 class Call:
-    """What one ``forward_backward`` call asks of every task of its iteration."""
+    """What one ``forward`` / ``forward_backward`` call asks of its tasks."""
 
     iteration: int
     window: int
+    serial: int  # unique per call: keys of its jobs
     labels: list[Any]
     weights: list[float]
     loss_fn: Callable[..., torch.Tensor] | None
     scale: float
     seed: int
-    layout: Layout
+    schedule: Schedule
+    train: bool  # a training pass: gradients, running statistics written back
     profiler: Profiler | None = None  # set while this iteration is being profiled
-    dispatch: Any = None  # the iteration's DispatchPlan, for error messages
+
+
+@dataclass(eq=False)
+class Job:
+    """One lowered task of one call, as a worker runs it."""
+
+    call: Call
+    task: Task
+    index: int  # position in the call's schedule
+    after: tuple | None = None  # job whose running statistics must be written first
+    key: tuple = field(init=False)
+    outstanding: int = 0  # gradients the courier still holds (guarded by the store lock)
+    finished: bool = False  # the courier reached the job's end
+
+    def __post_init__(self) -> None:
+        self.key = (self.call.serial, self.index)
+
+
+def _key(call: Call, name: str, mb: int) -> tuple:
+    """Store key of a plan read/write such as ``"act12"``, ``"grad15"``, ``"loss"``."""
+    if name == "loss":
+        return (call.iteration, "loss", 0, mb)
+    kind = name.rstrip("0123456789")
+    return (call.iteration, kind, int(name[len(kind) :]), mb)
+
+
+class Runtime:
+    """What the controller and the workers share (no reference to the engine,
+    so a dropped engine is garbage collected and its finalizer stops the
+    threads)."""
+
+    def __init__(self, host: HostState, store: Store, protocol: Protocol) -> None:
+        self.host = host
+        self.store = store
+        self.protocol = protocol
+        self.traffic = Traffic()
+        self.trace: TraceRecorder | None = None
+        self.workers: list[Worker] = []
+        self.optimizer: Any = None
+        self.submitted = 0
+        self.done = 0
+        self.done_keys: set[tuple] = set()
+        self.written: set[tuple] = set()  # jobs whose running statistics are on the host
+        self.kept: dict[int, int] = {}  # iteration -> bytes of boundary values written
+        self.closed = False
+
+    def job_done(self, job: Job) -> None:
+        with self.store.lock:
+            self.done += 1
+            self.done_keys.add(job.key)
+            self.store.lock.notify_all()
+
+    def mark_written(self, job: Job) -> None:
+        with self.store.lock:
+            self.written.add(job.key)
+            self.store.lock.notify_all()
+
+    def forget(self, before_serial: int, before_iteration: int) -> None:
+        """Drop bookkeeping of calls older than ``before_serial`` and of
+        iterations before ``before_iteration``."""
+        with self.store.lock:
+            self.done_keys = {k for k in self.done_keys if k[0] >= before_serial}
+            self.written = {k for k in self.written if k[0] >= before_serial}
+            self.kept = {k: v for k, v in self.kept.items() if k >= before_iteration}
 
 
 @dataclass
-class Task:
-    """One dispatched slot: ``stage`` for micro-batches ``microbatches``."""
+class _Staged:
+    """A stage's weights on the device and the event that says they are there."""
 
-    call: Call
-    round: int
-    stage: Stage
-    microbatches: range
-    after: tuple | None = None  # task key that must be done first (buffer updates)
-    keep_buffers: bool = True  # write running statistics back (not for forward-only runs)
-    step: int = -1  # index in the iteration's dispatch plan
-    key: tuple = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = (self.call.iteration, self.round, self.stage.index)
+    tensors: dict[int, torch.Tensor]
+    ready: Any
 
 
 @dataclass
 class _Prefetch:
-    """The next task's weights, being uploaded window by window."""
+    """The next job's weights, being uploaded window by window."""
 
-    key: tuple
+    job: Job
+    params: list[_Param]
+    flat: torch.Tensor
+    src: torch.Tensor
+    windows: list[tuple[int, int]]  # byte ranges of the span, one per window
     tensors: dict[int, torch.Tensor]
-    pieces: list[list[tuple[Any, int, int]]]  # per window: (param, first element, count)
+    outside: list[_Param]
+    issued: int = 0  # windows copied so far
+
+
+class _Courier:
+    """Completes one worker's transfers off its thread, in order.
+
+    Items are ``(event, fn, job)``: wait for the copy's event, then run ``fn``
+    (publish a value, signal rule 1, write running statistics back, finish a
+    job). Gradients wait, in addition, until the previous step has released
+    the host buffer (rule 4); they are held meanwhile, and nothing behind them
+    waits."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.store = worker.rt.store
+        self._items: deque[tuple[Any, Callable[[], None] | None, Job | None]] = deque()
+        self._grads: list[tuple[Job, int, _Param, torch.Tensor]] = []  # held by rule 4
+        self._stop = False
+        self.thread = threading.Thread(
+            target=self._main, name=f"roundpipe-courier-{worker.index}", daemon=True
+        )
+
+    def put(self, event: Any, fn: Callable[[], None] | None, job: Job | None) -> None:
+        with self.store.lock:
+            self._items.append((event, fn, job))
+            self.store.lock.notify_all()
+
+    def grads(self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor]]) -> None:
+        """Add ``items`` (parameter, fp32 host gradient) once ``event`` is done."""
+
+        def hold() -> None:
+            with self.store.lock:
+                job.outstanding += len(items)
+                self._grads.extend((job, job.call.window, p, g) for p, g in items)
+
+        self.put(event, hold, job)
+
+    def finish(self, job: Job) -> None:
+        """The job's work is all queued: it is done once its gradients are in."""
+
+        def end() -> None:
+            with self.store.lock:
+                job.finished = True
+                last = job.outstanding == 0
+            if last:
+                self.worker.rt.job_done(job)
+
+        self.put(None, end, job)
+
+    def stop(self) -> None:
+        with self.store.lock:
+            self._stop = True
+            self.store.lock.notify_all()
+
+    def _ready_grads(self) -> list[tuple[Job, int, _Param, torch.Tensor]]:
+        """Held gradients whose buffer is free now (call under the lock)."""
+        proto = self.worker.rt.protocol
+        ready = [g for g in self._grads if proto.grad_ready(g[1], g[2])]
+        if ready:
+            self._grads = [g for g in self._grads if not proto.grad_ready(g[1], g[2])]
+        return ready
+
+    def _main(self) -> None:
+        job: Job | None = None
+        rt = self.worker.rt
+        try:
+            while True:
+                with self.store.lock:
+                    while True:
+                        if self.store.failure is not None:
+                            return
+                        ready = self._ready_grads()
+                        if ready or self._items:
+                            break
+                        if self._stop:
+                            return
+                        self.store.lock.wait(0.5)  # woken by put() and every protocol hand-off
+                    item = self._items.popleft() if self._items and not ready else None
+                for job, window, p, g in ready:
+                    rt.protocol.chaos("grad")
+                    rt.host.accumulate(p, g)
+                    rt.protocol.after_grad(window, p)  # rule 3 producer
+                    with self.store.lock:
+                        job.outstanding -= 1
+                        last = job.finished and job.outstanding == 0
+                    if last:
+                        rt.job_done(job)
+                if item is not None:
+                    event, fn, job = item
+                    if event is not None:
+                        event.synchronize()  # the copy is complete (this thread only)
+                    if fn is not None:
+                        fn()
+                job = None
+        except EngineFailure:
+            pass
+        except BaseException as exc:  # every failure must reach the caller
+            self.store.fail(self.worker._wrap(exc, job, None))
 
 
 class Worker:
-    """One device worker thread."""
+    """One device worker thread (and its courier)."""
 
-    def __init__(
-        self,
-        index: int,
-        device: torch.device,
-        host: HostState,
-        store: Store,
-        on_done: Callable[[Task], None],
-        is_done: Callable[[tuple], bool],
-        protocol: Protocol,
-    ) -> None:
+    def __init__(self, index: int, device: torch.device, rt: Runtime) -> None:
         self.index = index
-        self.protocol = protocol
         self.device = device
-        self.host = host
-        self.store = store
-        self._on_done = on_done
-        self._is_done = is_done
-        self._queue: deque[Task | None] = deque()
+        self.rt = rt
+        self.host = rt.host
+        self.store = rt.store
+        self.protocol = rt.protocol
+        self._queue: deque[Job | None] = deque()
         self._cond = threading.Condition()
         self._replicas: dict[int, LayerReplica] = {}
-        self._prefetched: dict[tuple, tuple[dict[int, torch.Tensor], Any]] = {}
+        self._rng: dict[int, LayerRandomness] = {}
+        self._prefetch: _Prefetch | None = None
         self._ahead: dict[tuple, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
         self._layer: int | None = None  # the layer running now, for error messages
+        self.courier = _Courier(self)
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
         )
@@ -177,17 +313,18 @@ class Worker:
     # ------------------------------------------------------------ queueing
     def start(self) -> None:
         self.thread.start()
+        self.courier.thread.start()
 
-    def submit(self, task: Task | None) -> None:
+    def submit(self, job: Job | None) -> None:
         with self._cond:
-            self._queue.append(task)
+            self._queue.append(job)
             self._cond.notify()
 
     def stop(self) -> None:
-        """Ask the thread to finish after the tasks already queued."""
+        """Ask the threads to finish after the jobs already queued."""
         self.submit(None)
 
-    def _next(self) -> Task | None:
+    def _next(self) -> Job | None:
         with self._cond:
             while not self._queue:
                 if self.store.failure is not None:
@@ -199,38 +336,43 @@ class Worker:
         with self._cond:
             self._cond.notify_all()
 
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [self.thread, self.courier.thread]
+
     # ---------------------------------------------------------------- main
     def _main(self) -> None:
-        task: Task | None = None
+        job: Job | None = None
         mb: list[int | None] = [None]
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self.ctx = DeviceContext(self.device)
             while True:
-                task = self._next()
-                if task is None or self.store.failure is not None:
+                job = self._next()
+                if job is None or self.store.failure is not None:
                     break
                 mb[0] = None
                 self._layer = None
-                self._run(task, mb)
-                self._on_done(task)
+                self._run(job, mb)
+                job = None
         except (EngineFailure, HandoffTimeout) as exc:
             if isinstance(exc, HandoffTimeout):
-                self.store.fail(self._wrap(exc, task, mb[0]))
+                self.store.fail(self._wrap(exc, job, mb[0]))
         except BaseException as exc:  # every failure must reach the caller
-            self.store.fail(self._wrap(exc, task, mb[0]))
+            self.store.fail(self._wrap(exc, job, mb[0]))
         finally:
+            self.courier.stop()
             for rep in self._replicas.values():
                 rep.unbind()
             self._replicas.clear()
-            self._prefetched.clear()
+            self._prefetch = None
             self._ahead.clear()
 
-    def _wrap(self, exc: BaseException, task: Task | None, mb: int | None) -> WorkerError:
-        if task is None:
+    def _wrap(self, exc: BaseException, job: Job | None, mb: int | None) -> WorkerError:
+        if job is None:
             err = WorkerError(
-                f"device {self.device} (worker {self.index}) failed before running a stage: "
+                f"device {self.device} (worker {self.index}) failed outside a stage: "
                 f"{type(exc).__name__}: {exc}",
                 device=str(self.device),
                 worker=self.index,
@@ -240,45 +382,44 @@ class Worker:
                 iteration=-1,
             )
         else:
-            st = task.stage
+            t, call = job.task, job.call
             where = "" if self._layer is None else f", layer {self._layer}"
             where += "" if mb is None else f", micro-batch {mb}"
             extra = ""
             if isinstance(exc, torch.OutOfMemoryError):
-                extra = self._oom_advice(st)
-            if isinstance(exc, HandoffTimeout) and task.call.dispatch is not None:
-                extra = "\n" + task.call.dispatch.grid(mark=task.step if task.step >= 0 else None)
+                extra = self._oom_advice(t)
+            if isinstance(exc, HandoffTimeout):
+                extra = "\n" + call.schedule.grid(mark=job.index)
             err = WorkerError(
-                f"device {self.device} (worker {self.index}) failed in stage {st.label} "
-                f"(layers {st.start}-{st.stop - 1}, {st.kind}){where}, round {task.round}, "
-                f"iteration {task.call.iteration}: {type(exc).__name__}: {exc}{extra}",
+                f"device {self.device} (worker {self.index}) failed in stage {t.stage} "
+                f"(layers {t.start}-{t.stop - 1}, {t.kind}){where}, round {t.round}, "
+                f"iteration {call.iteration}: {type(exc).__name__}: {exc}{extra}",
                 device=str(self.device),
                 worker=self.index,
-                stage=st.label,
-                layers=(st.start, st.stop),
+                stage=t.stage,
+                layers=(t.start, t.stop),
                 microbatch=mb,
-                iteration=task.call.iteration,
+                iteration=call.iteration,
             )
         err.__cause__ = exc
         return err
 
-    def _oom_advice(self, st: Stage) -> str:
+    def _oom_advice(self, t: Task) -> str:
         try:
-            return self._oom_text(st)
+            return self._oom_text(t)
         except Exception:  # advice must never hide the error itself
             return ""
 
-    def _oom_text(self, st: Stage) -> str:
-        params = self.host.stage_params(st.start, st.stop)
-        need = sum(
-            p.master.numel() * p.master.element_size() * (2 if p.trainable else 1) for p in params
-        )
+    def _oom_text(self, t: Task) -> str:
+        params = self.host.stage_params(t.start, t.stop)
+        # weights in the compute dtype, plus an fp32 gradient accumulator
+        need = sum(p.nbytes + (p.master.numel() * 4 if p.trainable else 0) for p in params)
         if self.device.type == "cuda":
             free = f"{torch.cuda.mem_get_info(self.device)[0] / 2**30:.2f} GiB free"
         else:
             free = "host memory"
         return (
-            f". Stage {st.label} needs about {need / 2**30:.2f} GiB for weights and gradients "
+            f". Stage {t.stage} needs about {need / 2**30:.2f} GiB for weights and gradients "
             f"plus activations; the device has {free}. Raise num_microbatches (smaller "
             "micro-batches), lower device_memory_limit so the partitioner cuts smaller stages, "
             "or give a plan with smaller stages"
@@ -289,113 +430,151 @@ class Worker:
         rep = self._replicas.get(layer)
         if rep is None:
             rep = self._replicas[layer] = LayerReplica(self.host.layers[layer], self.host.params)
+            self._rng[layer] = LayerRandomness(self.device, f"layer {layer}")
         return rep
 
-    def _run(self, task: Task, mb: list[int | None]) -> None:
-        st = task.stage
-        if task.after is not None:
-            # buffer updates (running statistics) of the previous round of this
-            # slot must have reached the host before this round uploads them
-            self.store.wait_until(
-                lambda: self._is_done(task.after),
-                f"stage {st.label} of the previous round (buffer hand-off)",
-            )
-        needs_grad = st.kind != "forward"
-        params = self.host.stage_params(st.start, st.stop)
-        try:
-            self._run_stage(task, mb, params, needs_grad)
-        finally:
-            # rule 1 producer: this task no longer reads these master copies
-            self.protocol.after_use(task.call.window, params)
+    def _run(self, job: Job, mb: list[int | None]) -> None:
+        t, call = job.task, job.call
+        with record_function(f"RP {call.iteration}:{t}"):
+            if job.after is not None:
+                # running statistics of the previous round of this slot must be on
+                # the host before this round uploads them
+                with record_function("RP wait running statistics"):
+                    self.store.wait_until(
+                        lambda: job.after in self.rt.written,
+                        f"stage {t.stage} of the previous round (running statistics)",
+                    )
+            params = self.host.stage_params(t.start, t.stop)
+            self._run_stage(job, mb, params)
+            self.courier.finish(job)
 
-    def _run_stage(self, task: Task, mb: list[int | None], params: list, needs_grad: bool) -> None:
-        ctx, st = self.ctx, task.stage
-        staged = self._prefetched.pop(task.key, None)
-        if staged is None:
-            # rule 2: the master copies hold this window's weights
-            self.protocol.before_upload(task.call.window, params)
-        if staged is None:
-            staged = {p.index: ctx.upload(p.master, ctx.weight_up) for p in params}
-            ready = ctx.record(ctx.weight_up)
+    def _run_stage(self, job: Job, mb: list[int | None], params: list[_Param]) -> None:
+        ctx, t, call = self.ctx, job.task, job.call
+        it = call.iteration
+        pf = self._prefetch
+        if pf is not None and pf.job is job:
+            staged = self._finish_prefetch(pf)
         else:
-            staged, ready = staged
-            for t in staged.values():
-                t.record_stream(ctx.compute)
+            staged = self._upload_weights(job, params)
+        self._prefetch = None
+        needs_grad = t.needs_grad
         weights = {
-            p.index: nn.Parameter(staged[p.index], requires_grad=needs_grad and p.trainable)
+            p.index: nn.Parameter(staged.tensors[p.index], requires_grad=needs_grad and p.trainable)
             for p in params
         }
-        del staged
-        replicas = [self._replica(i) for i in range(st.start, st.stop)]
+        replicas = [self._replica(i) for i in range(t.start, t.stop)]
+        nbuf = 0
         for rep in replicas:
             bufs = [ctx.upload(b, ctx.weight_up, fresh=True) for b in rep.info.buffers]
+            nbuf += sum(b.numel() * b.element_size() for b in rep.info.buffers)
             rep.bind(weights, bufs)
-        # compute waits for this stage's weights (weights up -> compute)
-        ctx.compute.wait_event(ready)
-        ctx.compute.wait_event(ctx.record(ctx.weight_up))  # and its buffers
-        prefetch = self._plan_prefetch(len(task.microbatches))
+        if nbuf:
+            self.rt.traffic.add(it, "buffers", nbuf)
+        # compute waits for this stage's weights and buffers (weights up -> compute)
+        ctx.compute.wait_event(staged.ready)
+        ctx.compute.wait_event(ctx.record(ctx.weight_up))
+        acc, hooks = self._accumulators(params, weights) if needs_grad else (None, [])
+        nxt = self._plan_prefetch(len(t.microbatches))
         try:
-            pending: list[tuple[Any, tuple, Any, int]] = []
             run = {"forward": self._forward, "fused": self._fused, "backward": self._backward}
-            mbs = task.microbatches
+            mbs = t.microbatches
             for w, j in enumerate(mbs):
                 mb[0] = j
-                run[st.kind](task, j, replicas, pending)
-                # on CUDA publish the previous micro-batch's downloads, one behind,
-                # so this thread never waits on a copy queued behind running compute
-                self._publish(pending, keep_last=ctx.is_cuda)
-                if w + 1 < len(mbs):
-                    mb[0] = mbs[w + 1]
-                    self._fetch_ahead(task, mbs[w + 1])
-                if prefetch is not None:  # after the urgent activation upload
-                    self._prefetch_window(prefetch, w)
-            self._publish(pending, keep_last=False)
+                with stage_scope():
+                    run[t.kind](job, j, replicas, mbs[w + 1] if w + 1 < len(mbs) else None)
+                if nxt is not None:  # after the urgent activation upload
+                    self._prefetch_window(nxt, w)
             mb[0] = None
-            if needs_grad:
-                self._download_grads(task.call.window, params, weights)
-            if (
-                task.keep_buffers
-                and st.kind != "backward"
-                and self.host.stage_has_state(st.start, st.stop)
-            ):
-                self._download_buffers(replicas)
+            if acc is not None:
+                self._send_grads(job, params, acc)
+            if call.train and t.kind != "backward" and self.host.stage_has_state(t.start, t.stop):
+                self._write_buffers(job, replicas)
         finally:
+            for h in hooks:
+                h.remove()
             for rep in replicas:
                 rep.unbind()
-            if prefetch is not None:
-                # weights of the next task are complete once the last window is
-                # (weights up -> next task's compute)
-                self._prefetched[prefetch.key] = (prefetch.tensors, ctx.record(ctx.weight_up))
+            self._ahead.clear()
+        self._prefetch = nxt
 
-    # ------------------------------------------------------------ prefetch
+    # ------------------------------------------------------------ weights
+    def _upload_weights(self, job: Job, params: list[_Param]) -> _Staged:
+        """The stage's weights, uploaded now: one copy of its arena range."""
+        ctx, t = self.ctx, job.task
+        window = job.call.window
+        # rule 2: the master copies hold the weights this window must see
+        with record_function("RP wait weights (rule 2)"):
+            self.protocol.before_upload(window, params)
+        span = self.host.span(t.start, t.stop)
+        arena = self.host.pool.buffer
+        assert arena is not None
+        with ctx.on(ctx.weight_up):
+            flat = torch.empty(span.nbytes, dtype=torch.uint8, device=ctx.device)
+            flat.copy_(arena[span.offset : span.offset + span.nbytes], non_blocking=True)
+        tensors = self._views(flat, span.inside)
+        for p in span.outside:  # tied weights introduced by an earlier layer
+            tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
+        ready = ctx.record(ctx.weight_up)
+        self.rt.traffic.add(
+            job.call.iteration, "weights_up", span.nbytes + sum(p.nbytes for p in span.outside)
+        )
+        self._uploaded(ready, job, params)
+        return _Staged(tensors, ready)
+
+    def _views(self, flat: torch.Tensor, inside) -> dict[int, torch.Tensor]:
+        dtype = self.host.compute_dtype
+        return {
+            p.index: flat[off : off + p.nbytes].view(dtype).view(p.master.shape)
+            for p, off in inside
+        }
+
+    def _uploaded(self, ready: Any, job: Job, params: list[_Param]) -> None:
+        """Rule 1 producer: once the upload is complete, this window no longer
+        reads these master copies."""
+        window = job.call.window
+
+        def done() -> None:
+            self.protocol.after_use(window, params)
+
+        if self.ctx.is_cuda:
+            self.courier.put(ready, done, job)
+        else:
+            done()
+
     def _plan_prefetch(self, num_windows: int) -> _Prefetch | None:
-        """On CUDA, plan the upload of the next queued task's weights in
-        ``num_windows`` LPT windows, one after each micro-batch of this task."""
+        """On CUDA, start the next queued job's weight upload: its arena range
+        split into ``num_windows`` pieces, one after each micro-batch of this
+        task (CPU workers copy synchronously: nothing to overlap)."""
         ctx = self.ctx
         if not ctx.is_cuda:
-            return None  # CPU workers compute on the master copy itself
+            return None
         with self._cond:
             nxt = self._queue[0] if self._queue else None
-        if nxt is None or nxt.key in self._prefetched:
+        if nxt is None:
             return None
-        params = self.host.stage_params(nxt.stage.start, nxt.stage.stop)
+        t = nxt.task
+        params = self.host.stage_params(t.start, t.stop)
         if not params or not self.protocol.before_upload(nxt.call.window, params, block=False):
             return None  # rule 2 not yet met: upload at the task's start instead
-        size = params[0].master.element_size()
-        wins = transfer_windows(
-            [(str(p.index), p.master.numel() * size) for p in params], num_windows, align=size
-        )
-        with ctx.on(ctx.weight_up):
-            tensors = {
-                p.index: torch.empty(p.master.shape, dtype=p.master.dtype, device=ctx.device)
-                for p in params
-            }
-        by_index = {p.index: p for p in params}
-        pieces = [
-            [(by_index[int(pc.name)], pc.offset // size, pc.nbytes // size) for pc in w.pieces]
-            for w in wins
+        span = self.host.span(t.start, t.stop)
+        arena = self.host.pool.buffer
+        assert arena is not None
+        align = 512
+        step = -(-span.nbytes // (num_windows * align)) * align
+        bounds = [
+            (a, min(a + step, span.nbytes)) for a in range(0, max(span.nbytes, 1), max(step, 1))
         ]
-        return _Prefetch(nxt.key, tensors, pieces)
+        with ctx.on(ctx.weight_up):
+            flat = torch.empty(span.nbytes, dtype=torch.uint8, device=ctx.device)
+        return _Prefetch(
+            nxt,
+            params,
+            flat,
+            arena[span.offset : span.offset + span.nbytes],
+            bounds,
+            self._views(flat, span.inside),
+            list(span.outside),
+        )
 
     def _prefetch_window(self, pf: _Prefetch, w: int) -> None:
         ctx = self.ctx
@@ -403,93 +582,181 @@ class Worker:
         # copy never delays an urgent activation (activations up -> weights up)
         ctx.weight_up.wait_event(ctx.record(ctx.act_up))
         with ctx.on(ctx.weight_up):
-            for p, start, count in pf.pieces[w]:
-                dst = pf.tensors[p.index].view(-1)[start : start + count]
-                dst.copy_(p.master.view(-1)[start : start + count], non_blocking=True)
+            if w < len(pf.windows):
+                a, b = pf.windows[w]
+                pf.flat[a:b].copy_(pf.src[a:b], non_blocking=True)
+                pf.issued = w + 1
+            if w == 0:
+                for p in pf.outside:
+                    pf.tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
 
-    def _publish(self, pending: list, keep_last: bool) -> None:
-        """Publish completed downloads: ``(event, key, value, readers)``.
+    def _finish_prefetch(self, pf: _Prefetch) -> _Staged:
+        """Windows the previous task had no micro-batch for, then the event that
+        says the weights are complete."""
+        ctx = self.ctx
+        with ctx.on(ctx.weight_up):
+            for a, b in pf.windows[pf.issued :]:
+                pf.flat[a:b].copy_(pf.src[a:b], non_blocking=True)
+            for p in pf.outside:
+                if p.index not in pf.tensors:
+                    pf.tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
+        ready = ctx.record(ctx.weight_up)
+        pf.flat.record_stream(ctx.compute)
+        job = pf.job
+        self.rt.traffic.add(
+            job.call.iteration, "weights_up", pf.flat.numel() + sum(p.nbytes for p in pf.outside)
+        )
+        self._uploaded(ready, job, pf.params)
+        return _Staged(pf.tensors, ready)
 
-        With ``keep_last`` the newest micro-batch's entries stay pending (its
-        copy was just queued behind its compute)."""
-        if not pending:
-            return
-        last_mb = pending[-1][1][3]
-        keep = [e for e in pending if keep_last and e[1][3] == last_mb]
-        for ev, key, value, readers in pending:
-            if keep_last and key[3] == last_mb:
-                continue
-            ev.synchronize()  # host copy complete: safe to hand to other workers
-            self.protocol.chaos("download")
-            self.store.put(key, value, readers)
-        pending[:] = keep
+    # ---------------------------------------------------------- gradients
+    def _accumulators(
+        self, params: list[_Param], weights: dict[int, nn.Parameter]
+    ) -> tuple[torch.Tensor | None, list]:
+        """An fp32 accumulator on the device for the stage's trainable weights:
+        each micro-batch's gradient is added as autograd produces it (so the
+        sum does not depend on how micro-batches are grouped), and ``.grad``
+        is dropped at once."""
+        train = [p for p in params if p.trainable]
+        if not train:
+            return None, []
+        ctx = self.ctx
+        sizes = [p.master.numel() for p in train]
+        with ctx.on(ctx.compute):
+            acc = torch.zeros(sum(sizes), dtype=torch.float32, device=ctx.device)
+        hooks, off = [], 0
+        for p, n in zip(train, sizes, strict=True):
+            view = acc[off : off + n].view(p.master.shape)
+            off += n
 
-    @staticmethod
-    def _inputs(task: Task, j: int) -> list[tuple[tuple, str]]:
-        """Store keys a micro-batch of ``task`` reads, with what they are."""
-        st, it = task.stage, task.call.iteration
-        keys = [((it, "act", st.start, j), f"input of {st.label}, micro-batch {j}")]
-        if st.kind == "backward":
-            keys.append(
-                ((it, "grad", st.stop, j), f"output gradient of {st.label}, micro-batch {j}")
-            )
-        return keys
+            def add(w: torch.Tensor, view: torch.Tensor = view) -> None:
+                g = w.grad
+                if g is not None:
+                    view.add_(g.to_dense() if g.is_sparse else g)
+                w.grad = None
 
-    def _fetch_ahead(self, task: Task, j: int) -> None:
-        """Upload micro-batch ``j``'s inputs now, while the previous micro-batch
-        computes (activation uploads run one micro-batch ahead)."""
-        for key, what in self._inputs(task, j):
-            self._ahead[key] = self._upload_input(key, what)
+            hooks.append(weights[p.index].register_post_accumulate_grad_hook(add))
+        return acc, hooks
 
-    def _fetch(self, key: tuple, what: str) -> Any:
+    def _send_grads(self, job: Job, params: list[_Param], acc: torch.Tensor) -> None:
+        """One download of the task's fp32 gradients; the courier adds them."""
+        ctx = self.ctx
+        train = [p for p in params if p.trainable]
+        # gradient downloads wait for the stage's last backward (compute -> grads down)
+        ctx.grad_down.wait_event(ctx.record(ctx.compute))
+        host = ctx.download(acc, ctx.grad_down)
+        self.rt.traffic.add(job.call.iteration, "grads_down", acc.numel() * 4)
+        items, off = [], 0
+        for p in train:
+            n = p.master.numel()
+            items.append((p, host[off : off + n].view(p.master.shape)))
+            off += n
+        self.courier.grads(ctx.record(ctx.grad_down) if ctx.is_cuda else None, job, items)
+
+    def _write_buffers(self, job: Job, replicas: list[LayerReplica]) -> None:
+        """Running statistics back to the host, then the next round may read them."""
+        ctx = self.ctx
+        ctx.act_down.wait_event(ctx.record(ctx.compute))
+        copies, nbytes = [], 0
+        for rep in replicas:
+            for host_buf, dev_buf, keep in zip(
+                rep.info.buffers, rep.current_buffers(), rep.info.persistent, strict=True
+            ):
+                if keep and dev_buf is not None:
+                    copies.append((host_buf, ctx.download(dev_buf, ctx.act_down)))
+                    nbytes += dev_buf.numel() * dev_buf.element_size()
+        self.rt.traffic.add(job.call.iteration, "buffers", nbytes)
+
+        def write() -> None:
+            with torch.no_grad():
+                for host_buf, value in copies:
+                    host_buf.copy_(value)
+            self.rt.mark_written(job)
+
+        if ctx.is_cuda:
+            self.courier.put(ctx.record(ctx.act_down), write, job)
+        else:
+            write()
+
+    # ------------------------------------------------------- activations
+    def _fetch(self, job: Job, name: str, j: int) -> Any:
+        key = _key(job.call, name, j)
         if key in self._ahead:
             return self._ahead.pop(key)
-        return self._upload_input(key, what)
+        return self._upload_input(job, key, name, j)
 
-    def _upload_input(self, key: tuple, what: str) -> Any:
+    def _fetch_ahead(self, job: Job, j: int | None) -> None:
+        """Upload micro-batch ``j``'s saved input now, while the current one
+        computes (activation uploads run one micro-batch ahead)."""
+        if j is None:
+            return
+        name = job.task.reads[0]
+        key = _key(job.call, name, j)
+        if key not in self._ahead:
+            self._ahead[key] = self._upload_input(job, key, name, j)
+
+    def _upload_input(self, job: Job, key: tuple, name: str, j: int) -> Any:
         ctx = self.ctx
         self.protocol.chaos("store")
-        host, last = self.store.take(key, what)
+        what = f"{name} of {job.task.stage}, micro-batch {j}"
+        with record_function(f"RP wait {name} mb{j}"):
+            host, last = self.store.take(key, what)
         self.protocol.chaos("upload")
         if host is None:
             return None
+        nbytes = sum(t.numel() * t.element_size() for t in flatten_tensors(host))
+        self.rt.traffic.add(job.call.iteration, "acts_up", nbytes)
         # a reader before the last gets its own copy, in case a layer writes in place
         dev = map_tensors(lambda t: ctx.upload(t, ctx.act_up, fresh=not last), host)
         # compute waits for this micro-batch's activations (activations up -> compute)
         ctx.compute.wait_event(ctx.record(ctx.act_up))
         return dev
 
-    def _save(self, pending: list, key: tuple, value: Any, readers: int, fresh: bool) -> None:
-        ctx = self.ctx
+    def _save(self, job: Job, name: str, j: int, value: Any, fresh: bool) -> None:
+        """Write ``value`` for its readers: on CUDA a download the courier
+        publishes once complete; on CPU at once. ``fresh``: the value may still
+        be changed in place by the layers after it, so copy it first."""
+        ctx, call = self.ctx, job.call
+        key = _key(call, name, j)
+        readers = call.schedule.readers.get(key[2], 0) if key[1] == "act" else 1
+        if fresh:
+            with ctx.on(ctx.compute):
+                value = map_tensors(lambda t: t.detach().clone(), value)
         # the download waits for the compute that produced the value (compute -> act down)
         ctx.act_down.wait_event(ctx.record(ctx.compute))
+        host = map_tensors(lambda t: ctx.download(t.detach(), ctx.act_down), value)
+        nbytes = sum(t.numel() * t.element_size() for t in flatten_tensors(value))
+        self.rt.traffic.add(call.iteration, "acts_down", nbytes)
+        if key[1] == "act" and call.train:
+            with self.store.lock:  # host memory the round's activations take
+                self.rt.kept[call.iteration] = self.rt.kept.get(call.iteration, 0) + nbytes
 
-        def down(t: torch.Tensor) -> torch.Tensor:
-            out = ctx.download(t.detach(), ctx.act_down)
-            return out.clone() if fresh and not ctx.is_cuda else out
+        def publish() -> None:
+            self.protocol.chaos("download")
+            self.store.put(key, host, readers)
 
-        host = map_tensors(down, value)
-        pending.append((ctx.record(ctx.act_down), key, host, readers))
+        if ctx.is_cuda:
+            self.courier.put(ctx.record(ctx.act_down), publish, job)
+        else:
+            publish()
 
+    # ------------------------------------------------------------- layers
     def _layers(
         self,
-        task: Task,
+        job: Job,
         j: int,
         replicas: list[LayerReplica],
         x: Any,
         save: Callable[[int, Any], None] | None = None,
         timer: LayerTimer | None = None,
     ) -> Any:
-        st = task.stage
+        t, call = job.task, job.call
         for off, rep in enumerate(replicas):
-            layer = st.start + off
+            layer = t.start + off
             self._layer = layer
             self.protocol.chaos("forward")
-            with (
-                self.ctx.on(self.ctx.compute),
-                seeded(self.device, layer_seed(task.call.seed, task.call.iteration, layer, j)),
-            ):
-                # marks inside the RNG lock: waiting for it is not the layer's time
+            seed = layer_seed(call.seed, call.iteration, layer, j)
+            with self.ctx.on(self.ctx.compute), self._rng[layer](seed, rep.module.training):
                 counting = (
                     saved_bytes(rep.module, timer.saved, layer)
                     if timer is not None and torch.is_grad_enabled()
@@ -503,7 +770,7 @@ class Worker:
                         timer.forward[layer] = (a, timer.watch.mark())
             if timer is not None and torch.is_grad_enabled():
                 # this layer's backward starts when its output's gradient arrives
-                first = next((t for t in flatten_tensors(x) if t.requires_grad), None)
+                first = next((v for v in flatten_tensors(x) if v.requires_grad), None)
                 if first is not None:
                     first.register_hook(timer.hook(layer + 1))
             if save is not None:
@@ -511,23 +778,45 @@ class Worker:
         self._layer = None
         return x
 
-    def _forward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
-        st, it = task.stage, task.call.iteration
-        x = self._fetch(*self._inputs(task, j)[0])
-        inner = set(task.call.layout.saves.get(st.index, ()))
+    def _mark(self) -> Any:
+        trace = self.rt.trace
+        return None if trace is None else trace.mark(self.device, self.ctx.compute)
+
+    def _record(self, job: Job, j: int, kind: str, start: Any) -> None:
+        trace = self.rt.trace
+        if trace is not None and start is not None:
+            t = job.task
+            trace.add(
+                self.index,
+                self.device,
+                job.call.iteration,
+                str(t),
+                t.stage,
+                j,
+                kind,
+                start,
+                trace.mark(self.device, self.ctx.compute),
+            )
+
+    def _forward(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
+        t = job.task
+        x = self._fetch(job, t.reads[0], j)
+        writes = set(t.writes)
 
         def save(boundary: int, value: Any) -> None:
-            if boundary in inner:
-                readers = task.call.layout.act_readers[boundary]
-                self._save(pending, (it, "act", boundary, j), value, readers, fresh=True)
+            name = f"act{boundary}"
+            if boundary < t.stop and name in writes:  # inside the stage: still computed on
+                self._save(job, name, j, value, fresh=True)
 
-        timer = self._timer(task)
+        timer = self._timer(job)
+        mark = self._mark()
         with torch.no_grad():
-            out = self._layers(task, j, replicas, x, save, timer)
-        self._report(task, timer)
-        readers = task.call.layout.act_readers.get(st.stop, 0)
-        if readers:
-            self._save(pending, (it, "act", st.stop, j), out, readers, fresh=False)
+            out = self._layers(job, j, replicas, x, save, timer)
+        self._record(job, j, "F", mark)
+        self._report(job, timer)
+        if f"act{t.stop}" in writes:
+            self._save(job, f"act{t.stop}", j, out, fresh=False)
+        self._fetch_ahead(job, nxt)
 
     @staticmethod
     def _leaves(x: Any) -> tuple[Any, list[torch.Tensor | None]]:
@@ -544,25 +833,25 @@ class Worker:
 
         return map_tensors(leaf, x), flat
 
-    def _input_grad(self, task: Task, j: int, leaves: list, pending: list) -> None:
-        st, it = task.stage, task.call.iteration
-        if st.start == 0:
+    def _input_grad(self, job: Job, j: int, leaves: list) -> None:
+        t = job.task
+        if t.start == 0:
             return
-        grads = [None if t is None else t.grad for t in leaves]
-        self._save(pending, (it, "grad", st.start, j), grads, 1, fresh=False)
+        grads = [None if v is None else v.grad for v in leaves]
+        self._save(job, f"grad{t.start}", j, grads, fresh=False)
 
-    def _fused(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
-        st, call = task.stage, task.call
-        it = call.iteration
-        x = self._fetch(*self._inputs(task, j)[0])
-        x, leaves = self._leaves(x) if st.start > 0 else (x, [])
-        timer = self._timer(task, leaves)
+    def _fused(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
+        t, call = job.task, job.call
+        x = self._fetch(job, t.reads[0], j)
+        x, leaves = self._leaves(x) if t.start > 0 else (x, [])
+        timer = self._timer(job, leaves)
+        mark = self._mark()
         with torch.enable_grad():
-            out = self._layers(task, j, replicas, x, timer=timer)
+            out = self._layers(job, j, replicas, x, timer=timer)
             labels = call.labels[j]
             if call.loss_fn is not None and labels is not None:
                 ctx = self.ctx
-                labels = map_tensors(lambda t: ctx.upload(t, ctx.act_up), labels)
+                labels = map_tensors(lambda v: ctx.upload(v, ctx.act_up), labels)
                 ctx.compute.wait_event(ctx.record(ctx.act_up))  # labels up -> compute
             with self.ctx.on(self.ctx.compute):
                 loss = out if call.loss_fn is None else call.loss_fn(out, labels)
@@ -578,24 +867,33 @@ class Worker:
                         "make the last layer return the loss"
                     )
                 weighted = loss.reshape(()) * call.weights[j]
-                self._save(pending, (it, "loss", 0, j), weighted.detach().float(), 1, False)
+                self._save(job, "loss", j, weighted.detach().float(), fresh=False)
+                self._record(job, j, "F", mark)
+                mark = self._mark()
                 if timer is not None:
-                    timer.boundary[st.stop] = timer.watch.mark()  # the loss's backward
+                    timer.boundary[t.stop] = timer.watch.mark()  # the loss's backward
                 if weighted.requires_grad:  # False only when nothing below is trainable
                     self.protocol.chaos("backward")
                     # in fp32: an fp16 loss times a 2^16 loss scale would overflow
                     (weighted.float() * call.scale).backward()
-        self._report(task, timer)
-        self._input_grad(task, j, leaves, pending)
+        self._record(job, j, "B", mark)
+        self._report(job, timer)
+        self._input_grad(job, j, leaves)
+        self._fetch_ahead(job, nxt)
 
-    def _backward(self, task: Task, j: int, replicas: list[LayerReplica], pending: list) -> None:
-        st = task.stage
-        (xk, xw), (gk, gw) = self._inputs(task, j)
-        x, g = self._fetch(xk, xw), self._fetch(gk, gw)
-        x, leaves = self._leaves(x) if st.start > 0 else (x, [])
-        timer = self._timer(task, leaves)
+    def _backward(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
+        t = job.task
+        x = self._fetch(job, t.reads[0], j)
+        x, leaves = self._leaves(x) if t.start > 0 else (x, [])
+        timer = self._timer(job, leaves)
+        mark = self._mark()
         with torch.enable_grad():
-            out = self._layers(task, j, replicas, x, timer=timer)
+            # recompute from the saved input: it is there long before the gradient
+            out = self._layers(job, j, replicas, x, timer=timer)
+            self._record(job, j, "R", mark)
+            self._fetch_ahead(job, nxt)  # the next input goes up meanwhile
+            g = self._fetch(job, t.reads[1], j)
+            mark = self._mark()
             outs, grads = [], []
             for o, gg in zip(flatten_tensors(out), g, strict=True):
                 if gg is not None and o.requires_grad:
@@ -604,60 +902,29 @@ class Worker:
             if outs:
                 with self.ctx.on(self.ctx.compute):
                     if timer is not None:
-                        timer.boundary[st.stop] = timer.watch.mark()
+                        timer.boundary[t.stop] = timer.watch.mark()
                     self.protocol.chaos("backward")
                     torch.autograd.backward(outs, grads)
-        self._report(task, timer)
-        self._input_grad(task, j, leaves, pending)
+        self._record(job, j, "B", mark)
+        self._report(job, timer)
+        self._input_grad(job, j, leaves)
 
     # ------------------------------------------------------------ profiling
-    def _timer(self, task: Task, leaves: list | None = None) -> LayerTimer | None:
-        if task.call.profiler is None:
+    def _timer(self, job: Job, leaves: list | None = None) -> LayerTimer | None:
+        if job.call.profiler is None:
             return None
         timer = LayerTimer(Stopwatch(self.ctx.is_cuda, self.ctx.compute))
-        first = next((t for t in leaves or () if t is not None), None)
+        first = next((v for v in leaves or () if v is not None), None)
         if first is not None:  # the stage's backward ends when its input's gradient arrives
-            first.register_hook(timer.hook(task.stage.start))
+            first.register_hook(timer.hook(job.task.start))
         return timer
 
-    def _report(self, task: Task, timer: LayerTimer | None) -> None:
+    def _report(self, job: Job, timer: LayerTimer | None) -> None:
         if timer is None:
             return
-        st = task.stage
-        if st.kind != "forward" and st.start not in timer.boundary:
-            timer.boundary[st.start] = timer.watch.mark()  # nothing below: backward is done
-        fwd, bwd = timer.samples(st.start, st.stop)
-        task.call.profiler.add(task.call.iteration, fwd, bwd, timer.saved)
+        t = job.task
+        if t.kind != "forward" and t.start not in timer.boundary:
+            timer.boundary[t.start] = timer.watch.mark()  # nothing below: backward is done
+        fwd, bwd = timer.samples(t.start, t.stop)
+        job.call.profiler.add(job.call.iteration, fwd, bwd, timer.saved)
 
-    def _download_grads(self, window: int, params: list, weights: dict[int, nn.Parameter]) -> None:
-        ctx = self.ctx
-        # gradient downloads wait for the stage's last backward (compute -> grads down)
-        ctx.grad_down.wait_event(ctx.record(ctx.compute))
-        out = []
-        for p in params:
-            w = weights[p.index]
-            if p.trainable:
-                g = w.grad
-                out.append((p, None if g is None else ctx.download(g, ctx.grad_down)))
-            w.grad = None
-        ctx.record(ctx.grad_down).synchronize()  # host copies complete before accumulating
-        for p, g in out:
-            if g is not None:
-                self.protocol.before_grad(window, p)  # rule 4: buffer emptied by the G copy
-                self.host.accumulate(p, g)
-            self.protocol.after_grad(window, p)  # rule 3 producer
-
-    def _download_buffers(self, replicas: list[LayerReplica]) -> None:
-        ctx = self.ctx
-        ctx.act_down.wait_event(ctx.record(ctx.compute))
-        copies = []
-        for rep in replicas:
-            for host_buf, dev_buf, keep in zip(
-                rep.info.buffers, rep.current_buffers(), rep.info.persistent, strict=True
-            ):
-                if keep and dev_buf is not None:
-                    copies.append((host_buf, ctx.download(dev_buf, ctx.act_down)))
-        ctx.record(ctx.act_down).synchronize()
-        with torch.no_grad():
-            for host_buf, value in copies:
-                host_buf.copy_(value)

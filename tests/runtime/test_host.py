@@ -26,7 +26,7 @@ def test_registered_bytes_are_counted_until_release(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     start = pinned_bytes()
-    arena = host._PinnedArena(enabled=True)
+    arena = host._Arena(pinned=True)
     tensors = [torch.randn(3, 5), torch.randn(7)]
     views = arena.build(tensors, torch.bfloat16)
     assert arena.registered and fake.live
@@ -44,7 +44,7 @@ def test_failed_registration_stays_pageable_and_uncounted(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(fail=True))
     start = pinned_bytes()
-    arena = host._PinnedArena(enabled=True)
+    arena = host._Arena(pinned=True)
     arena.build([torch.randn(4)], torch.float32)
     assert not arena.registered and pinned_bytes() == start
     assert "cudaHostRegister of 512 bytes failed" in caplog.text

@@ -452,6 +452,7 @@ def test_nonfinite_gradient_skip_or_raise(async_mode):
         layers, [CPU] * 2, 2, plan="1|1|1", async_optimizer=async_mode, nonfinite="skip"
     ) as eng:
         eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()  # the window's gradients are in the host buffers
         eng._host.params[0].grad[0, 0] = float("inf")  # a corrupted gradient
         h = eng.step(opt.step).wait()
         eng.synchronize()

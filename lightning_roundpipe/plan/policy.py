@@ -1,0 +1,168 @@
+"""Plan policy: which stage plan, round size and micro-batch count to run.
+
+:func:`~lightning_roundpipe.plan.partition` minimises a formula,
+``(M*S + N(N-1)) * t_max``, exactly. The formula counts every slot as if it
+took ``t_max`` and charges a fill and drain per iteration; with the
+asynchronous optimizer iterations run back to back, the drain of one overlaps
+the fill of the next, and slack of a short slot is absorbed by devices still
+busy with earlier work, so the formula can prefer a plan that runs slower.
+:func:`choose_plan` therefore takes the formula's best few plans (one per slot
+count, see :func:`~lightning_roundpipe.plan.partition.frontier`) and keeps the
+one whose simulated period, as the runtime would lower and run it, is
+shortest.
+
+:func:`choose_round` picks the round size: the whole batch (each stage's
+weights go up once per iteration) unless the round's stage-boundary
+activations would exceed a host-memory budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .costs import LayerCosts, PlanError
+from .partition import frontier
+from .schedule import Placement
+from .simulate import simulate, steady_async_bubble
+from .stages import StagePlan
+
+__all__ = ["RoundChoice", "choose_plan", "choose_round", "simulated_period"]
+
+
+def simulated_period(
+    costs: LayerCosts,
+    plan: StagePlan,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool = True,
+    round_size: int | None = None,
+    comm_time: float = 0.0,
+    placement: Placement = "free-first",
+) -> float:
+    """Simulated time per iteration, as the runtime lowers and runs it: the
+    steady-state period of back-to-back iterations with the asynchronous
+    optimizer, one iteration's makespan without (in the unit of ``costs``)."""
+    n, m = num_devices, num_microbatches
+    kw = {"round_size": round_size, "comm_time": comm_time, "placement": placement}
+    if async_optimizer:
+        bubble = steady_async_bubble(costs, plan, n, m, **kw)
+        work = m * sum(plan.stage_times(costs))
+        return work / (n * (1.0 - bubble)) if bubble < 1 else math.inf
+    res = simulate(
+        "roundpipe",
+        costs,
+        n,
+        m,
+        plan=plan,
+        microbatches_per_round=round_size,
+        comm_time=comm_time,
+        placement=placement,
+    )
+    return res.makespan
+
+
+def choose_plan(
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool = True,
+    memory_limit: float | None = None,
+    round_size: int | None = None,
+    comm_time: float = 0.0,
+    candidates: int = 6,
+    placement: Placement = "free-first",
+) -> StagePlan:
+    """The stage plan with the shortest simulated time per iteration among the
+    ``candidates`` plans with the best partitioner objective.
+
+    Args:
+        costs: per-layer costs.
+        num_devices, num_microbatches: ``N`` and ``M``.
+        async_optimizer: rank by the steady-state period of back-to-back
+            iterations (``True``) or by one iteration's makespan.
+        memory_limit: as for :func:`~lightning_roundpipe.plan.partition`.
+        round_size: ``M_R`` the plan will run with (default ``M``).
+        comm_time: time of one activation hop between devices.
+        candidates: how many plans to simulate (1: the formula's choice).
+    """
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise PlanError(f"candidates must be an integer >= 1, got {candidates!r}")
+    n, m = num_devices, num_microbatches
+    c = n * (n - 1)
+    plans = frontier(costs, memory_limit)
+    ranked = sorted(
+        plans, key=lambda p: ((m * p.num_slots + c) * p.max_stage_time(costs), p.max_stage_time(costs))
+    )[:candidates]
+    if len(ranked) == 1:
+        return ranked[0]
+    kw = {
+        "async_optimizer": async_optimizer,
+        "round_size": round_size,
+        "comm_time": comm_time,
+        "placement": placement,
+    }
+    best, best_t = ranked[0], simulated_period(costs, ranked[0], n, m, **kw)
+    for plan in ranked[1:]:
+        t = simulated_period(costs, plan, n, m, **kw)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = plan, t
+    return best
+
+
+@dataclass(frozen=True)
+class RoundChoice:
+    """A round size and why.
+
+    Attributes:
+        round_size: micro-batches per round.
+        activation_bytes: host bytes of one round's stage-boundary activations
+            (None when the size of a micro-batch's activations is unknown).
+        budget: the host-memory budget it was chosen against (None: none).
+        reason: one line for logs and reports.
+    """
+
+    round_size: int
+    activation_bytes: int | None
+    budget: int | None
+    reason: str
+
+
+def choose_round(
+    num_microbatches: int,
+    *,
+    boundary_bytes: int | None = None,
+    budget: int | None = None,
+) -> RoundChoice:
+    """The largest round whose stage-boundary activations fit ``budget``.
+
+    Args:
+        num_microbatches: ``M``.
+        boundary_bytes: host bytes of one micro-batch's stage-boundary
+            activations kept for the backward stages (None: unknown).
+        budget: host bytes a round's activations may take (None: no limit).
+
+    The whole batch when it fits (or nothing is known): each stage's weights
+    then go up once per iteration; else the largest round that fits, at least
+    one micro-batch.
+    """
+    m = num_microbatches
+    if boundary_bytes is None or budget is None:
+        why = "no activation budget" if budget is None else "activation size not known yet"
+        return RoundChoice(m, None if boundary_bytes is None else m * boundary_bytes, budget,
+                           f"whole batch ({why})")
+    if budget <= 0:
+        raise PlanError(f"the activation memory budget must be > 0 bytes, got {budget}")
+    need = m * boundary_bytes
+    if need <= budget:
+        return RoundChoice(m, need, budget, "whole batch: its activations fit the budget")
+    mr = max(1, budget // max(1, boundary_bytes))
+    return RoundChoice(
+        int(mr),
+        int(mr * boundary_bytes),
+        budget,
+        f"{mr} of {m} micro-batches per round: a whole batch's activations "
+        f"({need / 2**30:.2f} GiB) exceed the budget ({budget / 2**30:.2f} GiB)",
+    )
