@@ -12,14 +12,14 @@ an arrow for each rule dependency that actually occurred.
 The rules (see ``lightning_roundpipe/runtime/optimizer.py``), window ``w``
 being the ``forward_backward`` calls before the ``w``-th ``step``:
 
-1. the P copy of update ``w`` waits until window ``w + 1`` stops reading the
-   master copy (worker ``after_use`` -> optimizer ``p_copied``);
+1. the P copy of update ``w`` waits until window ``w + 1`` has finished
+   uploading the master copy (worker ``after_use`` -> optimizer ``p_copied``);
 2. window ``k`` reads the master copy only after the P copy of update ``k - 2``
    (``p_copied`` -> worker ``before_upload``);
-3. the G copy of update ``w`` waits for every gradient of window ``w``
-   (worker ``after_grad`` -> optimizer ``g_copied``);
-4. window ``w + 1`` adds gradients only after the G copy of update ``w``
-   (``g_copied`` -> worker ``before_grad``);
+3. the G copy of update ``w`` (the buffer lent to the step) waits for every
+   gradient of window ``w`` (courier ``after_grad`` -> optimizer ``g_copied``);
+4. a gradient of window ``w + 1`` is added only after update ``w`` has released
+   the buffer (optimizer ``released`` -> courier ``before_add``);
 5. the optimizer thread runs G copies, step and P copies of each update in
    order, and the updates in order.
 
@@ -65,10 +65,11 @@ class Event:
     """One recorded hand-off.
 
     ``t`` is milliseconds since the first ``forward_backward``; ``kind`` is the
-    ``Protocol`` method (``before_upload``/``before_grad``/``wait_grads``:
+    ``Protocol`` method (``before_upload``/``before_add``/``wait_grads``:
     when the method returned, after its wait; ``after_use``/``after_grad``/
-    ``g_copied``/``p_copied``: just before it signalled) or ``step_begin``/``step_end`` around the
-    optimizer's ``step``; ``param`` names the tracked parameter (``""`` for steps).
+    ``g_copied``/``released``/``p_copied``: just before it signalled) or
+    ``step_begin``/``step_end`` around the optimizer's ``step``; ``param``
+    names the tracked parameter (``""`` for steps).
     """
 
     t: float
@@ -122,7 +123,7 @@ def _instrument(protocol, tracked: dict[int, str], rec: _Recorder) -> None:
 
         return wrapper
 
-    def producer_many(orig: Callable) -> Callable:  # after_use
+    def producer_many(orig: Callable) -> Callable:  # after_use, released
         @functools.wraps(orig)
         def wrapper(window, params):
             for name in names(params):
@@ -131,7 +132,7 @@ def _instrument(protocol, tracked: dict[int, str], rec: _Recorder) -> None:
 
         return wrapper
 
-    def consumer_one(orig: Callable) -> Callable:  # before_grad, wait_grads
+    def consumer_one(orig: Callable) -> Callable:  # before_add, wait_grads
         @functools.wraps(orig)
         def wrapper(window, p):
             result = orig(window, p)
@@ -152,10 +153,11 @@ def _instrument(protocol, tracked: dict[int, str], rec: _Recorder) -> None:
 
     protocol.before_upload = consumer_many(protocol.before_upload)
     protocol.after_use = producer_many(protocol.after_use)
-    protocol.before_grad = consumer_one(protocol.before_grad)
+    protocol.before_add = consumer_one(protocol.before_add)
     protocol.wait_grads = consumer_one(protocol.wait_grads)
     protocol.after_grad = producer_one(protocol.after_grad)
     protocol.g_copied = producer_one(protocol.g_copied)
+    protocol.released = producer_many(protocol.released)
     protocol.p_copied = producer_one(protocol.p_copied)
 
 
@@ -220,7 +222,7 @@ def dependencies(events: list[Event], param: str) -> list[tuple[int, Event, Even
     ``(rule, producer, consumer)``: rule 1: last ``after_use`` of window
     ``w + 1`` -> ``p_copied(w)``; rule 2: ``p_copied(w)`` -> first
     ``before_upload`` of window ``w + 2``; rule 3: last ``after_grad(w)`` ->
-    ``g_copied(w)``; rule 4: ``g_copied(w)`` -> first ``before_grad(w + 1)``.
+    ``g_copied(w)``; rule 4: ``released(w)`` -> first ``before_add(w + 1)``.
     A rule held where ``consumer.t >= producer.t``."""
     deps: list[tuple[int, Event, Event]] = []
     windows = sorted({e.window for e in events if e.param == param})
@@ -229,7 +231,7 @@ def dependencies(events: list[Event], param: str) -> list[tuple[int, Event, Even
             (1, ("after_use", w + 1, max), ("p_copied", w, min)),
             (2, ("p_copied", w, min), ("before_upload", w + 2, min)),
             (3, ("after_grad", w, max), ("g_copied", w, min)),
-            (4, ("g_copied", w, min), ("before_grad", w + 1, min)),
+            (4, ("released", w, min), ("before_add", w + 1, min)),
         ):
             prod, cons = _of(events, pk, pw, param), _of(events, ck, cw, param)
             if prod and cons:
@@ -241,7 +243,7 @@ def dependencies(events: list[Event], param: str) -> list[tuple[int, Event, Even
 def updates(events: list[Event], param: str) -> list[list[Event]]:
     """Rule 5: per update, the optimizer-thread events of ``param`` and the step,
     in recorded order (G copy, step, P copy)."""
-    kinds = ("wait_grads", "g_copied", "step_begin", "step_end", "p_copied")
+    kinds = ("wait_grads", "g_copied", "step_begin", "step_end", "released", "p_copied")
     out = []
     for w in sorted({e.window for e in events if e.kind == "step_begin"}):
         out.append(
@@ -258,7 +260,7 @@ def violations(events: list[Event], param: str) -> list[str]:
         for rule, p, c in dependencies(events, param)
         if c.t < p.t
     ]
-    order = ["wait_grads", "g_copied", "step_begin", "step_end", "p_copied"]
+    order = ["wait_grads", "g_copied", "step_begin", "step_end", "released", "p_copied"]
     flat = [e for u in updates(events, param) for e in u]
     expect = sorted(flat, key=lambda e: (e.window, order.index(e.kind)))
     if [(e.kind, e.window) for e in flat] != [(e.kind, e.window) for e in expect]:
@@ -268,11 +270,12 @@ def violations(events: list[Event], param: str) -> list[str]:
 
 # ---------------------------------------------------------------------- plot
 KINDS = {  # kind: (marker, colour, y offset in the lane, legend text)
-    "before_upload": (">", "#2ca02c", 0.0, "before_upload returned: task reads the master copy"),
-    "after_use": ("s", "#1f77b4", 0.0, "after_use: task done with the master copy"),
-    "before_grad": ("v", "#ff7f0e", 0.26, "before_grad returned: may add its gradient"),
-    "after_grad": ("^", "#d62728", -0.26, "after_grad: gradient added to the buffer"),
-    "g_copied": ("D", "#9467bd", 0.0, "g_copied: G copy done (buffer -> .grad)"),
+    "before_upload": (">", "#2ca02c", 0.0, "before_upload returned: task uploads the weight"),
+    "after_use": ("s", "#1f77b4", 0.0, "after_use: upload done, master copy free"),
+    "before_add": ("v", "#ff7f0e", 0.2, "before_add: courier adds a gradient"),
+    "after_grad": ("^", "#d62728", -0.2, "after_grad: gradient added to the buffer"),
+    "g_copied": ("D", "#9467bd", 0.2, "g_copied: buffer lent to the step as .grad"),
+    "released": ("P", "#17becf", -0.2, "released: the step is done with the buffer"),
     "p_copied": ("o", "#8c564b", 0.0, "p_copied: P copy done (weights -> master copy)"),
 }
 RULE_COLOURS = {1: "#0bb4c8", 2: "#d62f9d", 3: "#333333", 4: "#d9a400", 5: "#777777"}
@@ -283,7 +286,10 @@ def _lane_name(thread: str) -> str:
     if thread == OPTIMIZER_THREAD:
         return "optimizer"
     m = re.fullmatch(r"roundpipe-worker-(\d+)-(.+)", thread)
-    return f"worker {m.group(1)} ({m.group(2)})" if m else thread
+    if m:
+        return f"worker {m.group(1)} ({m.group(2)})"
+    m = re.fullmatch(r"roundpipe-courier-(\d+)", thread)
+    return f"courier {m.group(1)}" if m else thread
 
 
 def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path:
@@ -310,19 +316,15 @@ def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path
     ax.set_xlim(lo - 0.015 * (hi - lo), hi + 0.06 * (hi - lo))
     ax.set_ylim(-1.0, len(workers) + 0.55)
 
-    # tasks that read the parameter: before_upload ... after_use on one worker
+    # uploads of the parameter: before_upload ... after_use on one worker
     for thread in workers:
         start: Event | None = None
         for e in (e for e in mine if e.thread == thread):
             if e.kind == "before_upload":
                 start = e
             elif e.kind == "after_use" and start is not None:
-                grads = any(
-                    g.kind == "before_grad" and g.thread == thread and start.t <= g.t <= e.t
-                    for g in mine
-                )
                 ax.broken_barh(
-                    [(start.t, e.t - start.t)],
+                    [(start.t, max(e.t - start.t, 0.3))],
                     (lanes[thread] - 0.38, 0.76),
                     facecolors=WINDOW_SHADES[e.window % len(WINDOW_SHADES)],
                     edgecolors="#999999",
@@ -330,12 +332,12 @@ def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path
                     zorder=1,
                 )
                 ax.text(
-                    (start.t + e.t) / 2,
-                    lanes[thread],
-                    f"{'B' if grads else 'F'}{e.window}",
+                    start.t,
+                    lanes[thread] + 0.42,
+                    f"w{e.window}",
                     ha="center",
-                    va="center",
-                    fontsize=7,
+                    va="bottom",
+                    fontsize=6,
                     color="#444444",
                     zorder=2,
                 )
@@ -439,7 +441,9 @@ def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path
     ax.grid(axis="x", color="#eeeeee", zorder=0)
     ax.set_axisbelow(True)
     ax.set_title(
-        f"Five ordering rules, recorded on {len(workers)} CPU workers (parameter: {param})",
+        f"Five ordering rules, recorded on "
+        f"{sum(t.startswith('roundpipe-worker-') for t in workers)} CPU workers and their "
+        f"couriers (parameter: {param})",
         fontsize=11,
     )
     handles = [
@@ -460,18 +464,18 @@ def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path
         Patch(
             facecolor=WINDOW_SHADES[0],
             edgecolor="#999999",
-            label="task reading the weight: F/B (forward/backward) + window",
+            label="upload of the weight, window w",
         ),
         Patch(facecolor="#bbbbbb", edgecolor="#666666", label="optimizer step (fn)"),
     ]
     handles += [
         Line2D([], [], color=RULE_COLOURS[r], lw=1.4, label=text)
         for r, text in (
-            (1, "1: P copy of update w waits for window w+1's reads"),
-            (2, "2: window k reads after the P copy of update k-2"),
+            (1, "1: P copy of update w waits for window w+1's uploads"),
+            (2, "2: window k uploads after the P copy of update k-2"),
             (3, "3: G copy of update w waits for window w's gradients"),
-            (4, "4: window w+1 adds gradients after G copy w"),
-            (5, "5: one thread, per update: G copy, step, P copy"),
+            (4, "4: window w+1's gradients are added after update w released the buffer"),
+            (5, "5: one thread, per update: G copy, step, release, P copy"),
         )
     ]
     ax.legend(

@@ -478,9 +478,10 @@ def lower(
         raise PlanError("nothing to lower: the plan has no stage slots")
     if clock is not None:
         top = max(st.stop for st in stages)
-        if top > clock.costs.num_layers:
+        if top != clock.costs.num_layers:
             raise PlanError(
-                f"the stages reach layer {top} but the costs have {clock.costs.num_layers} layers"
+                f"the stages cover {top} layers but the clock's costs have "
+                f"{clock.costs.num_layers}; give costs of the same model"
             )
     window = iteration if window is None else window
     readers = readers_of(stages, output_readers)

@@ -271,6 +271,7 @@ def _simulate_roundpipe(
     _, clock = simulate_schedules(costs, plan, n, m, iterations, **kw)
     extra: dict = {"plan": plan}
     if async_optimizer:
+        kw.pop("async_optimizer")
         extra["async_bubble_ratio"] = steady_async_bubble(costs, plan, n, m, **kw)
     return _segments_result("roundpipe", clock.segments, n, m, iterations, **extra)
 
@@ -278,23 +279,27 @@ def _simulate_roundpipe(
 def steady_async_bubble(
     costs: LayerCosts, plan: StagePlan, n: int, m: int, *, iterations: int | None = None, **kw
 ) -> float:
-    """Idle fraction per iteration once iterations run back to back with the
-    asynchronous optimizer: ``1 - work / (N * period)``, the period measured
-    between the ends of iterations after the first two (which start from
-    idle devices), over ``iterations`` (default ``max(8, 2N + 2)``)."""
+    """Idle fraction of the devices once iterations run back to back with the
+    asynchronous optimizer.
+
+    Simulates ``iterations`` (default ``max(8, 2N + 2)``) iterations and
+    measures how busy the devices are between the end of the second iteration
+    (the first ones start on idle devices) and the start of the last one (after
+    it no more work follows): ``1 - busy / (N * window)``."""
     k = iterations if iterations is not None else max(8, 2 * n + 2)
+    if k < 4:
+        raise PlanError(f"iterations must be >= 4 to reach a steady state, got {k}")
     _, clock = simulate_schedules(costs, plan, n, m, k, async_optimizer=True, **kw)
-    ends = [0.0] * k
-    work = 0.0
-    for s in clock.segments:
-        ends[s.iteration] = max(ends[s.iteration], s.end)
-        if s.iteration == 0:
-            work += s.duration
-    skip = min(2, k - 2)
-    period = (ends[-1] - ends[skip]) / (k - 1 - skip) if k - 1 > skip else ends[-1]
-    if period <= 0:
-        return 0.0
-    return max(0.0, 1.0 - work / (n * period))
+    segs = clock.segments
+    t1 = max(s.end for s in segs if s.iteration == 1)
+    t2 = min(s.start for s in segs if s.iteration == k - 1)
+    if t2 <= t1:  # iterations barely overlap: one iteration's period instead
+        t1, t2 = (
+            min(s.start for s in segs if s.iteration == 1),
+            min(s.start for s in segs if s.iteration == 2),
+        )
+    busy = sum(max(0.0, min(s.end, t2) - max(s.start, t1)) for s in segs)
+    return max(0.0, 1.0 - busy / (n * (t2 - t1))) if t2 > t1 else 0.0
 
 
 # ----------------------------------------------------------------- baselines

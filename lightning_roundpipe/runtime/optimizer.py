@@ -158,6 +158,11 @@ class Protocol:
                 self.uses[(p.index, window)] -= 1
             self._notify()
 
+    def before_add(self, window: int, p: _Param) -> None:
+        """Rule 4 consumer: a gradient of ``window`` is about to be added into
+        ``p``'s buffer (the courier checked :meth:`grad_ready`)."""
+        self.chaos("grad")
+
     def grad_ready(self, window: int, p: _Param) -> bool:
         """Rule 4: the buffer was released by the step of the previous window
         (call under ``cond``)."""

@@ -266,7 +266,7 @@ class _Courier:
                         self.store.lock.wait(0.5)  # woken by put() and every protocol hand-off
                     item = self._items.popleft() if self._items and not ready else None
                 for job, window, p, g in ready:
-                    rt.protocol.chaos("grad")
+                    rt.protocol.before_add(window, p)
                     rt.host.accumulate(p, g)
                     rt.protocol.after_grad(window, p)  # rule 3 producer
                     with self.store.lock:

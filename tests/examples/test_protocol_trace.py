@@ -28,9 +28,18 @@ def test_recorded_trace_obeys_the_five_rules(seed):
     events = load("protocol_trace").record(windows=WINDOWS, seed=seed)
     opt = "roundpipe-optimizer"
     for e in events:
-        on_optimizer = e.kind in ("wait_grads", "g_copied", "p_copied", "step_begin", "step_end")
+        on_optimizer = e.kind in (
+            "wait_grads",
+            "g_copied",
+            "released",
+            "p_copied",
+            "step_begin",
+            "step_end",
+        )
         assert (e.thread == opt) == on_optimizer, e
-        if not on_optimizer:
+        if e.kind in ("before_add", "after_grad"):  # gradients are added off the workers
+            assert e.thread.startswith("roundpipe-courier-"), e
+        elif not on_optimizer:
             assert e.thread.startswith("roundpipe-worker-"), e
 
     for param in PARAMS:
@@ -42,7 +51,7 @@ def test_recorded_trace_obeys_the_five_rules(seed):
         # update's G copy ran once; the P copy of update w needs window w + 1
         # closed, so the last update's copy is still pending
         for w in range(WINDOWS):
-            for kind in ("before_upload", "after_use", "before_grad", "after_grad"):
+            for kind in ("before_upload", "after_use", "before_add", "after_grad"):
                 assert t(kind, w), f"{param}: no {kind} in window {w}"
             assert len(t("g_copied", w)) == 1, f"{param}: G copies of update {w}"
         for w in range(WINDOWS - 1):
@@ -53,12 +62,15 @@ def test_recorded_trace_obeys_the_five_rules(seed):
             (g,) = t("g_copied", w)
             # rule 3: the G copy follows every gradient of its window
             assert g >= max(t("after_grad", w)), f"{param}: rule 3, window {w}"
-            # rule 4: the next window adds gradients only after that G copy
+            # rule 4: the next window's gradients are added only after the step
+            # released the buffer
+            (r,) = t("released", w)
+            assert r >= g, f"{param}: released before its G copy, window {w}"
             if w + 1 < WINDOWS:
-                assert min(t("before_grad", w + 1)) >= g, f"{param}: rule 4, window {w + 1}"
+                assert min(t("before_add", w + 1)) >= r, f"{param}: rule 4, window {w + 1}"
         for w in range(WINDOWS - 1):
             (p,) = t("p_copied", w)
-            # rule 1: the P copy follows every read of windows w and w + 1
+            # rule 1: the P copy follows every upload of windows w and w + 1
             assert p >= max(t("after_use", w) + t("after_use", w + 1)), f"{param}: rule 1, {w}"
             # rule 2: window w + 2 reads the master copy only after it
             if w + 2 < WINDOWS:
@@ -69,8 +81,8 @@ def test_recorded_trace_obeys_the_five_rules(seed):
         for w in range(WINDOWS):
             order += t("wait_grads", w) + t("g_copied", w)
             order += times(events, "step_begin", w) + times(events, "step_end", w)
-            order += t("p_copied", w)
-        assert len(order) == 5 * WINDOWS - 1
+            order += t("released", w) + t("p_copied", w)
+        assert len(order) == 6 * WINDOWS - 1
         assert order == sorted(order), f"{param}: rule 5"
 
 
