@@ -154,9 +154,9 @@ class LayerRandomness:
             return
         if self.random.get(training) is False:
             gen = torch.default_generator
-            before = gen.get_state()
+            before = gen.get_state().numpy().tobytes()
             yield
-            if not torch.equal(before, gen.get_state()):
+            if before != gen.get_state().numpy().tobytes():
                 # this layer, or another thread (the training loop drawing random
                 # numbers while workers compute), moved the default generator:
                 # seed this layer from now on, to be safe

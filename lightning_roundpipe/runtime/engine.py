@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
 from ..plan.policy import RoundChoice, choose_plan, choose_round, simulated_period
@@ -57,7 +56,7 @@ from .optimizer import (
     StepHandle,
     _Job,
 )
-from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder
+from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder, named
 from .store import EngineFailure, HandoffTimeout, Store
 from .worker import Call, Job, Runtime, Worker, WorkerError
 
@@ -263,6 +262,10 @@ class RoundPipeEngine:
             Where work runs never changes what is computed.
         trace: record the real start and end of every operation per device
             (:meth:`trace_operations`, :meth:`chrome_trace`).
+        costs: per-layer costs to plan and place rounds with until profiling
+            measures them (e.g. ``LayerCosts.load`` of an earlier run's
+            :meth:`measured_costs`); default: size-based estimates. Their
+            ``memory``, if given, must be in bytes.
         fit_to_batch: a batch smaller than ``num_microbatches`` is split into
             one-sample micro-batches instead of being refused (for a short last
             batch of an epoch).
@@ -314,6 +317,7 @@ class RoundPipeEngine:
         activation_estimate: Callable[[Any], int] | None = None,
         placement: Placement = "free-first",
         trace: bool = False,
+        costs: LayerCosts | None = None,
         fit_to_batch: bool = False,
         precision: Precision = "32-true",
         async_optimizer: bool = False,
@@ -387,7 +391,19 @@ class RoundPipeEngine:
             plan.validate(len(layers))
         if size_limit is not None and not size_limit > 0:
             raise ValueError(f"size_limit must be > 0, got {size_limit!r}")
-        costs = estimate_costs(layers, compute_dtype)
+        if costs is not None:
+            if not isinstance(costs, LayerCosts):
+                raise TypeError(f"costs must be a LayerCosts, got {type(costs).__name__}")
+            if costs.num_layers != len(layers):
+                raise PlanError(
+                    f"costs has {costs.num_layers} layers but the model has {len(layers)}; "
+                    "give one cost per pipeline layer"
+                )
+            if costs.memory is None:  # the size-based memory still bounds the stages
+                est = estimate_costs(layers, compute_dtype)
+                costs = LayerCosts(costs.forward, costs.backward, est.memory, est.weight_bytes)
+        else:
+            costs = estimate_costs(layers, compute_dtype)
         limit = self._memory_limit(devs, costs, device_memory_limit)
         if plan is None:
             # estimates hold no activations: both limits bound the same numbers
@@ -483,9 +499,18 @@ class RoundPipeEngine:
         )
 
     def _set_plan(self, plan: StagePlan, costs: LayerCosts | None = None) -> None:
-        """Install a stage plan (between iterations, with nothing in flight) and
-        a fresh clock for the costs in use."""
+        """Install a stage plan and a fresh clock for the costs in use. A new
+        plan is installed between iterations with nothing in flight; the same
+        plan only gets the new clock (its running-statistics order is kept)."""
+        same = getattr(self, "plan", None) == plan
         self.plan = plan
+        self._clock = Clock(
+            costs if costs is not None else self._costs,
+            self.num_devices,
+            async_optimizer=self.async_optimizer,
+        )
+        if same:
+            return
         # forward-only slots (evaluation, outputs for a loss computed outside):
         # the forward stages, then the fused stage's layers run forward only
         top = plan.fused_stage
@@ -500,11 +525,6 @@ class RoundPipeEngine:
             if st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
         }
         self._last_ordered: dict[int, tuple] = {}
-        self._clock = Clock(
-            costs if costs is not None else self._costs,
-            self.num_devices,
-            async_optimizer=self.async_optimizer,
-        )
 
     def measured_costs(self) -> LayerCosts | None:
         """Per-layer costs measured so far (median per micro-batch), with the
@@ -534,6 +554,7 @@ class RoundPipeEngine:
             if need[worst] > limit:
                 over = (self.plan.stages[worst].label, int(need[worst]))
         if self._user_plan:
+            self._set_plan(self.plan, costs)  # the clock predicts with measured times
             if over is not None:
                 log.warning(
                     "RoundPipe: stage %s of the given plan %s needs about %d bytes with its "
@@ -1020,7 +1041,7 @@ class RoundPipeEngine:
             )
             self._submit(call, self.plan, mbs, train=True)
         store = self._rt.store
-        with record_function(f"RP wait losses of iteration {iteration}"):
+        with named(f"RP wait losses of iteration {iteration}"):
             losses = [
                 self._wait(
                     lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[

@@ -112,6 +112,7 @@ class Protocol:
         self.grads: dict[tuple[int, int], int] = defaultdict(int)  # rule 3: (param, window)
         self.closed = -1  # highest window whose step() was called
         self.disabled: set[int] = set()
+        self.on_release: list[Callable[[], None]] = []  # couriers holding gradients
         self.chaos: Callable[[str], None] = _no_chaos
 
     # ------------------------------------------------------------- helpers
@@ -196,6 +197,8 @@ class Protocol:
             for p in params:
                 self.g_done[p.index] = window + 1
             self._notify()
+        for wake in list(self.on_release):
+            wake()
 
     def uses_done(self, window: int, p: _Param) -> bool:
         """Rule 1: no task of ``window`` or ``window + 1`` reads ``p``'s master

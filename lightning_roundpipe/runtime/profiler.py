@@ -25,14 +25,31 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from ..plan import LayerCosts
 
-__all__ = ["LayerTimer", "Profiler", "Stopwatch", "TraceRecorder", "Traffic", "saved_bytes"]
+__all__ = [
+    "LayerTimer",
+    "Profiler",
+    "Stopwatch",
+    "TraceRecorder",
+    "Traffic",
+    "named",
+    "saved_bytes",
+]
+
+
+def named(name: str) -> Any:
+    """A ``torch.profiler.record_function`` range called ``name`` while a torch
+    profiler is recording, else nothing (a range costs microseconds per task
+    and wait even when nobody records)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return nullcontext()
 
 
 class LayerTimer:

@@ -51,6 +51,7 @@ class Store:
         self._cond = threading.Condition()
         self._entries: dict[Key, _Entry] = {}
         self._failure: BaseException | None = None
+        self.on_fail: list = []  # callables woken by a failure (threads with their own waits)
 
     # ------------------------------------------------------------ failures
     def fail(self, exc: BaseException) -> None:
@@ -61,6 +62,8 @@ class Store:
             for entry in self._entries.values():
                 entry.event.set()
             self._cond.notify_all()
+        for wake in list(self.on_fail):
+            wake()
 
     @property
     def failure(self) -> BaseException | None:

@@ -44,14 +44,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from ..plan.schedule import Schedule, Task
 from .device import DeviceContext, LayerRandomness, layer_seed
 from .host import HostState, LayerReplica, _Param
 from .nested import call_layer, flatten_tensors, map_tensors
 from .optimizer import Protocol
-from .profiler import LayerTimer, Profiler, Stopwatch, TraceRecorder, Traffic, saved_bytes
+from .profiler import (
+    LayerTimer,
+    Profiler,
+    Stopwatch,
+    TraceRecorder,
+    Traffic,
+    named,
+    saved_bytes,
+)
 from .scope import stage_scope
 from .store import EngineFailure, HandoffTimeout, Store
 
@@ -115,17 +122,26 @@ class Job:
     key: tuple = field(init=False)
     outstanding: int = 0  # gradients the courier still holds (guarded by the store lock)
     finished: bool = False  # the courier reached the job's end
+    queued: int = 0  # items handed to the courier (worker thread only)
+    grads_last: bool = False  # its gradients are its last courier item (worker thread only)
+    names: dict[str, tuple[str, int]] = field(init=False)  # "act12" -> ("act", 12)
 
     def __post_init__(self) -> None:
         self.key = (self.call.serial, self.index)
+        self.names = {n: _parse(n) for n in (*self.task.reads, *self.task.writes)}
+
+    def store_key(self, name: str, mb: int) -> tuple:
+        """Store key of one of the task's reads or writes for micro-batch ``mb``."""
+        kind, layer = self.names[name]
+        return (self.call.iteration, kind, layer, mb)
 
 
-def _key(call: Call, name: str, mb: int) -> tuple:
-    """Store key of a plan read/write such as ``"act12"``, ``"grad15"``, ``"loss"``."""
+def _parse(name: str) -> tuple[str, int]:
+    """A plan read/write such as ``"act12"``, ``"grad15"``, ``"loss"``."""
     if name == "loss":
-        return (call.iteration, "loss", 0, mb)
+        return ("loss", 0)
     kind = name.rstrip("0123456789")
-    return (call.iteration, kind, int(name[len(kind) :]), mb)
+    return (kind, int(name[len(kind) :]))
 
 
 class Runtime:
@@ -197,56 +213,78 @@ class _Courier:
     (publish a value, signal rule 1, write running statistics back, finish a
     job). Gradients wait, in addition, until the previous step has released
     the host buffer (rule 4); they are held meanwhile, and nothing behind them
-    waits."""
+    waits. The courier sleeps on its own condition, woken by its worker, by a
+    release of gradient buffers and by a failure, never by unrelated hand-offs."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.store = worker.rt.store
+        self._cond = threading.Condition()
         self._items: deque[tuple[Any, Callable[[], None] | None, Job | None]] = deque()
         self._grads: list[tuple[Job, int, _Param, torch.Tensor]] = []  # held by rule 4
         self._stop = False
+        self._poke = False  # a buffer was released: look at the held gradients again
+        worker.rt.protocol.on_release.append(self.wake)
+        self.store.on_fail.append(self.wake)
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-courier-{worker.index}", daemon=True
         )
 
+    def wake(self) -> None:
+        with self._cond:
+            self._poke = True
+            self._cond.notify()
+
     def put(self, event: Any, fn: Callable[[], None] | None, job: Job | None) -> None:
-        with self.store.lock:
+        if job is not None:
+            job.queued += 1
+        with self._cond:
             self._items.append((event, fn, job))
-            self.store.lock.notify_all()
+            self._cond.notify()
 
     def grads(self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor]]) -> None:
-        """Add ``items`` (parameter, fp32 host gradient) once ``event`` is done."""
+        """Add ``items`` (parameter, fp32 host gradient) once ``event`` is done;
+        the job's last item: it is done once they are all in."""
 
         def hold() -> None:
             with self.store.lock:
                 job.outstanding += len(items)
-                self._grads.extend((job, job.call.window, p, g) for p, g in items)
+                job.finished = True
+            self._grads.extend((job, job.call.window, p, g) for p, g in items)
+            self._poke = True
 
+        job.grads_last = True
         self.put(event, hold, job)
 
     def finish(self, job: Job) -> None:
-        """The job's work is all queued: it is done once its gradients are in."""
+        """The job's work is all queued: done at once when nothing of it is with
+        the courier, else once the courier reaches this point."""
+        if job.grads_last:  # its gradients carry the end
+            return
+        if job.queued == 0:
+            self.worker.rt.job_done(job)
+            return
 
         def end() -> None:
-            with self.store.lock:
-                job.finished = True
-                last = job.outstanding == 0
-            if last:
-                self.worker.rt.job_done(job)
+            self.worker.rt.job_done(job)
 
         self.put(None, end, job)
 
     def stop(self) -> None:
-        with self.store.lock:
+        with self._cond:
             self._stop = True
-            self.store.lock.notify_all()
+            self._cond.notify()
 
     def _ready_grads(self) -> list[tuple[Job, int, _Param, torch.Tensor]]:
-        """Held gradients whose buffer is free now (call under the lock)."""
+        """Held gradients whose buffer is free now (this thread only)."""
+        if not self._grads:
+            return []
         proto = self.worker.rt.protocol
-        ready = [g for g in self._grads if proto.grad_ready(g[1], g[2])]
+        with proto.cond:
+            ready = [g for g in self._grads if proto.grad_ready(g[1], g[2])]
         if ready:
-            self._grads = [g for g in self._grads if not proto.grad_ready(g[1], g[2])]
+            taken = {id(g) for g in ready}
+            self._grads = [g for g in self._grads if id(g) not in taken]
         return ready
 
     def _main(self) -> None:
@@ -254,18 +292,18 @@ class _Courier:
         rt = self.worker.rt
         try:
             while True:
-                with self.store.lock:
-                    while True:
-                        if self.store.failure is not None:
-                            return
-                        ready = self._ready_grads()
-                        if ready or self._items:
+                with self._cond:
+                    while not self._items and not self._poke:
+                        if self.store.failure is not None or self._stop:
                             break
-                        if self._stop:
-                            return
-                        self.store.lock.wait(0.5)  # woken by put() and every protocol hand-off
-                    item = self._items.popleft() if self._items and not ready else None
-                for job, window, p, g in ready:
+                        self._cond.wait(1.0)
+                    if self.store.failure is not None:
+                        return
+                    poke, self._poke = self._poke, False
+                    item = self._items.popleft() if self._items else None
+                    if item is None and not poke and self._stop:
+                        return
+                for job, window, p, g in self._ready_grads() if poke else ():
                     rt.protocol.before_add(window, p)
                     rt.host.accumulate(p, g)
                     rt.protocol.after_grad(window, p)  # rule 3 producer
@@ -435,11 +473,11 @@ class Worker:
 
     def _run(self, job: Job, mb: list[int | None]) -> None:
         t, call = job.task, job.call
-        with record_function(f"RP {call.iteration}:{t}"):
+        with named(f"RP {call.iteration}:{t}"):
             if job.after is not None:
                 # running statistics of the previous round of this slot must be on
                 # the host before this round uploads them
-                with record_function("RP wait running statistics"):
+                with named("RP wait running statistics"):
                     self.store.wait_until(
                         lambda: job.after in self.rt.written,
                         f"stage {t.stage} of the previous round (running statistics)",
@@ -485,10 +523,10 @@ class Worker:
                 if nxt is not None:  # after the urgent activation upload
                     self._prefetch_window(nxt, w)
             mb[0] = None
-            if acc is not None:
-                self._send_grads(job, params, acc)
             if call.train and t.kind != "backward" and self.host.stage_has_state(t.start, t.stop):
                 self._write_buffers(job, replicas)
+            if acc is not None:  # the task's last courier item: it ends the task
+                self._send_grads(job, params, acc)
         finally:
             for h in hooks:
                 h.remove()
@@ -503,7 +541,7 @@ class Worker:
         ctx, t = self.ctx, job.task
         window = job.call.window
         # rule 2: the master copies hold the weights this window must see
-        with record_function("RP wait weights (rule 2)"):
+        with named("RP wait weights (rule 2)"):
             self.protocol.before_upload(window, params)
         span = self.host.span(t.start, t.stop)
         arena = self.host.pool.buffer
@@ -613,10 +651,12 @@ class Worker:
     def _accumulators(
         self, params: list[_Param], weights: dict[int, nn.Parameter]
     ) -> tuple[torch.Tensor | None, list]:
-        """An fp32 accumulator on the device for the stage's trainable weights:
-        each micro-batch's gradient is added as autograd produces it (so the
-        sum does not depend on how micro-batches are grouped), and ``.grad``
-        is dropped at once."""
+        """An fp32 accumulator on the device for the stage's trainable weights,
+        one flat buffer (so it goes down in one copy). Each micro-batch's
+        gradient is added into it as autograd produces it, so the sum does not
+        depend on how micro-batches are grouped into rounds: fp32 weights get a
+        view of it as ``.grad`` (autograd adds in place); lower-precision
+        weights a hook that adds their gradient in fp32 and drops it."""
         train = [p for p in params if p.trainable]
         if not train:
             return None, []
@@ -628,6 +668,10 @@ class Worker:
         for p, n in zip(train, sizes, strict=True):
             view = acc[off : off + n].view(p.master.shape)
             off += n
+            w = weights[p.index]
+            if w.dtype == torch.float32:
+                w.grad = view
+                continue
 
             def add(w: torch.Tensor, view: torch.Tensor = view) -> None:
                 g = w.grad
@@ -635,7 +679,7 @@ class Worker:
                     view.add_(g.to_dense() if g.is_sparse else g)
                 w.grad = None
 
-            hooks.append(weights[p.index].register_post_accumulate_grad_hook(add))
+            hooks.append(w.register_post_accumulate_grad_hook(add))
         return acc, hooks
 
     def _send_grads(self, job: Job, params: list[_Param], acc: torch.Tensor) -> None:
@@ -680,7 +724,7 @@ class Worker:
 
     # ------------------------------------------------------- activations
     def _fetch(self, job: Job, name: str, j: int) -> Any:
-        key = _key(job.call, name, j)
+        key = job.store_key(name, j)
         if key in self._ahead:
             return self._ahead.pop(key)
         return self._upload_input(job, key, name, j)
@@ -691,7 +735,7 @@ class Worker:
         if j is None:
             return
         name = job.task.reads[0]
-        key = _key(job.call, name, j)
+        key = job.store_key(name, j)
         if key not in self._ahead:
             self._ahead[key] = self._upload_input(job, key, name, j)
 
@@ -699,15 +743,21 @@ class Worker:
         ctx = self.ctx
         self.protocol.chaos("store")
         what = f"{name} of {job.task.stage}, micro-batch {j}"
-        with record_function(f"RP wait {name} mb{j}"):
+        with named(f"RP wait {name} mb{j}"):
             host, last = self.store.take(key, what)
         self.protocol.chaos("upload")
         if host is None:
             return None
-        nbytes = sum(t.numel() * t.element_size() for t in flatten_tensors(host))
+        nbytes = 0
+
+        def up(t: torch.Tensor) -> torch.Tensor:
+            nonlocal nbytes
+            nbytes += t.nbytes
+            # a reader before the last gets its own copy, in case a layer writes in place
+            return ctx.upload(t, ctx.act_up, fresh=not last)
+
+        dev = map_tensors(up, host)
         self.rt.traffic.add(job.call.iteration, "acts_up", nbytes)
-        # a reader before the last gets its own copy, in case a layer writes in place
-        dev = map_tensors(lambda t: ctx.upload(t, ctx.act_up, fresh=not last), host)
         # compute waits for this micro-batch's activations (activations up -> compute)
         ctx.compute.wait_event(ctx.record(ctx.act_up))
         return dev
@@ -717,15 +767,22 @@ class Worker:
         publishes once complete; on CPU at once. ``fresh``: the value may still
         be changed in place by the layers after it, so copy it first."""
         ctx, call = self.ctx, job.call
-        key = _key(call, name, j)
+        key = job.store_key(name, j)
         readers = call.schedule.readers.get(key[2], 0) if key[1] == "act" else 1
-        if fresh:
-            with ctx.on(ctx.compute):
-                value = map_tensors(lambda t: t.detach().clone(), value)
+        nbytes = 0
+
+        def down(t: torch.Tensor) -> torch.Tensor:
+            nonlocal nbytes
+            nbytes += t.nbytes
+            t = t.detach()
+            if fresh:  # still computed on by the stage's later layers
+                with ctx.on(ctx.compute):
+                    t = t.clone()
+            return ctx.download(t, ctx.act_down)
+
         # the download waits for the compute that produced the value (compute -> act down)
         ctx.act_down.wait_event(ctx.record(ctx.compute))
-        host = map_tensors(lambda t: ctx.download(t.detach(), ctx.act_down), value)
-        nbytes = sum(t.numel() * t.element_size() for t in flatten_tensors(value))
+        host = map_tensors(down, value)
         self.rt.traffic.add(call.iteration, "acts_down", nbytes)
         if key[1] == "act" and call.train:
             with self.store.lock:  # host memory the round's activations take
