@@ -10,9 +10,12 @@ becomes engine work:
   pipelined backward (the engine re-runs the forward with the output gradient).
 * :class:`CausalLMAdapter`: Hugging Face causal LMs of the Llama family (Llama,
   Qwen2, Qwen3, Mistral; also wrapped by PEFT). Layers: the token embedding,
-  each decoder layer (rotary embeddings and the causal mask are rebuilt inside
-  each layer from ``position_ids`` and the 2-D ``attention_mask``, so only the
-  hidden states cross stage boundaries), and norm + LM head. Called with
+  each decoder layer (the causal mask and rotary embeddings are built from
+  ``position_ids`` and the 2-D ``attention_mask`` by a stage's first decoder
+  layer, once per micro-batch, and shared by the stage's other layers, so only
+  the hidden states cross stage boundaries), and norm + LM head. Whether a batch
+  has padding or packed sequences is decided on the host before anything is
+  uploaded, so no layer waits for the device to answer it. Called with
   ``labels=`` while training, the loss is computed inside the pipeline (the
   fused stage) per micro-batch and weighted by its share of the batch's real
   tokens, so it equals the unsplit model's loss and full-batch logits never
@@ -34,6 +37,7 @@ from torch import nn
 
 from .runtime.engine import EngineClosedError
 from .runtime.nested import batch_size_of, split_microbatches
+from .runtime.scope import stage_cached
 
 if TYPE_CHECKING:
     from .runtime import RoundPipeEngine
@@ -170,14 +174,31 @@ class _Embed(nn.Module):
         super().__init__()
         self.embed = embed
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, packed=False):
         h = self.embed(input_ids)
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         out = {"hidden_states": h, "position_ids": position_ids}
         if attention_mask is not None:
             out["attention_mask"] = attention_mask
+        if packed:
+            out["packed"] = True
         return out
+
+
+def _packed_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed sequence each token belongs to (a new one wherever the
+    positions do not continue by one), computed on the device, no sync."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def is_packed(position_ids: torch.Tensor) -> bool:
+    """Whether host ``position_ids`` hold several sequences per row (positions
+    that restart), as transformers detects packed inputs."""
+    if position_ids.dim() < 2:
+        position_ids = position_ids.reshape(1, -1)
+    return bool((_packed_ids(position_ids)[:, -1] != 0).any())
 
 
 class _Decoder(nn.Module):
@@ -185,11 +206,18 @@ class _Decoder(nn.Module):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
+        # the shared rotary module's identity, kept by the workers' copies (each
+        # replica of this layer holds its own copy of the module)
+        self.rotary_key = id(rotary)
         self.config = config
         types = getattr(config, "layer_types", None)
         self.sliding = bool(types) and types[index] == "sliding_attention"
 
-    def forward(self, hidden_states, position_ids, attention_mask=None):
+    def _mask(self, hidden_states, position_ids, attention_mask, packed):
+        """The model's own mask for this layer type, without the checks that
+        read device values (the adapter decided them on the host): a padding
+        mask is always applied (no ``is_causal`` shortcut), packed sequences
+        are kept apart from ``position_ids``."""
         from transformers import masking_utils
 
         make = (
@@ -197,14 +225,32 @@ class _Decoder(nn.Module):
             if self.sliding
             else masking_utils.create_causal_mask
         )
-        mask = make(
+        kwargs: dict[str, Any] = {}
+        if attention_mask is not None:
+            kwargs["allow_is_causal_skip"] = False
+        elif packed:
+            ids = position_ids.expand(hidden_states.shape[0], -1)
+            kwargs["and_mask_function"] = masking_utils.packed_sequence_mask_function(
+                _packed_ids(ids)
+            )
+        return make(
             config=self.config,
             inputs_embeds=hidden_states,
             attention_mask=attention_mask,
             past_key_values=None,
-            position_ids=position_ids,
+            position_ids=None,  # packing is known: no detection on the device
+            **kwargs,
         )
-        pe = self.rotary(hidden_states, position_ids)
+
+    def forward(self, hidden_states, position_ids, attention_mask=None, packed=False):
+        # built by the stage's first decoder layer, reused by the others
+        mask = stage_cached(
+            ("mask", self.sliding),
+            lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
+        )
+        pe = stage_cached(
+            ("rotary", self.rotary_key), lambda: self.rotary(hidden_states, position_ids)
+        )
         h = self.layer(
             hidden_states,
             attention_mask=mask,
@@ -217,6 +263,8 @@ class _Decoder(nn.Module):
         out = {"hidden_states": h, "position_ids": position_ids}
         if attention_mask is not None:
             out["attention_mask"] = attention_mask
+        if packed:
+            out["packed"] = True
         return out
 
 
@@ -226,7 +274,7 @@ class _Head(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden_states, position_ids=None, attention_mask=None):
+    def forward(self, hidden_states, position_ids=None, attention_mask=None, packed=False):
         return self.lm_head(self.norm(hidden_states))
 
 
@@ -247,6 +295,19 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class CausalLMAdapter(_Adapter):
     """A Hugging Face Llama-family causal LM (optionally inside PEFT)."""
+
+    def _cache(self, past_key_values: Any, use_cache: bool | None) -> bool:
+        """Whether the model would run with a key-value cache (it then never
+        treats ``position_ids`` as packed sequences): given, or ``use_cache``
+        defaulting to the config's, off under gradient checkpointing in training."""
+        if past_key_values is not None:
+            return True
+        if use_cache is None:
+            use_cache = bool(getattr(self.target.config, "use_cache", False))
+        inner = self.target.model
+        if use_cache and getattr(inner, "gradient_checkpointing", False) and inner.training:
+            return False
+        return bool(use_cache)
 
     kind = "Hugging Face causal LM"
 
@@ -293,13 +354,20 @@ class CausalLMAdapter(_Adapter):
             raise TypeError(
                 f"{self.name}: arguments {sorted(unknown)} are not supported by the pipeline"
             )
-        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
-        if attention_mask is not None:
+        inputs: dict[str, Any] = {"input_ids": input_ids}
+        # decided here, on the host, so no stage has to read device values: a
+        # mask without padding is no mask (the model would skip it too), and
+        # packed sequences are detected from the positions
+        # (as the model does, packing is looked for only with no mask and no cache)
+        if attention_mask is not None and not bool(attention_mask.all()):
             inputs["attention_mask"] = attention_mask
         if position_ids is not None:
             if position_ids.shape[0] != input_ids.shape[0]:
                 position_ids = position_ids.expand(input_ids.shape[0], -1)
             inputs["position_ids"] = position_ids
+            no_cache = not self._cache(past_key_values, use_cache)
+            if attention_mask is None and no_cache and is_packed(position_ids):
+                inputs["packed"] = True
         engine = self.engine
         training = torch.is_grad_enabled() and self.target.training
         if training and labels is not None:

@@ -1,38 +1,47 @@
 """Planning layer: pure Python, no CUDA calls, no threads.
 
 What to run where, decided before anything runs: per-layer costs, the stage
-plan and its partitioner, the round-robin dispatch, transfer windows, and a
-schedule simulator with the baselines RoundPipe is compared against.
+plan, its partitioner and the policy that chooses among plans and round
+sizes, the lowering of an iteration to the tasks that run (with the clock
+that places them), transfer windows, and a schedule simulator that executes
+the same lowered tasks, with the baselines RoundPipe is compared against.
 """
 
 from .costs import LayerCosts, PlanError, decoder_costs
-from .schedule import Clock, Schedule, Task, lower
-from .partition import balanced_partition, partition, partition_exhaustive, round_size
+from .partition import balanced_partition, frontier, partition, partition_exhaustive
 from .plot import plot_timeline
+from .policy import RoundChoice, choose_plan, choose_round, hides_uploads, simulated_period
+from .schedule import Clock, Schedule, Task, lower
 from .simulate import SCHEDULES, Segment, SimulationResult, choose_microbatches, simulate
 from .stages import Stage, StagePlan
 from .windows import TransferPiece, TransferWindow, transfer_windows
 
 __all__ = [
     "SCHEDULES",
-    "DispatchPlan",
-    "DispatchStep",
+    "Clock",
     "LayerCosts",
     "PlanError",
+    "RoundChoice",
+    "Schedule",
     "Segment",
     "SimulationResult",
     "Stage",
     "StagePlan",
+    "Task",
     "TransferPiece",
     "TransferWindow",
     "balanced_partition",
     "choose_microbatches",
+    "choose_plan",
+    "choose_round",
     "decoder_costs",
-    "dispatch",
+    "frontier",
+    "hides_uploads",
+    "lower",
     "partition",
     "partition_exhaustive",
     "plot_timeline",
-    "round_size",
     "simulate",
+    "simulated_period",
     "transfer_windows",
 ]

@@ -39,7 +39,7 @@ from itertools import accumulate
 from .costs import LayerCosts, PlanError
 from .stages import StagePlan
 
-__all__ = ["balanced_partition", "frontier", "partition", "round_size"]
+__all__ = ["balanced_partition", "frontier", "partition"]
 
 
 def _check_counts(num_devices: int, num_microbatches: int) -> None:
@@ -417,7 +417,9 @@ def _rebalance(costs: LayerCosts, plan: StagePlan, limit: float | None) -> Stage
         fits = limit is None or max(p.stage_memory(costs)) <= limit
         return fits and p.max_stage_time(costs) <= t_max + tol
 
-    fwd = tuple(forward) if ok(StagePlan(tuple(forward), plan.fused, plan.backward)) else plan.forward
+    fwd = (
+        tuple(forward) if ok(StagePlan(tuple(forward), plan.fused, plan.backward)) else plan.forward
+    )
     bwd = tuple(backward) if ok(StagePlan(fwd, plan.fused, tuple(backward))) else plan.backward
     return StagePlan(fwd, plan.fused, bwd)
 
@@ -433,38 +435,3 @@ def balanced_partition(weights: Sequence[float], num_parts: int) -> list[int]:
     n = len(weights)
     counts = _min_max_cut(weights, min(num_parts, n)) if n else []
     return counts + [0] * (num_parts - len(counts))
-
-
-def round_size(
-    plan: StagePlan,
-    costs: LayerCosts,
-    num_devices: int,
-    bandwidth: float,
-    max_microbatches: int | None = None,
-) -> int:
-    """Micro-batches per round so that every stage's weight upload hides behind
-    its compute.
-
-    A device runs a slot for the ``M_R`` micro-batches of a round while the next
-    slot's weights stream in, so ``M_R * t_stage >= weight_bytes / bandwidth``
-    for every slot (stage time per micro-batch ``t_stage`` from ``costs``,
-    weights from ``costs.weight_bytes``). The result is at least
-    ``num_devices`` (round-robin needs it) and at most ``max_microbatches``.
-
-    Args:
-        bandwidth: host-to-device bytes per unit of ``costs`` time.
-    """
-    if not bandwidth > 0:
-        raise PlanError(f"bandwidth must be > 0, got {bandwidth!r}")
-    need = num_devices
-    if costs.weight_bytes is not None:
-        for st in plan.stages:
-            t = st.time(costs)
-            upload = costs.stage_weight_bytes(st.start, st.stop) / bandwidth
-            if t > 0:
-                need = max(need, math.ceil(upload / t))
-            elif upload > 0 and max_microbatches is not None:
-                need = max_microbatches
-    if max_microbatches is not None:
-        need = min(need, max(max_microbatches, num_devices))
-    return need

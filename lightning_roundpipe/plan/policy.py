@@ -19,15 +19,22 @@ activations would exceed a host-memory budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import LayerCosts, PlanError
 from .partition import frontier
 from .schedule import Placement
 from .simulate import simulate, steady_async_bubble
-from .stages import StagePlan
+from .stages import Stage, StagePlan
 
-__all__ = ["RoundChoice", "choose_plan", "choose_round", "simulated_period"]
+__all__ = [
+    "RoundChoice",
+    "choose_plan",
+    "choose_round",
+    "hides_uploads",
+    "simulated_period",
+]
 
 
 def simulated_period(
@@ -94,7 +101,8 @@ def choose_plan(
     c = n * (n - 1)
     plans = frontier(costs, memory_limit)
     ranked = sorted(
-        plans, key=lambda p: ((m * p.num_slots + c) * p.max_stage_time(costs), p.max_stage_time(costs))
+        plans,
+        key=lambda p: ((m * p.num_slots + c) * p.max_stage_time(costs), p.max_stage_time(costs)),
     )[:candidates]
     if len(ranked) == 1:
         return ranked[0]
@@ -151,8 +159,12 @@ def choose_round(
     m = num_microbatches
     if boundary_bytes is None or budget is None:
         why = "no activation budget" if budget is None else "activation size not known yet"
-        return RoundChoice(m, None if boundary_bytes is None else m * boundary_bytes, budget,
-                           f"whole batch ({why})")
+        return RoundChoice(
+            m,
+            None if boundary_bytes is None else m * boundary_bytes,
+            budget,
+            f"whole batch ({why})",
+        )
     if budget <= 0:
         raise PlanError(f"the activation memory budget must be > 0 bytes, got {budget}")
     need = m * boundary_bytes
@@ -165,4 +177,24 @@ def choose_round(
         budget,
         f"{mr} of {m} micro-batches per round: a whole batch's activations "
         f"({need / 2**30:.2f} GiB) exceed the budget ({budget / 2**30:.2f} GiB)",
+    )
+
+
+def hides_uploads(
+    plan: StagePlan | Sequence[Stage], costs: LayerCosts, round_size: int, bandwidth: float
+) -> bool:
+    """Whether a round's compute hides its weight uploads: a device runs a stage
+    for the ``round_size`` micro-batches of a round while the next stage's
+    weights stream in, so every stage needs ``round_size * t_stage >=
+    weight_bytes / bandwidth`` (stage time per micro-batch from ``costs``,
+    weights from ``costs.weight_bytes``; ``bandwidth`` in bytes per unit of
+    ``costs`` time)."""
+    if not bandwidth > 0:
+        raise PlanError(f"bandwidth must be > 0, got {bandwidth!r}")
+    if costs.weight_bytes is None:
+        raise PlanError("hides_uploads needs costs with weight_bytes")
+    stages = plan.stages if isinstance(plan, StagePlan) else plan
+    return all(
+        round_size * st.time(costs) >= costs.stage_weight_bytes(st.start, st.stop) / bandwidth
+        for st in stages
     )

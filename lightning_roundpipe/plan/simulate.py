@@ -41,10 +41,19 @@ from .partition import balanced_partition, partition
 from .schedule import Clock, Placement, Schedule, Segment, SegmentKind, lower
 from .stages import StagePlan
 
-__all__ = ["SCHEDULES", "Schedule", "Segment", "SimulationResult", "simulate"]
+__all__ = [
+    "SCHEDULES",
+    "ScheduleName",
+    "Segment",
+    "SimulationResult",
+    "simulate",
+    "simulate_schedules",
+    "steady_async_bubble",
+]
 
-Schedule = Literal["roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"]
+ScheduleName = Literal["roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"]
 SCHEDULES: tuple[str, ...] = ("roundpipe", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+
 
 @dataclass(frozen=True)
 class SimulationResult:
@@ -410,7 +419,7 @@ def _simulate_baseline(
 
 # -------------------------------------------------------------------- public
 def simulate(
-    schedule: Schedule,
+    schedule: ScheduleName,
     costs: LayerCosts,
     num_devices: int,
     num_microbatches: int,

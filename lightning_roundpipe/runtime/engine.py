@@ -32,14 +32,19 @@ import torch
 from torch import nn
 
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
-from ..plan.policy import RoundChoice, choose_plan, choose_round, simulated_period
+from ..plan.policy import (
+    RoundChoice,
+    choose_plan,
+    choose_round,
+    hides_uploads,
+    simulated_period,
+)
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
 from .device import pin
 from .host import HostState
 from .nested import (
     batch_size_of,
-    flatten_tensors,
     map_tensors,
     merge_microbatches,
     split_microbatches,
@@ -266,6 +271,11 @@ class RoundPipeEngine:
             measures them (e.g. ``LayerCosts.load`` of an earlier run's
             :meth:`measured_costs`); default: size-based estimates. Their
             ``memory``, if given, must be in bytes.
+        forbid_host_sync: fail, naming the call, when a layer makes the worker
+            wait for its device (``.item()``, ``bool()`` of a device tensor,
+            ...; on GPUs every synchronizing call): a debugging aid for layers
+            that stall the pipeline. See
+            :func:`~lightning_roundpipe.runtime.scope.forbid_host_sync`.
         fit_to_batch: a batch smaller than ``num_microbatches`` is split into
             one-sample micro-batches instead of being refused (for a short last
             batch of an epoch).
@@ -318,6 +328,7 @@ class RoundPipeEngine:
         placement: Placement = "free-first",
         trace: bool = False,
         costs: LayerCosts | None = None,
+        forbid_host_sync: bool = False,
         fit_to_batch: bool = False,
         precision: Precision = "32-true",
         async_optimizer: bool = False,
@@ -365,12 +376,12 @@ class RoundPipeEngine:
         user_plan = plan is not None
         if not watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
-        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
-            num_microbatches < 1
+        if (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or (num_microbatches < 1)
         ):
-            raise PlanError(
-                f"num_microbatches must be an integer >= 1, got {num_microbatches!r}"
-            )
+            raise PlanError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
         if microbatches_per_round not in (None, "auto") and (
             isinstance(microbatches_per_round, bool)
             or not isinstance(microbatches_per_round, int)
@@ -408,7 +419,11 @@ class RoundPipeEngine:
         if plan is None:
             # estimates hold no activations: both limits bound the same numbers
             plan = choose_plan(
-                costs, n, m, async_optimizer=async_optimizer, memory_limit=tightest(limit, size_limit)
+                costs,
+                n,
+                m,
+                async_optimizer=async_optimizer,
+                memory_limit=tightest(limit, size_limit),
             )
         elif limit is not None:
             worst = max(range(plan.num_slots), key=lambda i: plan.stage_memory(costs)[i])
@@ -466,6 +481,7 @@ class RoundPipeEngine:
         rt = self._rt = Runtime(self._host, store, self._protocol)
         if trace:
             rt.trace = TraceRecorder()
+        rt.forbid_host_sync = forbid_host_sync
         self._set_plan(plan)
         self.scaler = LossScaler(enabled=precision == "16-mixed")
         names = {}
@@ -714,16 +730,13 @@ class RoundPipeEngine:
             span = host.span(st.start, st.stop)
             weights += span.nbytes + sum(p.nbytes for p in span.outside)
             if st.kind != "forward":
-                grads += 4 * sum(p.master.numel() for p in host.stage_params(st.start, st.stop)
-                                 if p.trainable)
+                grads += 4 * sum(
+                    p.master.numel() for p in host.stage_params(st.start, st.stop) if p.trainable
+                )
         hidden = None
         costs = self.measured_costs()
         if self._bandwidth and costs is not None:
-            mr = sched.round_size
-            hidden = all(
-                mr * st.time(costs) >= (host.span(st.start, st.stop).nbytes / self._bandwidth)
-                for st in sched.stages
-            )
+            hidden = hides_uploads(sched.stages, costs, sched.round_size, self._bandwidth)
         return TrafficReport(
             sched.iteration,
             self.traffic(sched.iteration),
@@ -821,7 +834,8 @@ class RoundPipeEngine:
         where = (
             ""
             if stuck is None
-            else f"first unfinished task: {sched.tasks[stuck]} on device {sched.tasks[stuck].device}\n"
+            else f"first unfinished task: {sched.tasks[stuck]} on device "
+            f"{sched.tasks[stuck].device}\n"
         )
         return f"iteration {call.iteration}, {where}{sched.grid(mark=stuck)}"
 
@@ -1044,9 +1058,7 @@ class RoundPipeEngine:
         with named(f"RP wait losses of iteration {iteration}"):
             losses = [
                 self._wait(
-                    lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[
-                        0
-                    ]
+                    lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[0]
                 )
                 for j in range(m)
             ]

@@ -383,7 +383,11 @@ class HostState:
         """Host memory held by the engine, by kind (for reports)."""
         masters = sum(p.master.numel() * p.master.element_size() for p in self.params)
         grads = sum(p.grad.numel() * 4 for p in self.params if p.grad is not None)
-        return {"master": masters, "grad": grads, "pinned": self.pool.nbytes + self.grad_pool.nbytes}
+        return {
+            "master": masters,
+            "grad": grads,
+            "pinned": self.pool.nbytes + self.grad_pool.nbytes,
+        }
 
     def release(self) -> None:
         self.pool.release()

@@ -341,9 +341,10 @@ class TraceRecorder:
         names = {"F": "forward", "R": "recompute", "B": "backward"}
         events = []
         for op in self.operations():
+            what = names.get(op["kind"], op["kind"])
             events.append(
                 {
-                    "name": f"{op['stage']} {names.get(op['kind'], op['kind'])} mb{op['microbatch']}",
+                    "name": f"{op['stage']} {what} mb{op['microbatch']}",
                     "cat": op["kind"],
                     "ph": "X",
                     "ts": op["start"] * 1e6,

@@ -59,7 +59,7 @@ from .profiler import (
     named,
     saved_bytes,
 )
-from .scope import stage_scope
+from .scope import forbid_host_sync, stage_scope
 from .store import EngineFailure, HandoffTimeout, Store
 
 __all__ = ["Call", "Job", "Worker", "WorkerError"]
@@ -162,6 +162,7 @@ class Runtime:
         self.done_keys: set[tuple] = set()
         self.written: set[tuple] = set()  # jobs whose running statistics are on the host
         self.kept: dict[int, int] = {}  # iteration -> bytes of boundary values written
+        self.forbid_host_sync = False
         self.closed = False
 
     def job_done(self, job: Job) -> None:
@@ -819,7 +820,7 @@ class Worker:
                     if timer is not None and torch.is_grad_enabled()
                     else nullcontext()
                 )
-                with counting:  # activation bytes kept for backward (profiling only)
+                with counting, self._guard():  # (bytes kept for backward: profiling only)
                     if timer is not None:
                         a = timer.watch.mark()
                     x = call_layer(rep.module, x)
@@ -834,6 +835,10 @@ class Worker:
                 save(layer + 1, x)
         self._layer = None
         return x
+
+    def _guard(self) -> Any:
+        """Inside a layer: fail on calls that wait for the device (if asked)."""
+        return forbid_host_sync(self.device) if self.rt.forbid_host_sync else nullcontext()
 
     def _mark(self) -> Any:
         trace = self.rt.trace
@@ -910,7 +915,7 @@ class Worker:
                 ctx = self.ctx
                 labels = map_tensors(lambda v: ctx.upload(v, ctx.act_up), labels)
                 ctx.compute.wait_event(ctx.record(ctx.act_up))  # labels up -> compute
-            with self.ctx.on(self.ctx.compute):
+            with self.ctx.on(self.ctx.compute), self._guard():
                 loss = out if call.loss_fn is None else call.loss_fn(out, labels)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     what = (
@@ -932,7 +937,8 @@ class Worker:
                 if weighted.requires_grad:  # False only when nothing below is trainable
                     self.protocol.chaos("backward")
                     # in fp32: an fp16 loss times a 2^16 loss scale would overflow
-                    (weighted.float() * call.scale).backward()
+                    with self._guard():
+                        (weighted.float() * call.scale).backward()
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)
@@ -961,7 +967,8 @@ class Worker:
                     if timer is not None:
                         timer.boundary[t.stop] = timer.watch.mark()
                     self.protocol.chaos("backward")
-                    torch.autograd.backward(outs, grads)
+                    with self._guard():
+                        torch.autograd.backward(outs, grads)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)
@@ -984,4 +991,3 @@ class Worker:
             timer.boundary[t.start] = timer.watch.mark()  # nothing below: backward is done
         fwd, bwd = timer.samples(t.start, t.stop)
         job.call.profiler.add(job.call.iteration, fwd, bwd, timer.saved)
-

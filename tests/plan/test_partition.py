@@ -212,17 +212,3 @@ def test_balanced_partition_is_min_max(weights, parts):
         if len(cs) == k
     )
     assert heaviest(counts) == best
-
-
-def test_round_size_hides_weight_uploads_behind_compute():
-    from lightning_roundpipe.plan import round_size
-
-    # 4 layers of 100 bytes, forward 1 / backward 2 per micro-batch
-    costs = LayerCosts([1] * 4, [2] * 4, weight_bytes=[100] * 4)
-    plan = StagePlan.parse("2,1|1|1,1,1")
-    # slowest ratio: F2 uploads 100 bytes in 1 time unit of compute per micro-batch
-    assert round_size(plan, costs, 2, bandwidth=10.0) == 10
-    assert round_size(plan, costs, 2, bandwidth=1000.0) == 2  # never below N
-    assert round_size(plan, costs, 2, bandwidth=10.0, max_microbatches=6) == 6
-    with pytest.raises(PlanError, match="bandwidth must be > 0"):
-        round_size(plan, costs, 2, bandwidth=0)

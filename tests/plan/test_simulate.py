@@ -132,7 +132,7 @@ def test_roundpipe_respects_dependencies_and_comm_time():
         return producer.end + (comm if producer.device != consumer.device else 0.0)
 
     for mb in range(m):
-        for a, b in itertools.pairwise(forward + [labels[len(forward)]]):
+        for a, b in itertools.pairwise([*forward, labels[len(forward)]]):
             first = seg.get((b, "F", mb))
             assert first.start >= arrives(seg[(a, "F", mb)], first) - 1e-9
         # a backward stage's backward waits for the gradient from above; its

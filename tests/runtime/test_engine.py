@@ -615,3 +615,42 @@ def test_fewer_microbatches_than_devices(n):
             torch.testing.assert_close(out, nn.Sequential(*layers)(x))
     with engine(mlp(), n, 4, plan="3,3|1|2,2,2") as eng, torch.no_grad():  # no fit_to_batch
         torch.testing.assert_close(eng.forward(x), nn.Sequential(*eng.layers)(x))
+
+
+@pytest.mark.parametrize(
+    ("precision", "big", "small"), [("bf16-mixed", 1.0, 0.004), ("16-mixed", 0.25, 0.001)]
+)
+def test_low_precision_gradients_accumulate_in_fp32(precision, big, small):
+    """One sample adds ``big`` to the weight's gradient, fifteen add ``small``
+    each: a running sum in bf16 (fp16 under its 2^16 loss scale) would round
+    each ``small`` to a step of the sum's precision (percent off). Accumulated in
+    fp32, the result is the same for any round size and for any number of
+    micro-batches, up to one rounding of each micro-batch's own gradient."""
+    x = torch.full((16, 1), small)
+    x[0] = big
+
+    def grad(m, round_size):
+        layer = nn.Linear(1, 1, bias=False)
+        nn.init.ones_(layer.weight)
+        with RoundPipeEngine(
+            [layer],
+            [CPU],
+            m,
+            precision=precision,
+            microbatches_per_round=round_size,
+            profile_iterations=0,
+        ) as eng:
+            # the batch's mean over samples (a sum would make fp16's upstream
+            # gradient the loss scale itself, past fp16's range)
+            eng.forward_backward(x, labels=None, loss_fn=lambda out, _: out.float().mean())
+            eng.synchronize()
+            scale = eng.scaler.scale if precision == "16-mixed" else 1.0
+            return layer.weight.grad.item() / scale
+
+    exact = (big + 15 * small) / 16
+    by_round = [grad(16, r) for r in (1, 4, 16)]
+    for g in by_round:
+        torch.testing.assert_close(g, by_round[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(by_round[0], exact, rtol=3e-3, atol=0)
+    # one micro-batch: the device sums the samples itself, then rounds once
+    torch.testing.assert_close(grad(1, None), exact, rtol=1e-2, atol=0)

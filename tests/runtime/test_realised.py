@@ -30,7 +30,9 @@ def test_workers_run_the_lowered_tasks_in_the_simulated_time(n, plan):
     _, ops = mod.run_engine(costs, plan, n, m, iterations, trace=True)
     for sched in schedules:
         for d in range(n):
-            ran = [op["task"] for op in ops if op["iteration"] == sched.iteration and op["device"] == d]
+            ran = [
+                op["task"] for op in ops if op["iteration"] == sched.iteration and op["device"] == d
+            ]
             lowered = [str(t) for t in sched.device_tasks(d)]
             assert list(dict.fromkeys(ran)) == lowered, (sched.iteration, d)
     # about the simulated time: the margin holds on a loaded 2-core machine
