@@ -92,6 +92,11 @@ class _Adapter(ABC):
         self.target.__dict__.pop("forward", None)
         self.engine = None
 
+    def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int] | None:
+        """Bytes of one stage-boundary value of a micro-batch, from its input,
+        before anything ran (None: the engine measures it in the first step)."""
+        return None
+
     @abstractmethod
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """What a call to the intercepted module does."""
@@ -295,6 +300,23 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class CausalLMAdapter(_Adapter):
     """A Hugging Face Llama-family causal LM (optionally inside PEFT)."""
+
+    def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int]:
+        """Hidden states in the compute dtype plus the positions and mask that
+        travel with them."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        hidden = int(self.target.config.hidden_size)
+
+        def estimate(inputs: Any) -> int:
+            ids = inputs["input_ids"]
+            tokens = ids.numel()
+            out = tokens * hidden * size + tokens * 8  # hidden states, positions
+            mask = inputs.get("attention_mask")
+            if mask is not None:
+                out += mask.numel() * mask.element_size()
+            return out
+
+        return estimate
 
     def _cache(self, past_key_values: Any, use_cache: bool | None) -> bool:
         """Whether the model would run with a key-value cache (it then never

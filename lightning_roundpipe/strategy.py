@@ -65,11 +65,24 @@ class RoundPipeStrategy(ParallelStrategy):
             usually ``N``); a shorter batch (the last of an epoch) is split into
             one-sample micro-batches; doubled if the first batch runs out of
             device memory (``oom_replans``).
-        microbatches_per_round: micro-batches per round (default: number of
-            devices); ``"auto"``: after profiling, the smallest round whose compute
-            hides the weight uploads at the measured bandwidth (GPUs).
+        microbatches_per_round: micro-batches per round; ``None``/``"auto"``
+            (default): the whole batch, so each stage's weights go up once per
+            batch, unless a round's stage-boundary activations would exceed
+            ``activation_memory``; then the largest round that fits.
+        activation_memory: host bytes one round's stage-boundary activations
+            may take (default: a quarter of the host memory available at
+            setup). Hugging Face models estimate them from the batch before the
+            first step; other models measure them in the first step.
         plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``), or
-            ``"auto"`` for the partitioner's plan.
+            ``"auto"`` for the plan with the shortest simulated step among the
+            partitioner's best.
+        trace_dir: record the real start and end of every stage on every
+            device and, when training ends, write ``timeline-measured.png``
+            next to ``timeline-simulated.png`` (the same iterations as the
+            planner predicted them) and ``trace.json`` (Chrome/Perfetto) there.
+            Every task also runs inside ``torch.profiler.record_function``
+            ranges named by its plan string (``RP 3:0.F2@1:0-3``) whenever a
+            torch profiler records.
         layers: attribute path of the layer stack (``"model"``, ``"net"``) when
             automatic detection needs help.
         device_memory_limit: bytes one stage may use on a GPU (default: from the
@@ -117,7 +130,9 @@ class RoundPipeStrategy(ParallelStrategy):
         async_optimizer: bool = True,
         num_microbatches: int | Literal["auto"] = "auto",
         microbatches_per_round: int | Literal["auto"] | None = None,
+        activation_memory: int | None = None,
         plan: str | Literal["auto"] = "auto",
+        trace_dir: str | None = None,
         layers: str | None = None,
         device_memory_limit: int | None = None,
         optimizer_threads: int | None = None,
@@ -149,6 +164,16 @@ class RoundPipeStrategy(ParallelStrategy):
         self.async_optimizer = async_optimizer
         self.num_microbatches = num_microbatches
         self.microbatches_per_round = microbatches_per_round
+        if activation_memory is not None and (
+            isinstance(activation_memory, bool)
+            or not isinstance(activation_memory, int)
+            or activation_memory <= 0
+        ):
+            raise ValueError(
+                f"activation_memory must be a positive number of bytes, got {activation_memory!r}"
+            )
+        self.activation_memory = activation_memory
+        self.trace_dir = trace_dir
         self.plan = plan
         self.layers = layers
         self.device_memory_limit = device_memory_limit
@@ -331,6 +356,11 @@ class RoundPipeStrategy(ParallelStrategy):
             m,
             plan=None if self.plan == "auto" else self.plan,
             microbatches_per_round=self.microbatches_per_round,
+            activation_memory=self.activation_memory,
+            activation_estimate=adapter.boundary_estimate(
+                PRECISIONS[self.precision_plugin.precision]
+            ),
+            trace=self.trace_dir is not None,
             fit_to_batch=auto,
             precision=self.precision_plugin.precision,
             async_optimizer=self.async_optimizer,
@@ -741,6 +771,23 @@ class RoundPipeStrategy(ParallelStrategy):
             opt.load_state_dict(state)
 
     # ----------------------------------------------------------- teardown
+    def _report(self) -> None:
+        """At the end of training: the traffic of the last step against the
+        least its schedule could move, and the trace pictures (``trace_dir``)."""
+        engine = self.engine
+        if engine is None:
+            return
+        report = engine.traffic_report()
+        if report is not None:
+            rank_zero_info(f"RoundPipe traffic, {report}")
+        if self.trace_dir is not None and engine.last_schedule is not None:
+            try:
+                paths = engine.write_trace(self.trace_dir)
+            except ImportError as exc:  # matplotlib missing: the Chrome trace is there
+                rank_zero_warn(f"RoundPipe wrote no timeline pictures: {exc}")
+            else:
+                rank_zero_info(f"RoundPipe trace: {', '.join(map(str, paths))}")
+
     def _close(self) -> None:
         for undo in reversed(self._restore):
             undo()
@@ -756,6 +803,7 @@ class RoundPipeStrategy(ParallelStrategy):
         try:
             self._drain()
             self._final_stale = self._stale_by_name()  # for a checkpoint saved after fit
+            self._report()
         finally:
             self._close()
         super().teardown()

@@ -46,6 +46,7 @@ __all__ = [
     "ScheduleName",
     "Segment",
     "SimulationResult",
+    "result_from_segments",
     "simulate",
     "simulate_schedules",
     "steady_async_bubble",
@@ -165,7 +166,7 @@ def _result(
                         Segment(d, t, t + dur, kind, op.stage, op.microbatch, op.iteration)
                     )
                 t += dur
-    return _segments_result(name, segments, len(queues), num_microbatches, iterations, **extra)
+    return result_from_segments(name, segments, len(queues), num_microbatches, iterations, **extra)
 
 
 # ----------------------------------------------------------------- RoundPipe
@@ -211,7 +212,7 @@ def simulate_schedules(
     return out, clock
 
 
-def _segments_result(
+def result_from_segments(
     name: str,
     segments: Sequence[Segment],
     n: int,
@@ -219,6 +220,8 @@ def _segments_result(
     iterations: int,
     **extra,
 ) -> SimulationResult:
+    """A :class:`SimulationResult` of busy ``segments`` on ``n`` devices (also
+    for measured ones: the runtime's trace, for :func:`plot_timeline`)."""
     busy = [0.0] * n
     first: list[float | None] = [None] * n
     last = [0.0] * n
@@ -282,7 +285,7 @@ def _simulate_roundpipe(
     if async_optimizer:
         kw.pop("async_optimizer")
         extra["async_bubble_ratio"] = steady_async_bubble(costs, plan, n, m, **kw)
-    return _segments_result("roundpipe", clock.segments, n, m, iterations, **extra)
+    return result_from_segments("roundpipe", clock.segments, n, m, iterations, **extra)
 
 
 def steady_async_bubble(

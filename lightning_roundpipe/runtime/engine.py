@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -61,7 +62,7 @@ from .optimizer import (
     StepHandle,
     _Job,
 )
-from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder, named
+from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder, named, write_trace
 from .store import EngineFailure, HandoffTimeout, Store
 from .worker import Call, Job, Runtime, Worker, WorkerError
 
@@ -210,20 +211,30 @@ class TrafficReport:
     round: RoundChoice
     uploads_hidden: bool | None
 
+    @property
+    def weights_ratio(self) -> float:
+        """Weight bytes moved over the least any round size moves (the rounds)."""
+        return self.moved["weights_up"] / self.weights_minimum if self.weights_minimum else 0.0
+
     def __str__(self) -> str:
-        gib = 2**30
         m = self.moved
-        w = m["weights_up"] / self.weights_minimum if self.weights_minimum else 0.0
         g = m["grads_down"] / self.grads_minimum if self.grads_minimum else 0.0
         hidden = {None: "not measured", True: "yes", False: "no"}[self.uploads_hidden]
         return (
-            f"iteration {self.iteration}: weights up {m['weights_up'] / gib:.3f} GiB "
-            f"({w:.2f}x the minimum), gradients down {m['grads_down'] / gib:.3f} GiB "
-            f"({g:.2f}x), activations up {m['acts_up'] / gib:.3f} GiB, down "
-            f"{m['acts_down'] / gib:.3f} GiB, buffers {m['buffers'] / gib:.3f} GiB; "
-            f"{self.rounds} round(s): {self.round.reason}; uploads hidden behind compute: "
-            f"{hidden}"
+            f"iteration {self.iteration}: weights up {_size(m['weights_up'])} "
+            f"({self.weights_ratio:.2f}x the minimum), gradients down "
+            f"{_size(m['grads_down'])} ({g:.2f}x), activations up {_size(m['acts_up'])}, "
+            f"down {_size(m['acts_down'])}, buffers {_size(m['buffers'])}; {self.rounds} "
+            f"round(s): {self.round.reason}; uploads hidden behind compute: {hidden}"
         )
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError  # unreachable
 
 
 def _host_available() -> int | None:
@@ -761,6 +772,16 @@ class RoundPipeEngine:
             raise RuntimeError("the engine records no trace; create it with trace=True")
         return self._rt.trace.chrome_trace()
 
+    def write_trace(self, directory: str | Path, iterations: int = 3) -> list[Path]:
+        """Write the recorded trace (``trace=True``): measured and simulated
+        timeline pictures of the last ``iterations`` training iterations and a
+        Chrome/Perfetto trace; see
+        :func:`~lightning_roundpipe.runtime.profiler.write_trace`."""
+        if self._rt.trace is None:
+            raise RuntimeError("the engine records no trace; create it with trace=True")
+        self._wait_tasks()
+        return write_trace(self._rt.trace, directory, iterations)
+
     @property
     def last_schedule(self) -> Schedule | None:
         """The schedule of the last training iteration (with the clock's
@@ -883,10 +904,14 @@ class RoundPipeEngine:
         """Micro-batches per round: as given, else the whole batch within the
         host activation budget."""
         m = len(mbs)
-        if self.microbatches_per_round is not None:
-            return min(self.microbatches_per_round, m)
         if not train:
-            return m  # forward-only: nothing is kept for a backward
+            return min(self.microbatches_per_round or m, m)  # nothing is kept for a backward
+        if self.microbatches_per_round is not None:
+            mr = min(self.microbatches_per_round, m)
+            self.round = RoundChoice(
+                mr, None, self.activation_memory, f"microbatches_per_round={mr} as given"
+            )
+            return mr
         per_mb = None
         largest = max(batch_size_of(x) or 1 for x in mbs)
         if self._boundary_per_sample is not None:  # measured in an earlier iteration
@@ -921,6 +946,8 @@ class RoundPipeEngine:
         self._last_schedule = (call, sched)
         if train:
             self._last_train = sched
+            if rt.trace is not None:
+                rt.trace.add_schedule(sched)
         rt.forget(call.serial - 4, call.iteration - 4)
         for index, task in enumerate(sched.tasks):
             job = Job(call, task, index)

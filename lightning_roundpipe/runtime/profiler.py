@@ -20,12 +20,14 @@ the odd slow micro-batch. :meth:`Profiler.costs` turns them into
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,16 +42,17 @@ __all__ = [
     "Traffic",
     "named",
     "saved_bytes",
+    "write_trace",
 ]
 
 
 def named(name: str) -> Any:
-    """A ``torch.profiler.record_function`` range called ``name`` while a torch
-    profiler is recording, else nothing (a range costs microseconds per task
-    and wait even when nobody records)."""
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return nullcontext()
+    """A ``torch.profiler.record_function`` range called ``name``. Workers'
+    ranges are recorded by a profiler started with
+    ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``
+    (there is no cheap way to ask from a worker whether such a profiler runs,
+    so the ranges are always opened: a few microseconds each)."""
+    return torch.profiler.record_function(name)
 
 
 class LayerTimer:
@@ -267,6 +270,7 @@ class TraceRecorder:
     def __init__(self, keep: int = 8) -> None:
         self._lock = threading.Lock()
         self._ops: list[tuple] = []
+        self.schedules: dict[int, Any] = {}  # training iteration -> its lowered Schedule
         self.keep = keep
         self._t0 = time.perf_counter()
         self._bases: dict[Any, tuple[Any, float]] = {}  # cuda device -> (event, host time)
@@ -305,6 +309,13 @@ class TraceRecorder:
             if len(iterations) > self.keep:
                 cut = iterations[-self.keep]
                 self._ops = [op for op in self._ops if op[2] >= cut or op[2] < 0]
+
+    def add_schedule(self, schedule: Any) -> None:
+        """Keep a training iteration's lowered schedule (with its prediction)."""
+        with self._lock:
+            self.schedules[schedule.iteration] = schedule
+            for it in sorted(self.schedules)[: -self.keep]:
+                del self.schedules[it]
 
     def _seconds(self, device: torch.device, mark: Any) -> float:
         if isinstance(mark, float):
@@ -355,3 +366,57 @@ class TraceRecorder:
                 }
             )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(recorder: TraceRecorder, directory: str | Path, iterations: int = 3) -> list[Path]:
+    """Write the last ``iterations`` traced training iterations as pictures of
+    the measured timeline (``timeline-measured.png``) and of the same lowered
+    schedules as the clock predicted them (``timeline-simulated.png``), in the
+    style of :func:`~lightning_roundpipe.plan.plot_timeline`, and every
+    recorded operation as a Chrome/Perfetto trace (``trace.json``). Returns
+    the paths written (the pictures need matplotlib)."""
+    from ..plan.plot import plot_timeline
+    from ..plan.schedule import Segment
+    from ..plan.simulate import result_from_segments
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    trace_path = out / "trace.json"
+    trace_path.write_text(json.dumps(recorder.chrome_trace()), encoding="utf-8")
+    written = [trace_path]
+    ops = recorder.operations()
+    with recorder._lock:
+        schedules = dict(recorder.schedules)
+    its = sorted(it for it in {o["iteration"] for o in ops} if it in schedules)[-iterations:]
+    if not its:
+        return written
+    n = schedules[its[0]].num_devices
+    m = schedules[its[-1]].num_microbatches
+    chosen = [o for o in ops if o["iteration"] in its]
+    t0 = min(o["start"] for o in chosen)
+    measured = [
+        Segment(
+            o["device"],
+            o["start"] - t0,
+            o["end"] - t0,
+            o["kind"],
+            o["stage"],
+            o["microbatch"],
+            o["iteration"],
+        )
+        for o in chosen
+    ]
+    predicted = [s for it in its for s in schedules[it].predicted]
+    p0 = min(s.start for s in predicted)
+    predicted = [
+        Segment(s.device, s.start - p0, s.end - p0, s.kind, s.stage, s.microbatch, s.iteration)
+        for s in predicted
+    ]
+    what = f"iterations {its[0]}-{its[-1]}, {n} devices, {m} micro-batches"
+    for name, segs, title in (
+        ("measured", measured, f"measured (seconds): {what}"),
+        ("simulated", predicted, f"simulated (the clock's prediction, its cost unit): {what}"),
+    ):
+        res = result_from_segments(f"roundpipe ({name})", segs, n, m, len(its))
+        written.append(plot_timeline(res, out / f"timeline-{name}.png", title=title))
+    return written

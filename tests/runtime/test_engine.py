@@ -654,3 +654,84 @@ def test_low_precision_gradients_accumulate_in_fp32(precision, big, small):
     torch.testing.assert_close(by_round[0], exact, rtol=3e-3, atol=0)
     # one micro-batch: the device sums the samples itself, then rounds once
     torch.testing.assert_close(grad(1, None), exact, rtol=1e-2, atol=0)
+
+
+def test_one_device_moves_each_stages_weights_once_per_iteration():
+    """The default round is the whole batch: 8 micro-batches on one device move
+    each stage's weights up once and its fp32 gradients down once per
+    iteration; rounds of one micro-batch move them 8 times. CPU workers count
+    the bytes a device would move."""
+    plan = StagePlan.parse("3,3|1|2,2,2")
+    weight_bytes = sum(p.numel() * 4 for layer in mlp() for p in layer.parameters())
+
+    def report(**kw):
+        with engine(mlp(), 1, 8, plan, **kw) as eng:
+            for _ in range(2):
+                eng.forward_backward(
+                    torch.randn(8, 8), labels=torch.randn(8, 4), loss_fn=nn.functional.mse_loss
+                )
+                eng.step()
+            eng.synchronize()
+            return eng.traffic_report()
+
+    once = report()
+    assert once.rounds == 1 and once.round.round_size == 8
+    # every layer is in one forward and one backward (or the fused) stage; a
+    # stage goes up as one copy of its arena range (tensors 512-byte aligned)
+    raw = 2 * weight_bytes - plan_bytes(plan, "fused")
+    tensors = 2 * sum(1 for layer in mlp() for _ in layer.parameters())
+    assert raw <= once.weights_minimum <= raw + 512 * tensors
+    assert once.moved["weights_up"] == once.weights_minimum
+    assert once.moved["grads_down"] == once.grads_minimum == weight_bytes
+    assert "1.00x the minimum" in str(once)
+    each = report(microbatches_per_round=1)
+    assert each.rounds == 8
+    assert each.moved["weights_up"] == 8 * each.weights_minimum
+    assert each.moved["grads_down"] == 8 * each.grads_minimum
+    assert each.moved["acts_down"] == once.moved["acts_down"]  # activations move anyway
+
+
+def plan_bytes(plan, kind):
+    layers = mlp()
+    st = next(s for s in plan.stages if s.kind == kind)
+    return sum(p.numel() * 4 for layer in layers[st.start : st.stop] for p in layer.parameters())
+
+
+def test_rounds_shrink_to_fit_the_activation_budget():
+    # one sample's stage-boundary values, measured in the first iteration,
+    # bound the round from the second on
+    plan = StagePlan.parse("3,3|1|2,2,2")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with engine(mlp(), 2, 8, plan, activation_memory=1) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert eng.last_schedule.num_rounds == 1  # nothing known yet: the whole batch
+        per_sample = eng._boundary_per_sample
+        assert per_sample > 0
+    budget = int(3 * per_sample)
+    ref = mlp()
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    layers = mlp()
+    with engine(layers, 2, 8, plan, activation_memory=budget) as eng:
+        for _ in range(2):
+            loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.zero_grad()
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert eng.round.round_size == 3
+        assert eng.last_schedule.num_rounds == 3  # 3 + 3 + 2 micro-batches
+        assert "3 of 8 micro-batches per round" in eng.round.reason
+        torch.testing.assert_close(loss, expected.detach())
+        assert_grads_equal(layers, ref)
+    # an estimate bounds the first iteration already
+    with engine(
+        mlp(),
+        2,
+        8,
+        plan,
+        activation_memory=budget,
+        activation_estimate=lambda mb: int(per_sample / 3) + 1,
+    ) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        assert eng.last_schedule.num_rounds > 1

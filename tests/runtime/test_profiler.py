@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -185,3 +186,59 @@ def test_size_limit_must_be_positive():
 
     with pytest.raises(ValueError, match="size_limit must be > 0"):
         RoundPipeEngine([nn.Linear(2, 2)], ["cpu"], 1, size_limit=0)
+
+
+def test_tasks_and_waits_are_named_for_torch_profilers():
+    """Every task runs inside a record_function range named by its plan string
+    (``RP <iteration>:<task>``), and waits are named too: a profiler that
+    records all threads sees them."""
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    x = torch.randn(4, 4)
+    cfg = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with RoundPipeEngine(layers, ["cpu"] * 2, 2, plan="3|1|1,2") as eng:
+        eng.forward_backward(x, labels=x, loss_fn=nn.functional.mse_loss)  # not recorded
+        eng.synchronize()
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=cfg
+        ) as prof:
+            eng.forward_backward(x, labels=x, loss_fn=nn.functional.mse_loss)
+            eng.synchronize()
+        sched = eng.last_schedule
+    names = {e.name for e in prof.events() if e.name.startswith("RP ")}
+    assert {f"RP 1:{t}" for t in sched.tasks} <= names
+    assert not any(n.startswith("RP 0:") for n in names)  # before the profiler ran
+    assert any(n.startswith("RP wait grad") for n in names)
+
+
+def test_measured_and_simulated_timelines_and_a_chrome_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    x = torch.randn(6, 4)
+    with RoundPipeEngine(layers, ["cpu"] * 2, 3, plan="2,2|1|2,2", trace=True) as eng:
+        for _ in range(4):
+            eng.forward_backward(x, labels=x, loss_fn=nn.functional.mse_loss)
+            eng.step()
+        eng.synchronize()
+        ops = eng.trace_operations()
+        paths = eng.write_trace(tmp_path)
+    assert sorted(p.name for p in paths) == [
+        "timeline-measured.png",
+        "timeline-simulated.png",
+        "trace.json",
+    ]
+    assert {o["kind"] for o in ops} == {"F", "R", "B"}
+    assert all(o["end"] >= o["start"] for o in ops)
+    # one operation per stage, micro-batch and part
+    per_iteration = 3 * (2 + 2 * 1 + 2 * 2)  # F1, F2; fused F+B; B2, B3 R+B
+    assert len([o for o in ops if o["iteration"] == 3]) == per_iteration
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    assert len(events) == len(ops) and {e["tid"] for e in events} == {0, 1}
+    assert all(e["ph"] == "X" and e["args"]["task"].startswith("RP ") for e in events)
+    with (
+        RoundPipeEngine(layers, ["cpu"], 1) as eng,
+        pytest.raises(RuntimeError, match="trace=True"),
+    ):
+        eng.trace_operations()

@@ -538,3 +538,24 @@ def test_a_training_step_returning_none_changes_nothing(call_model):
     fit(mod, lm_data(), sync(), devices=2, max_steps=3)
     # tight: a step on zero gradients still moves AdamW's weights a little
     assert_same(params(mod), params(ref), atol=5e-6, rtol=1e-6)
+
+
+def test_trace_dir_gets_timelines_and_a_chrome_trace_and_traffic_is_reported(tmp_path, caplog):
+    pytest.importorskip("matplotlib")
+    import json
+    import logging
+
+    strategy = RoundPipeStrategy(num_microbatches=4, trace_dir=str(tmp_path / "trace"))
+    with caplog.at_level(logging.INFO):
+        fit(CausalLM(), lm_data(), strategy, devices=2, max_steps=4)
+    files = sorted(p.name for p in (tmp_path / "trace").iterdir())
+    assert files == ["timeline-measured.png", "timeline-simulated.png", "trace.json"]
+    events = json.loads((tmp_path / "trace" / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in events} == {0, 1}
+    # each stage's weights went up once in the last step (one round per batch)
+    assert "weights up" in caplog.text and "(1.00x the minimum)" in caplog.text
+
+
+def test_activation_memory_must_be_a_byte_count():
+    with pytest.raises(ValueError, match="activation_memory must be a positive number of bytes"):
+        RoundPipeStrategy(activation_memory=0)
