@@ -948,7 +948,7 @@ class RoundPipeEngine:
             self._last_train = sched
             if rt.trace is not None:
                 rt.trace.add_schedule(sched)
-        rt.forget(call.serial - 4, call.iteration - 4)
+        rt.forget(call.serial - 4, call.iteration - 4, set(self._last_ordered.values()))
         for index, task in enumerate(sched.tasks):
             job = Job(call, task, index)
             if task.ordered:

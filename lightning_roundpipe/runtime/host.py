@@ -6,7 +6,7 @@
   devices upload from: views into one flat buffer in layer order (page-locked
   when CUDA is present), so a stage's weights go up as one copy;
 * per trainable parameter an fp32 **gradient buffer** on the host that device
-  gradients are added into (also one flat buffer, page-locked with CUDA). The
+  gradients are added into (also one flat buffer). The
   buffers live as long as the engine: the first gradient of a window is
   copied in, later ones added, so nothing is allocated or zero-filled per
   step. Frozen parameters have none and never cause gradient traffic.
@@ -269,7 +269,7 @@ class HostState:
     Args:
         layers: the model's layers, in pipeline order; moved to the host.
         compute_dtype: dtype of the master copy (the dtype devices compute in).
-        pinned: page-lock the master copies and gradient buffers (CUDA).
+        pinned: page-lock the master copies (CUDA).
     """
 
     def __init__(
@@ -277,7 +277,9 @@ class HostState:
     ) -> None:
         self.compute_dtype = compute_dtype
         self.pool = _Arena(pinned)
-        self.grad_pool = _Arena(pinned)
+        # gradients come down into pinned staging and are added here on the host:
+        # these buffers are never a copy's target, so they stay pageable
+        self.grad_pool = _Arena(False)
         unique: list[nn.Parameter] = []
         index: dict[int, int] = {}
         self._first: list[int] = []  # first parameter index introduced by each layer

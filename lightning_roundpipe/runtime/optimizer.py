@@ -399,7 +399,8 @@ class OptimizerWorker:
                 self._copy_ready(block=True)  # rule 5: copies before the next step
                 self.run(job)
         except EngineFailure:
-            if job is not None:
+            if job is not None:  # the step never ran: its handle says why
+                job.handle.error = self.store.failure
                 job.handle._event.set()
         except BaseException as exc:  # every failure must reach the caller
             if isinstance(exc, HookError):

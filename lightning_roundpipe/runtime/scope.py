@@ -105,16 +105,36 @@ class _Guard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_cuda_lock = threading.Lock()
+_cuda_users = 0
+_cuda_saved: Any = None
+
+
+@contextlib.contextmanager
+def _cuda_sync_errors() -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode("error")`` while any thread is inside:
+    the mode is process-wide, so it is counted, set by the first thread in and
+    restored by the last one out (meanwhile it also applies to other threads)."""
+    global _cuda_users, _cuda_saved
+    with _cuda_lock:
+        if _cuda_users == 0:
+            _cuda_saved = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        _cuda_users += 1
+    try:
+        yield
+    finally:
+        with _cuda_lock:
+            _cuda_users -= 1
+            if _cuda_users == 0:
+                torch.cuda.set_sync_debug_mode(_cuda_saved)
+
+
 @contextlib.contextmanager
 def forbid_host_sync(device: torch.device | None = None) -> Iterator[None]:
-    """Raise :class:`HostSyncError` on any call that waits for the device."""
+    """Raise :class:`HostSyncError` on any call that waits for the device
+    (on this thread; on a GPU also CUDA's own check, process-wide while any
+    thread is inside)."""
     cuda = device is not None and device.type == "cuda"
-    old = torch.cuda.get_sync_debug_mode() if cuda else None
-    if cuda:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        with _Guard():
-            yield
-    finally:
-        if cuda:
-            torch.cuda.set_sync_debug_mode(old)
+    with _cuda_sync_errors() if cuda else contextlib.nullcontext(), _Guard():
+        yield

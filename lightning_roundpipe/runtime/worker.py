@@ -176,12 +176,14 @@ class Runtime:
             self.written.add(job.key)
             self.store.lock.notify_all()
 
-    def forget(self, before_serial: int, before_iteration: int) -> None:
+    def forget(self, before_serial: int, before_iteration: int, keep: set[tuple]) -> None:
         """Drop bookkeeping of calls older than ``before_serial`` and of
-        iterations before ``before_iteration``."""
+        iterations before ``before_iteration``, except the jobs in ``keep``
+        (the last task of each ordered slot: the next one waits for it, however
+        many evaluation calls ran in between)."""
         with self.store.lock:
             self.done_keys = {k for k in self.done_keys if k[0] >= before_serial}
-            self.written = {k for k in self.written if k[0] >= before_serial}
+            self.written = {k for k in self.written if k[0] >= before_serial or k in keep}
             self.kept = {k: v for k, v in self.kept.items() if k >= before_iteration}
 
 
@@ -323,7 +325,7 @@ class _Courier:
         except EngineFailure:
             pass
         except BaseException as exc:  # every failure must reach the caller
-            self.store.fail(self.worker._wrap(exc, job, None))
+            self.store.fail(self.worker._wrap(exc, job, None, courier=True))
 
 
 class Worker:
@@ -401,6 +403,11 @@ class Worker:
         except BaseException as exc:  # every failure must reach the caller
             self.store.fail(self._wrap(exc, job, mb[0]))
         finally:
+            if self.ctx is not None and self.ctx.is_cuda:
+                try:  # no copy may still read host memory once the engine frees it
+                    torch.cuda.synchronize(self.device)
+                except Exception:  # a broken device: the failure is reported already
+                    log.debug("could not synchronize %s at exit", self.device, exc_info=True)
             self.courier.stop()
             for rep in self._replicas.values():
                 rep.unbind()
@@ -408,7 +415,9 @@ class Worker:
             self._prefetch = None
             self._ahead.clear()
 
-    def _wrap(self, exc: BaseException, job: Job | None, mb: int | None) -> WorkerError:
+    def _wrap(
+        self, exc: BaseException, job: Job | None, mb: int | None, courier: bool = False
+    ) -> WorkerError:
         if job is None:
             err = WorkerError(
                 f"device {self.device} (worker {self.index}) failed outside a stage: "
@@ -422,7 +431,9 @@ class Worker:
             )
         else:
             t, call = job.task, job.call
-            where = "" if self._layer is None else f", layer {self._layer}"
+            where = "" if self._layer is None or courier else f", layer {self._layer}"
+            if courier:  # completing the task's copies, after its compute
+                where += ", completing its transfers"
             where += "" if mb is None else f", micro-batch {mb}"
             extra = ""
             if isinstance(exc, torch.OutOfMemoryError):
@@ -550,6 +561,8 @@ class Worker:
         with ctx.on(ctx.weight_up):
             flat = torch.empty(span.nbytes, dtype=torch.uint8, device=ctx.device)
             flat.copy_(arena[span.offset : span.offset + span.nbytes], non_blocking=True)
+        if ctx.is_cuda:  # used by compute: not reused before those kernels ran
+            flat.record_stream(ctx.compute)
         tensors = self._views(flat, span.inside)
         for p in span.outside:  # tied weights introduced by an earlier layer
             tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
@@ -726,9 +739,13 @@ class Worker:
     # ------------------------------------------------------- activations
     def _fetch(self, job: Job, name: str, j: int) -> Any:
         key = job.store_key(name, j)
-        if key in self._ahead:
-            return self._ahead.pop(key)
-        return self._upload_input(job, key, name, j)
+        value, ready = (
+            self._ahead.pop(key) if key in self._ahead else self._upload_input(job, key, name, j)
+        )
+        # compute waits for this micro-batch's inputs when it uses them, not
+        # when they were uploaded ahead (activations up -> compute)
+        self.ctx.compute.wait_event(ready)
+        return value
 
     def _fetch_ahead(self, job: Job, j: int | None) -> None:
         """Upload micro-batch ``j``'s saved input now, while the current one
@@ -740,7 +757,9 @@ class Worker:
         if key not in self._ahead:
             self._ahead[key] = self._upload_input(job, key, name, j)
 
-    def _upload_input(self, job: Job, key: tuple, name: str, j: int) -> Any:
+    def _upload_input(self, job: Job, key: tuple, name: str, j: int) -> tuple[Any, Any]:
+        """Take a value from the store and start its upload; returns it and the
+        event that says it is on the device."""
         ctx = self.ctx
         self.protocol.chaos("store")
         what = f"{name} of {job.task.stage}, micro-batch {j}"
@@ -748,7 +767,7 @@ class Worker:
             host, last = self.store.take(key, what)
         self.protocol.chaos("upload")
         if host is None:
-            return None
+            return None, ctx.record(ctx.act_up)
         nbytes = 0
 
         def up(t: torch.Tensor) -> torch.Tensor:
@@ -759,9 +778,7 @@ class Worker:
 
         dev = map_tensors(up, host)
         self.rt.traffic.add(job.call.iteration, "acts_up", nbytes)
-        # compute waits for this micro-batch's activations (activations up -> compute)
-        ctx.compute.wait_event(ctx.record(ctx.act_up))
-        return dev
+        return dev, ctx.record(ctx.act_up)
 
     def _save(self, job: Job, name: str, j: int, value: Any, fresh: bool) -> None:
         """Write ``value`` for its readers: on CUDA a download the courier
@@ -775,13 +792,13 @@ class Worker:
         def down(t: torch.Tensor) -> torch.Tensor:
             nonlocal nbytes
             nbytes += t.nbytes
-            t = t.detach()
-            if fresh:  # still computed on by the stage's later layers
-                with ctx.on(ctx.compute):
-                    t = t.clone()
-            return ctx.download(t, ctx.act_down)
+            return ctx.download(t.detach(), ctx.act_down)
 
-        # the download waits for the compute that produced the value (compute -> act down)
+        if fresh:  # still computed on by the stage's later layers: copy it first
+            with ctx.on(ctx.compute):
+                value = map_tensors(lambda t: t.detach().clone(), value)
+        # the download waits for the compute that produced the value, the copy
+        # included (compute -> act down)
         ctx.act_down.wait_event(ctx.record(ctx.compute))
         host = map_tensors(down, value)
         self.rt.traffic.add(call.iteration, "acts_down", nbytes)

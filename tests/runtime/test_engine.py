@@ -3,6 +3,7 @@
 import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -735,3 +736,52 @@ def test_rounds_shrink_to_fit_the_activation_budget():
     ) as eng:
         eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
         assert eng.last_schedule.num_rounds > 1
+
+
+def test_evaluation_calls_between_steps_keep_the_running_statistics_order():
+    """Ordered tasks (layers with running statistics) wait for the previous
+    round of their slot; many forward-only calls in between (a validation loop)
+    must not make the engine forget what they wait for."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)]
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with engine(layers, 2, 4, "1,1|1|1,1", microbatches_per_round=2, watchdog_timeout=20) as eng:
+        for _ in range(2):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            with torch.no_grad():
+                for _ in range(6):
+                    eng.forward(x)
+        eng.synchronize()
+    for _ in range(2):  # the same running-statistics updates, micro-batch by micro-batch
+        for j in range(4):
+            nn.Sequential(*ref)(x[2 * j : 2 * j + 2])
+    torch.testing.assert_close(layers[1].running_mean, ref[1].running_mean)
+    torch.testing.assert_close(layers[1].running_var, ref[1].running_var)
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.3)  # the step is queued first, and waits for these gradients
+        raise RuntimeError("backward broke (injected)")
+
+
+class BreakBackward(nn.Module):
+    def forward(self, x):
+        return FailsInBackward.apply(x)
+
+
+def test_a_step_whose_gradients_never_came_reports_the_failure():
+    layers = [nn.Linear(4, 4), BreakBackward(), nn.Linear(4, 1)]
+    with engine(layers, 2, 2, "2|1|1,1", async_optimizer=True) as eng:
+        eng.forward_backward(
+            torch.randn(4, 4), labels=torch.randn(4, 1), loss_fn=nn.functional.mse_loss
+        )
+        handle = eng.step()
+        with pytest.raises(WorkerError, match=r"backward broke \(injected\)"):
+            handle.wait()

@@ -197,7 +197,9 @@ RULE_CHAOS = {
     2: {"p_copy": 0.02},  # P copies late: an unguarded upload reads stale weights
     3: {"grad": 0.03},  # gradients late: an unguarded G copy reads partial sums
     4: {"g_copy": 0.03},  # G copy late: unguarded accumulation mixes windows
-    5: {},  # P copy before the step: masters never see the update
+    # P copies before the step: masters lag an update; slow G copies delay the
+    # step so the next window uploads the lagging masters
+    5: {"g_copy": 0.01},
 }
 
 
