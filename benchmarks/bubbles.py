@@ -1,9 +1,22 @@
 """Simulated bubble ratios: RoundPipe (sync and async) against GPipe, 1F1B,
-Interleaved 1F1B and Looped BFS, for 1 to 8 devices.
+Interleaved 1F1B and Looped BFS, for 1 to 8 devices; and RoundPipe on the
+paper's five models against the reference's own figures.
 
     python benchmarks/bubbles.py                          # Qwen3-1.7B shapes, size-based costs
     python benchmarks/bubbles.py --costs measured.json    # per-layer times measured by the engine
     python benchmarks/bubbles.py --append docs/benchmarks.md --png-dir docs/images
+    python benchmarks/bubbles.py --paper                  # the paper's five models only
+
+``--paper``: the 25 cases in ``../shared/reference/paper_bubble_cases.json``
+(per-layer times measured on an RTX 4090, 8 GPUs, 16 micro-batches, the
+activation hop time): for each model the reference's asynchronous
+steady-state bubble, the reference's plan as our runtime places it, and the
+plan we choose (:func:`~lightning_roundpipe.plan.choose_plan`), each lowered
+and simulated exactly as the runtime runs it (whole-batch rounds, each round
+on the device free first, recompute before the gradient arrives, the
+optimizer's ordering rules and the controller's loss wait). "Before": the
+partitioner's formula plan with the earlier placement (rounds of N, fixed
+rotation).
 
 Costs: ``--costs`` reads a LayerCosts JSON (e.g. ``engine.measured_costs().save(path)``
 after a few profiled iterations); by default the decoder formula of
@@ -23,7 +36,16 @@ import datetime
 import sys
 from pathlib import Path
 
-from lightning_roundpipe.plan import SCHEDULES, LayerCosts, decoder_costs, simulate
+from lightning_roundpipe.plan import (
+    SCHEDULES,
+    LayerCosts,
+    StagePlan,
+    choose_plan,
+    decoder_costs,
+    partition,
+    simulate,
+)
+from lightning_roundpipe.plan.simulate import steady_async_bubble
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit
@@ -88,13 +110,77 @@ def run(costs: LayerCosts, per_device: int, devices=DEVICES, png_dir: Path | Non
     return "\n".join(rows)
 
 
+CASES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "paper_bubble_cases.json"
+
+
+def paper_cases(path: Path = CASES) -> list[tuple[dict, LayerCosts, StagePlan]]:
+    """The RoundPipe cases: (case, per-layer costs with the head last, the
+    reference's plan in our compact form)."""
+    import json
+
+    out = []
+    for c in json.loads(path.read_text()):
+        if c["scheduler"] != "roundpipe":
+            continue
+        n = c["num_layers"]
+        costs = LayerCosts(
+            [c["fwd_time_per_layer"]] * n + [c["lmhead_fwd_time"]],
+            [c["bwd_time_per_layer"]] * n + [c["lmhead_bwd_time"]],
+        )
+        fwd, bwd = c["stage_partition"].split("|")
+        counts = [int(x) for x in bwd.split(",")]
+        plan = StagePlan(tuple(int(x) for x in fwd.split(",")), counts[0] + 1, tuple(counts[1:]))
+        out.append((c, costs, plan))
+    return out
+
+
+def paper(path: Path = CASES) -> tuple[str, list[tuple[str, float, float]]]:
+    """The table, and per model (name, reference bubble, ours)."""
+    rows = [
+        "| model | reference | reference's plan, our runtime | before (formula plan, rounds "
+        "of N, rotation) | ours | our plan |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    results = []
+    for c, costs, ref_plan in paper_cases(path):
+        n, m, comm = c["num_gpus"], c["num_microbatches"], c["comm_time"]
+        ref = c["result"]["async_steady_bubble_ratio"]
+        ref_ours = steady_async_bubble(costs, ref_plan, n, m, comm_time=comm)
+        before = steady_async_bubble(
+            costs, partition(costs, n, m), n, m, comm_time=comm, round_size=n, placement="rotate"
+        )
+        plan = choose_plan(costs, n, m, comm_time=comm)
+        ours = steady_async_bubble(costs, plan, n, m, comm_time=comm)
+        shown = str(plan) if len(str(plan)) <= 40 else str(plan)[:37] + "..."
+        rows.append(
+            f"| {c['model']} | {ref:.2%} | {ref_ours:.2%} | {before:.2%} | **{ours:.2%}** | "
+            f"`{shown}` |"
+        )
+        results.append((c["model"], ref, ours))
+    return "\n".join(rows), results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--costs", type=Path, help="LayerCosts JSON (default: Qwen3-1.7B shapes)")
     parser.add_argument("--microbatches-per-device", type=int, default=4)
     parser.add_argument("--png-dir", type=Path)
     parser.add_argument("--append", type=Path)
+    parser.add_argument("--paper", action="store_true", help="the paper's five models only")
+    parser.add_argument("--cases", type=Path, default=CASES, help="paper_bubble_cases.json")
     args = parser.parse_args()
+    paper_out = ""
+    if args.cases.exists():
+        table, _ = paper(args.cases)
+        paper_out = (
+            f"### Asynchronous steady-state bubble on the paper's models "
+            f"({datetime.date.today()})\n\n`python benchmarks/bubbles.py --paper`: the "
+            "reference's 8-GPU, 16-micro-batch cases (its per-layer times, its activation hop "
+            "time), simulated as our runtime lowers and runs them.\n\n" + table + "\n"
+        )
+    if args.paper:
+        emit(paper_out, args.append)
+        return
     costs = LayerCosts.load(args.costs) if args.costs else default_costs()
     source = str(args.costs) if args.costs else "Qwen3-1.7B shapes (decoder_costs)"
     table = run(costs, args.microbatches_per_device, png_dir=args.png_dir)
@@ -104,7 +190,7 @@ def main() -> None:
         f"{args.microbatches_per_device} micro-batches per device, no communication time.\n\n"
         f"{table}\n"
     )
-    emit(out, args.append)
+    emit(out + ("\n" + paper_out if paper_out else ""), args.append)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,16 @@ class Span:
     inside: tuple[tuple[_Param, int], ...]
     outside: tuple[_Param, ...]
 
+    def views(self, flat: torch.Tensor, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Each inside parameter as a view of ``flat``, a copy of the range."""
+        typed = flat.view(dtype)
+        size = typed.element_size()
+        out = {}
+        for p, off in self.inside:
+            shape = p.master.shape
+            out[p.index] = typed.as_strided(shape, p.master.stride(), off // size)
+        return out
+
 
 @dataclass
 class _Slot:
@@ -300,18 +310,32 @@ class HostState:
             for i, (p, m, off) in enumerate(zip(unique, masters, self.pool.offsets, strict=True))
         ]
         self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
+        self._spans: dict[tuple[int, int], Span] = {}
+        self._stage_params: dict[tuple[int, int], list[_Param]] = {}
 
     # ------------------------------------------------------------- queries
     def stage_params(self, start: int, stop: int) -> list[_Param]:
-        """Distinct parameters of layers ``[start, stop)``."""
-        ids = dict.fromkeys(i for info in self.layers[start:stop] for i in info.param_ids)
-        return [self.params[i] for i in ids]
+        """Distinct parameters of layers ``[start, stop)`` (cached: asked per task)."""
+        key = (start, stop)
+        got = self._stage_params.get(key)
+        if got is None:
+            ids = dict.fromkeys(i for info in self.layers[start:stop] for i in info.param_ids)
+            got = self._stage_params[key] = [self.params[i] for i in ids]
+        return got
 
     def span(self, start: int, stop: int) -> Span:
-        """Where the master copies of layers ``[start, stop)`` lie in the arena.
+        """Where the master copies of layers ``[start, stop)`` lie in the arena
+        (cached: asked per task).
 
         Parameters are stored in the order layers first use them, so those a
         stage introduces are one contiguous range."""
+        key = (start, stop)
+        got = self._spans.get(key)
+        if got is None:
+            got = self._spans[key] = self._span(start, stop)
+        return got
+
+    def _span(self, start: int, stop: int) -> Span:
         a, b = self._first[start], self._first[stop]
         inside = self.params[a:b]
         if inside:

@@ -563,7 +563,7 @@ class Worker:
             flat.copy_(arena[span.offset : span.offset + span.nbytes], non_blocking=True)
         if ctx.is_cuda:  # used by compute: not reused before those kernels ran
             flat.record_stream(ctx.compute)
-        tensors = self._views(flat, span.inside)
+        tensors = span.views(flat, self.host.compute_dtype)
         for p in span.outside:  # tied weights introduced by an earlier layer
             tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
         ready = ctx.record(ctx.weight_up)
@@ -572,13 +572,6 @@ class Worker:
         )
         self._uploaded(ready, job, params)
         return _Staged(tensors, ready)
-
-    def _views(self, flat: torch.Tensor, inside) -> dict[int, torch.Tensor]:
-        dtype = self.host.compute_dtype
-        return {
-            p.index: flat[off : off + p.nbytes].view(dtype).view(p.master.shape)
-            for p, off in inside
-        }
 
     def _uploaded(self, ready: Any, job: Job, params: list[_Param]) -> None:
         """Rule 1 producer: once the upload is complete, this window no longer
@@ -624,7 +617,7 @@ class Worker:
             flat,
             arena[span.offset : span.offset + span.nbytes],
             bounds,
-            self._views(flat, span.inside),
+            span.views(flat, self.host.compute_dtype),
             list(span.outside),
         )
 
