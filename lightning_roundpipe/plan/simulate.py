@@ -270,8 +270,19 @@ def _simulate_roundpipe(
     optimizer_time: float,
     placement: Placement,
 ) -> SimulationResult:
-    if plan is None:
-        plan = partition(costs, n, m, memory_limit=memory_limit)
+    if plan is None:  # the plan the runtime would run
+        from .policy import choose_plan  # the policy simulates: imported here, not at the top
+
+        plan = choose_plan(
+            costs,
+            n,
+            m,
+            async_optimizer=async_optimizer,
+            memory_limit=memory_limit,
+            round_size=mr,
+            comm_time=comm_time,
+            placement=placement,
+        )
     plan.validate(costs.num_layers)
     kw = dict(
         async_optimizer=async_optimizer,
@@ -451,7 +462,7 @@ def simulate(
             devices; charged when consecutive stages of a micro-batch run on
             different devices, overlapped with compute.
         plan: RoundPipe only: a stage plan (or its compact text); default the
-            partitioner's plan for ``costs``.
+            plan the runtime would run (:func:`~lightning_roundpipe.plan.choose_plan`).
         async_optimizer: RoundPipe only: iterations overlap (staleness-1
             optimizer) and ``async_bubble_ratio`` is reported.
         stages: baselines only: layers per stage (zero allowed), stage ``s``
