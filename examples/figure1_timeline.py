@@ -32,16 +32,10 @@ def run(out: Path, head: float = 3.0, png: bool = True) -> list:
         13, forward=1.0, backward=2.0, head_forward=head, head_backward=2.0 * head
     )
     plan = partition(costs, NUM_DEVICES, NUM_MICROBATCHES)
+    # RoundPipe in rounds of one micro-batch per device, as in the paper's figure
+    rp = dict(plan=plan, async_optimizer=True, microbatches_per_round=NUM_DEVICES)
     results = [
-        simulate(
-            "roundpipe",
-            costs,
-            NUM_DEVICES,
-            NUM_MICROBATCHES,
-            plan=plan,
-            async_optimizer=True,
-            microbatches_per_round=NUM_DEVICES,
-        ),
+        simulate("roundpipe", costs, NUM_DEVICES, NUM_MICROBATCHES, **rp),
         simulate("looped-bfs", costs, NUM_DEVICES, NUM_MICROBATCHES, stages_per_device=2),
         simulate("interleaved-1f1b", costs, NUM_DEVICES, NUM_MICROBATCHES, stages_per_device=2),
         simulate("1f1b", costs, NUM_DEVICES, NUM_MICROBATCHES),
@@ -57,16 +51,7 @@ def run(out: Path, head: float = 3.0, png: bool = True) -> list:
         for res in results[:2]:
             path = plot_timeline(res, out / f"figure1-{tag}-{res.schedule}.png")
             print(f"wrote {path}")
-        overlapped = simulate(
-            "roundpipe",
-            costs,
-            NUM_DEVICES,
-            NUM_MICROBATCHES,
-            plan=plan,
-            async_optimizer=True,
-            iterations=2,
-            microbatches_per_round=NUM_DEVICES,
-        )
+        overlapped = simulate("roundpipe", costs, NUM_DEVICES, NUM_MICROBATCHES, iterations=2, **rp)
         path = plot_timeline(
             overlapped,
             out / f"figure1-{tag}-roundpipe-async-2iter.png",

@@ -173,6 +173,21 @@ def _candidates(costs: LayerCosts) -> list[float]:
     return sorted(c for c in seen if lo <= c <= hi)
 
 
+def _slot_counter(costs: LayerCosts, cands: list[float], limit: float | None):
+    """``S(k)``: the fewest slots with slot time ``<= cands[k]``, cached."""
+    slots: dict[int, int] = {}
+
+    def s_at(k: int) -> int:
+        s = slots.get(k)
+        if s is None:
+            packed = _pack(costs, cands[k], limit)
+            assert packed is not None, "candidates start at a feasible slot time"
+            s = slots[k] = packed[0] + 1 + packed[2]
+        return s
+
+    return s_at
+
+
 def partition(
     costs: LayerCosts,
     num_devices: int,
@@ -197,15 +212,7 @@ def partition(
     cands = _candidates(costs)
     m, c = num_microbatches, num_devices * (num_devices - 1)
 
-    slots: dict[int, int] = {}
-
-    def s_at(k: int) -> int:
-        s = slots.get(k)
-        if s is None:
-            packed = _pack(costs, cands[k], limit)
-            assert packed is not None, "candidates start at a feasible slot time"
-            s = slots[k] = packed[0] + 1 + packed[2]
-        return s
+    s_at = _slot_counter(costs, cands, limit)
 
     best_k = 0
     best_g = (m * s_at(0) + c) * cands[0]
@@ -243,15 +250,7 @@ def frontier(costs: LayerCosts, memory_limit: float | None = None) -> list[Stage
     check_memory(costs, memory_limit)
     limit = memory_limit if costs.memory is not None else None
     cands = _candidates(costs)
-    slots: dict[int, int] = {}
-
-    def s_at(k: int) -> int:
-        s = slots.get(k)
-        if s is None:
-            packed = _pack(costs, cands[k], limit)
-            assert packed is not None, "candidates start at a feasible slot time"
-            s = slots[k] = packed[0] + 1 + packed[2]
-        return s
+    s_at = _slot_counter(costs, cands, limit)
 
     # S(t) is a non-increasing step function of the sorted candidates: bisect
     # each interval whose ends differ down to the steps

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .costs import LayerCosts, PlanError
-from .partition import balanced_partition, partition
+from .partition import balanced_partition
 from .schedule import Clock, Placement, Schedule, Segment, SegmentKind, lower
 from .stages import StagePlan
 

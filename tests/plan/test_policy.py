@@ -1,6 +1,6 @@
 """Plan policy: the plan frontier, plan choice by simulated period, round size."""
 
-import json
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -18,23 +18,17 @@ from lightning_roundpipe.plan import (
 )
 from lightning_roundpipe.plan.simulate import steady_async_bubble
 
-CASES = Path(__file__).resolve().parents[3] / "shared" / "reference" / "paper_bubble_cases.json"
+BUBBLES = Path(__file__).resolve().parents[2] / "benchmarks" / "bubbles.py"
 
 
 def paper_cases():
-    if not CASES.exists():
+    """The reference's RoundPipe cases, parsed by benchmarks/bubbles.py."""
+    spec = importlib.util.spec_from_file_location("bench_bubbles", BUBBLES)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not mod.CASES.exists():
         pytest.skip("the paper's reference cases are not beside the checkout")
-    out = []
-    for c in json.loads(CASES.read_text()):
-        if c["scheduler"] != "roundpipe":
-            continue
-        n = c["num_layers"]
-        costs = LayerCosts(
-            [c["fwd_time_per_layer"]] * n + [c["lmhead_fwd_time"]],
-            [c["bwd_time_per_layer"]] * n + [c["lmhead_bwd_time"]],
-        )
-        out.append((c, costs))
-    return out
+    return mod.paper_cases()
 
 
 def test_frontier_trades_slots_for_slot_time():
@@ -66,7 +60,7 @@ def test_asynchronous_bubble_meets_the_reference_on_the_papers_models():
     """The paper's five models (its per-layer times on an RTX 4090, 8 GPUs, 16
     micro-batches, its activation hop time): the plan we choose, lowered and
     simulated as the runtime runs it, idles no more than the reference's."""
-    for case, costs in paper_cases():
+    for case, costs, _ in paper_cases():
         comm = case["comm_time"]
         plan = choose_plan(costs, 8, 16, comm_time=comm)
         ours = steady_async_bubble(costs, plan, 8, 16, comm_time=comm)

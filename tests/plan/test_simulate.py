@@ -157,25 +157,12 @@ def test_free_first_placement_beats_a_fixed_rotation_on_the_papers_models():
     """The reference's placement (each round on the device free first) against
     the old fixed rotation, with the reference's own plans (8 GPUs, 16
     micro-batches, its per-layer times): never worse, clearly better overall."""
-    import json
-    from pathlib import Path
+    from test_policy import paper_cases
 
     from lightning_roundpipe.plan.simulate import steady_async_bubble
 
-    path = Path(__file__).resolve().parents[3] / "shared" / "reference" / "paper_bubble_cases.json"
-    if not path.exists():
-        pytest.skip("the paper's reference cases are not beside the checkout")
-    cases = [c for c in json.loads(path.read_text()) if c["scheduler"] == "roundpipe"]
     gains = []
-    for c in cases:
-        n_blocks = c["num_layers"]
-        costs = LayerCosts(
-            [c["fwd_time_per_layer"]] * n_blocks + [c["lmhead_fwd_time"]],
-            [c["bwd_time_per_layer"]] * n_blocks + [c["lmhead_bwd_time"]],
-        )
-        fwd, bwd = c["stage_partition"].split("|")
-        counts = [int(x) for x in bwd.split(",")]
-        plan = StagePlan(tuple(int(x) for x in fwd.split(",")), counts[0] + 1, tuple(counts[1:]))
+    for c, costs, plan in paper_cases():
         kw = {"comm_time": c["comm_time"], "iterations": 8}
         free = steady_async_bubble(costs, plan, 8, 16, placement="free-first", **kw)
         rot = steady_async_bubble(costs, plan, 8, 16, placement="rotate", **kw)
