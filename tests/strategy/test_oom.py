@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime import WorkerError
 from lightning_roundpipe.runtime import worker as worker_mod
 from lightning_roundpipe.runtime.nested import batch_size_of
 
@@ -133,19 +134,23 @@ class EpochLoss(CausalLM):
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
-def test_out_of_memory_in_a_backward_stage_is_retried(oom_when, async_mode):
+def test_out_of_memory_in_a_backward_stage_is_retried_or_reported(oom_when, async_mode):
     # the backward stages run after training_step returned: the failure must be
     # caught before Lightning's zero_grad, and what the step logged is logged once
     ref = EpochLoss()
     # a limit that gives a two-layer backward stage in the asynchronous plan
-    # (2,1|2|1,2): it is cut; the synchronous plan's backward stages have one
-    # layer each, so there the micro-batches are doubled
+    # (2,1,1|1|1,1,2): it is cut. The synchronous plan's backward stages have
+    # one layer each and its micro-batches one sample each: no smaller plan
+    # exists, so the failure is reported after one attempt
     opts = dict(async_optimizer=async_mode, device_memory_limit=136512)
-    ref_trainer = fit(ref, RoundPipeStrategy(**opts), devices=2)
-    if async_mode:
-        hits = oom_when(lambda layers, size, it, stage: stage.kind == "backward" and layers > 1)
-    else:
+    if not async_mode:
         hits = oom_when(lambda layers, size, it, stage: stage.kind == "backward" and not hits)
+        with pytest.raises(WorkerError, match=r"failed in stage B\d+ .*OutOfMemoryError"):
+            fit(EpochLoss(), RoundPipeStrategy(**opts), devices=2)
+        assert len(hits) == 1 and hits[0][0] == 1 and hits[0][1] == 1
+        return
+    ref_trainer = fit(ref, RoundPipeStrategy(**opts), devices=2)
+    hits = oom_when(lambda layers, size, it, stage: stage.kind == "backward" and layers > 1)
     mod = EpochLoss()
     strategy = RoundPipeStrategy(**opts)
     with pytest.warns(UserWarning, match=r"ran out of memory in stage B"):
