@@ -50,9 +50,9 @@ def batches():
     }
 
 
-def run(model, inputs, **engine_kw):
+def run(model, inputs, devices=("cpu", "cpu"), **engine_kw):
     adapter = CausalLMAdapter(model, "model")
-    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2, plan=PLAN, **engine_kw) as eng:
+    with RoundPipeEngine(adapter.layers(), list(devices), 2, plan=PLAN, **engine_kw) as eng:
         adapter.attach(eng, lambda: 1.0)
         try:
             loss = model(**inputs).loss
@@ -74,6 +74,22 @@ def test_decoder_stages_never_wait_for_the_device_and_match_the_model(case):
     torch.testing.assert_close(loss, expected.detach())
     for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["padding", "packed"])
+def test_decoder_stages_on_a_gpu_never_synchronize(case):
+    """On CUDA workers the guard also turns on CUDA's own check
+    (``set_sync_debug_mode("error")``): any synchronizing call in a stage fails."""
+    inputs = batches()[case]
+    model = qwen3()
+    ref = copy.deepcopy(model)
+    expected = ref(**inputs).loss
+    expected.backward()
+    loss = run(model, inputs, devices=("cuda:0", "cuda:0"), forbid_host_sync=True)
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
 def test_masks_and_rotary_tables_are_built_once_per_stage_and_microbatch(monkeypatch):
