@@ -785,3 +785,31 @@ def test_a_step_whose_gradients_never_came_reports_the_failure():
         handle = eng.step()
         with pytest.raises(WorkerError, match=r"backward broke \(injected\)"):
             handle.wait()
+
+
+def test_placement_never_changes_what_is_computed():
+    """Rounds start on the device predicted free first, from whatever costs the
+    engine has, or by a fixed rotation: only where work runs changes, never the
+    result (dropout included)."""
+    from lightning_roundpipe.plan import LayerCosts
+
+    ids, labels = lm_batch(8)
+    results, placements = [], set()
+    for kw in (
+        {"placement": "rotate"},
+        {},
+        {"costs": LayerCosts([5, 1, 1, 1, 1, 9], [1, 1, 1, 1, 1, 9])},
+        {"costs": LayerCosts([1, 1, 1, 1, 1, 1], [9, 1, 1, 1, 1, 1])},
+    ):
+        layers = transformer(dropout=0.3)
+        with engine(layers, 3, 4, "2,2|2|1,1,1,1", seed=11, microbatches_per_round=2, **kw) as eng:
+            for _ in range(3):
+                loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+            eng.synchronize()
+            placements.add(tuple(eng.last_schedule.as_strings()))
+        results.append((loss, grads(layers)))
+    assert len(placements) > 1  # the settings really placed work differently
+    for loss, g in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        for a, b in zip(g, results[0][1], strict=True):
+            torch.testing.assert_close(a, b)
