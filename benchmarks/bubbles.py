@@ -14,9 +14,8 @@ steady-state bubble, the reference's plan as our runtime places it, and the
 plan we choose (:func:`~lightning_roundpipe.plan.choose_plan`), each lowered
 and simulated exactly as the runtime runs it (whole-batch rounds, each round
 on the device free first, recompute before the gradient arrives, the
-optimizer's ordering rules and the controller's loss wait). "Before": the
-partitioner's formula plan with the earlier placement (rounds of N, fixed
-rotation).
+optimizer's ordering rules and the controller's loss wait). The fourth
+column: the partitioner's formula plan in rounds of N, the earlier default.
 
 Costs: ``--costs`` reads a LayerCosts JSON (e.g. ``engine.measured_costs().save(path)``
 after a few profiled iterations); by default the decoder formula of
@@ -137,8 +136,8 @@ def paper_cases(path: Path = CASES) -> list[tuple[dict, LayerCosts, StagePlan]]:
 def paper(path: Path = CASES) -> tuple[str, list[tuple[str, float, float]]]:
     """The table, and per model (name, reference bubble, ours)."""
     rows = [
-        "| model | reference | reference's plan, our runtime | before (formula plan, rounds "
-        "of N, rotation) | ours | our plan |",
+        "| model | reference | reference's plan, our runtime | formula plan in rounds of N "
+        "| ours | our plan |",
         "|---|---:|---:|---:|---:|---|",
     ]
     results = []
@@ -147,7 +146,7 @@ def paper(path: Path = CASES) -> tuple[str, list[tuple[str, float, float]]]:
         ref = c["result"]["async_steady_bubble_ratio"]
         ref_ours = steady_async_bubble(costs, ref_plan, n, m, comm_time=comm)
         before = steady_async_bubble(
-            costs, partition(costs, n, m), n, m, comm_time=comm, round_size=n, placement="rotate"
+            costs, partition(costs, n, m), n, m, comm_time=comm, round_size=n
         )
         plan = choose_plan(costs, n, m, comm_time=comm)
         ours = steady_async_bubble(costs, plan, n, m, comm_time=comm)

@@ -18,6 +18,7 @@ activations would exceed a host-memory budget.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ def simulated_period(
     return res.makespan
 
 
+@functools.lru_cache(maxsize=64)  # setup asks again for the same costs (micro-batch choice, engine)
 def choose_plan(
     costs: LayerCosts,
     num_devices: int,

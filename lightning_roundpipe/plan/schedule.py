@@ -169,7 +169,8 @@ class Schedule:
         stages: the slots lowered.
         readers: readers per micro-batch of each ``act<l>`` key.
         predicted: the clock's predicted busy segments of this iteration (in
-            the clock's time unit), empty when lowered without costs.
+            the clock's time unit), empty when lowered without costs or
+            ``predict``.
     """
 
     tasks: tuple[Task, ...]
@@ -356,13 +357,10 @@ class Clock:
         t, dev = got
         return t + (self.comm_time if dev != device else 0.0)
 
-    def _time(
-        self, it: _Iter, task: Task, free: list[float], out: list[Segment] | None, iteration: int
-    ) -> float:
-        """Time ``task`` on ``free`` (device free times, advanced); with ``out``
-        it is committed: its writes become available and its segments go to
-        ``out``. Returns when it ends."""
-        costs, d = self.costs, task.device
+    def _time(self, it: _Iter, task: Task, out: list[Segment] | None, iteration: int) -> None:
+        """Time ``task``: advance its device, make its writes available and,
+        with ``out``, append its busy segments there."""
+        costs, d, free = self.costs, task.device, self.free
         fwd = costs.forward_time(task.start, task.stop)
         bwd = costs.backward_time(task.start, task.stop)
         ready = max(it.submitted, self._weights_ready(it.window, task.start, task.stop))
@@ -381,24 +379,22 @@ class Clock:
                 b0 = max(start + fwd, self._arrival(it, task.reads[1], mb, d))
                 parts = [("R", start, start + fwd), ("B", b0, b0 + bwd)]
             end = free[d] = parts[-1][2]
+            for key in task.writes:
+                it.avail[(key, mb)] = (end, d)
+            if task.kind == "fused":
+                it.losses_known = max(it.losses_known, end)
             if out is not None:
-                for key in task.writes:
-                    it.avail[(key, mb)] = (end, d)
-                if task.kind == "fused":
-                    it.losses_known = max(it.losses_known, end)
                 out.extend(Segment(d, a, b, k, task.stage, mb, iteration) for k, a, b in parts)
-        if out is not None:
-            if task.ordered:
-                self._slot_end[task.slot] = end
-            for layer in range(task.start, task.stop):
-                key = (it.window, layer)
-                self._reads[key] = max(self._reads.get(key, 0.0), first)
-            if it.training:
-                if task.needs_grad:
-                    self._grads[it.window] = max(self._grads.get(it.window, 0.0), end)
-                self._ends[it.window] = max(self._ends.get(it.window, 0.0), end)
-            it.end = max(it.end, end)
-        return end
+        if task.ordered:
+            self._slot_end[task.slot] = end
+        for layer in range(task.start, task.stop):
+            key = (it.window, layer)
+            self._reads[key] = max(self._reads.get(key, 0.0), first)
+        if it.training:
+            if task.needs_grad:
+                self._grads[it.window] = max(self._grads.get(it.window, 0.0), end)
+            self._ends[it.window] = max(self._ends.get(it.window, 0.0), end)
+        it.end = max(it.end, end)
 
     def _begin(self, window: int, training: bool) -> _Iter:
         prev = self._prev
@@ -437,6 +433,7 @@ def lower(
     output_readers: int = 0,
     placement: Placement = "free-first",
     start_device: int = 0,
+    predict: bool = True,
 ) -> Schedule:
     """Lower one iteration to its tasks.
 
@@ -462,6 +459,8 @@ def lower(
         placement: ``"free-first"`` or ``"rotate"`` (see the module docs).
         start_device: the first round's device with ``"rotate"`` or without a
             clock.
+        predict: keep the clock's predicted segments in the schedule (the
+            runtime asks only while it records a trace).
     """
     n, m = num_devices, num_microbatches
     mr = _check_counts(n, m, round_size)
@@ -488,7 +487,8 @@ def lower(
     io = [_io(st, readers) for st in stages]
     ordered = set(ordered_slots)
     it = clock._begin(window, training) if clock is not None else None
-    predicted: list[Segment] = []
+    keep = predict or (clock is not None and clock.record)
+    predicted: list[Segment] | None = [] if keep else None
     tasks: list[Task] = []
     nxt = start_device
     for r, first in enumerate(range(0, m, mr)):
@@ -521,9 +521,10 @@ def lower(
         if clock is not None:
             assert it is not None
             for task in chosen:
-                clock._time(it, task, clock.free, predicted, iteration)
+                clock._time(it, task, predicted, iteration)
         tasks.extend(chosen)
         nxt = (g0 + len(stages)) % n
     if clock is not None and clock.record:
-        clock.segments.extend(predicted)
-    return Schedule(tuple(tasks), iteration, window, n, m, mr, stages, readers, tuple(predicted))
+        clock.segments.extend(predicted or ())
+    shown = tuple(predicted) if predict and predicted else ()
+    return Schedule(tuple(tasks), iteration, window, n, m, mr, stages, readers, shown)

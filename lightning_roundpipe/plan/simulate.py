@@ -205,7 +205,10 @@ def simulate_schedules(
                 clock=clock,
                 iteration=it,
                 placement=placement,
-                start_device=out[-1].tasks[-1].device if out and placement == "rotate" else 0,
+                # a fixed rotation carries on after the previous iteration's last slot
+                start_device=(out[-1].tasks[-1].device + 1) % num_devices
+                if out and placement == "rotate"
+                else 0,
             )
         )
         clock.step(it)
@@ -285,16 +288,13 @@ def _simulate_roundpipe(
         )
     plan.validate(costs.num_layers)
     kw = dict(
-        async_optimizer=async_optimizer,
-        round_size=mr,
-        comm_time=comm_time,
-        optimizer_time=optimizer_time,
-        placement=placement,
+        round_size=mr, comm_time=comm_time, optimizer_time=optimizer_time, placement=placement
     )
-    _, clock = simulate_schedules(costs, plan, n, m, iterations, **kw)
+    _, clock = simulate_schedules(
+        costs, plan, n, m, iterations, async_optimizer=async_optimizer, **kw
+    )
     extra: dict = {"plan": plan}
     if async_optimizer:
-        kw.pop("async_optimizer")
         extra["async_bubble_ratio"] = steady_async_bubble(costs, plan, n, m, **kw)
     return result_from_segments("roundpipe", clock.segments, n, m, iterations, **extra)
 

@@ -228,7 +228,6 @@ class DeviceContext:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.bytes_moved = 0  # host <-> device traffic issued by this worker (CUDA only)
         if self.is_cuda:
             hi, lo = -100, 0  # clamped by CUDA to its greatest / least priority
             self.compute = torch.cuda.Stream(device)
@@ -271,7 +270,6 @@ class DeviceContext:
             if dtype is not None and t.dtype != dtype:
                 return t.to(dtype)
             return t.clone() if fresh else t
-        self.bytes_moved += t.numel() * t.element_size()
         with torch.cuda.stream(stream):
             out = t.to(self.device, non_blocking=True)
             if dtype is not None and out.dtype != dtype:
@@ -286,7 +284,6 @@ class DeviceContext:
             return t
         if t.is_sparse:  # e.g. nn.Embedding(sparse=True) gradients
             t = t.to_dense()
-        self.bytes_moved += t.numel() * t.element_size()
         with torch.cuda.stream(stream):
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             out.copy_(t, non_blocking=True)

@@ -785,7 +785,7 @@ class RoundPipeEngine:
     @property
     def last_schedule(self) -> Schedule | None:
         """The schedule of the last training iteration (with the clock's
-        prediction of its timeline)."""
+        prediction of its timeline when recording a trace)."""
         return self._last_train
 
     def host_memory(self) -> dict[str, int]:
@@ -939,6 +939,7 @@ class RoundPipeEngine:
             ordered_slots=self._ordered if train else (),
             output_readers=0 if train else 1,
             placement=self.placement,
+            predict=rt.trace is not None,  # kept for the trace's simulated timeline
         )
         call.schedule = sched
         for j, x in enumerate(mbs):

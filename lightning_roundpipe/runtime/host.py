@@ -71,20 +71,28 @@ class _Arena:
 
     def build(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
         """Copies of ``tensors`` in ``dtype``, as views into one buffer."""
-        views = self.allocate([t.shape for t in tensors], dtype)
+        views = self.allocate([t.shape for t in tensors], dtype, zero=False)
         for view, t in zip(views, tensors, strict=True):
             view.copy_(t)
         return views
 
-    def allocate(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Zero-filled tensors of ``shapes`` in ``dtype``, as views into one buffer."""
+    def allocate(
+        self, shapes: Sequence[torch.Size], dtype: torch.dtype, zero: bool = True
+    ) -> list[torch.Tensor]:
+        """Tensors of ``shapes`` in ``dtype`` (zero-filled unless ``zero=False``:
+        the caller fills them), as views into one buffer."""
         size = torch.empty(0, dtype=dtype).element_size()
         offsets, total = [], 0
         for shape in shapes:
             offsets.append(total)
             nbytes = math.prod(shape) * size
             total += -(-nbytes // self.ALIGN) * self.ALIGN
-        buf = torch.zeros(max(total, self.ALIGN), dtype=torch.uint8)
+        size_total = max(total, self.ALIGN)
+        buf = (
+            torch.zeros(size_total, dtype=torch.uint8)
+            if zero
+            else torch.empty(size_total, dtype=torch.uint8)
+        )
         if self.enabled:
             # register from a short-lived thread: a failed CUDA runtime call leaves a
             # per-thread error flag that would surface at the caller's next kernel

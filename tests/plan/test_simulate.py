@@ -153,22 +153,27 @@ def res_tasks(res):
     return {(s.stage, s.device) for s in res.timeline}
 
 
-def test_free_first_placement_beats_a_fixed_rotation_on_the_papers_models():
-    """The reference's placement (each round on the device free first) against
-    the old fixed rotation, with the reference's own plans (8 GPUs, 16
-    micro-batches, its per-layer times): never worse, clearly better overall."""
+def test_free_first_placement_against_a_fixed_rotation():
+    """Each round on the device predicted free first (the reference's rule)
+    against continuing a fixed rotation. On the paper's models (8 GPUs, 16
+    micro-batches, their plans) the two place every round alike; with rounds
+    smaller than a batch and uneven slots, the device free first can be another
+    one, and then waits less (pinned case: 23% idle instead of 34%)."""
     from test_policy import paper_cases
 
     from lightning_roundpipe.plan.simulate import steady_async_bubble
 
-    gains = []
     for c, costs, plan in paper_cases():
         kw = {"comm_time": c["comm_time"], "iterations": 8}
         free = steady_async_bubble(costs, plan, 8, 16, placement="free-first", **kw)
         rot = steady_async_bubble(costs, plan, 8, 16, placement="rotate", **kw)
         assert free <= rot + 1e-9, c["model"]
-        gains.append(rot - free)
-    assert sum(gains) / len(gains) > 0.05
+    costs = LayerCosts([1, 0.2, 1, 1, 1, 5], [2, 0.2, 1, 2, 1, 10])
+    plan = StagePlan.parse("5|1|5")
+    kw = {"round_size": 2, "iterations": 10}
+    free = steady_async_bubble(costs, plan, 4, 4, placement="free-first", **kw)
+    rot = steady_async_bubble(costs, plan, 4, 4, placement="rotate", **kw)
+    assert free == pytest.approx(0.2339, abs=1e-3) and rot == pytest.approx(0.3358, abs=1e-3)
 
 
 def test_comm_time_slows_every_multi_device_schedule():
