@@ -485,6 +485,7 @@ class RoundPipeEngine:
         self._bandwidth: float | None = None
         self._window_has_grads = False
         self._jobs = 0
+        self._calls = 0  # calls queued on the optimizer thread
         self._lock = threading.Lock()
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         store = Store(watchdog_timeout)
@@ -988,6 +989,7 @@ class RoundPipeEngine:
             self.seed,
             None,  # type: ignore[arg-type]
             train,
+            [info.modes() for info in self._host.layers],
             profiler if train and profiler is not None and profiler.wants(iteration) else None,
         )
 
@@ -1129,6 +1131,8 @@ class RoundPipeEngine:
             finally:
                 handle._event.set()
             return handle
+        with self._lock:
+            self._calls += 1
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
 
@@ -1141,8 +1145,8 @@ class RoundPipeEngine:
         )
 
     def synchronize(self) -> None:
-        """Wait for all outstanding work: every dispatched stage and every queued
-        optimizer step. Afterwards parameters hold the latest weights and each
+        """Wait for all outstanding work: every dispatched stage, every queued
+        optimizer step and every queued :meth:`call`. Afterwards parameters hold the latest weights and each
         trainable parameter's ``.grad`` the gradient accumulated since the last
         ``step`` (fp32, in the parameter's dtype)."""
         self._check()
@@ -1150,7 +1154,8 @@ class RoundPipeEngine:
         opt = self._optimizer
         self._wait(
             lambda: self._rt.store.wait_until(
-                lambda: opt.applied >= self._jobs, "the optimizer worker to finish its steps"
+                lambda: opt.applied >= self._jobs and opt.calls_done >= self._calls,
+                "the optimizer worker to finish its steps and queued calls",
             )
         )
         if self._window_has_grads:  # evaluation alone leaves .grad untouched

@@ -228,6 +228,13 @@ class _LayerInfo:
                 self.persistent.append(attr not in owner._non_persistent_buffers_set)
             self.buffer_slots.append(_Slot(path, attr, seen[id(b)]))
 
+    def modes(self) -> tuple[bool, ...]:
+        """The train/eval flag of each of the layer's modules now. A call takes
+        them when it is submitted, so its tasks run in the mode the caller was
+        in, however late they start (the training loop may switch to ``eval()``
+        for validation while backward stages are still queued)."""
+        return tuple(m.training for m in self.module.modules())
+
     @property
     def has_state(self) -> bool:
         """Whether the layer has persistent buffers (e.g. running statistics)
@@ -257,12 +264,18 @@ class LayerReplica:
             (self.module.get_submodule(s.path), s.attr, s.index) for s in info.buffer_slots
         ]
         self._placeholders = [(m, a, m._parameters[a]) for m, a, _ in self._param_owners]
-        # train/eval mode follows the user's modules (dropout, batch norm)
-        self._modes = list(zip(info.module.modules(), self.module.modules(), strict=True))
+        self._modules = list(self.module.modules())
 
-    def bind(self, weights: dict[int, nn.Parameter], buffers: Sequence[torch.Tensor]) -> None:
-        for original, replica in self._modes:
-            replica.training = original.training
+    def bind(
+        self,
+        weights: dict[int, nn.Parameter],
+        buffers: Sequence[torch.Tensor],
+        modes: Sequence[bool],
+    ) -> None:
+        """Point the replica at device tensors; ``modes``: the train/eval flag of
+        each submodule (:meth:`_LayerInfo.modes`) when the call was submitted."""
+        for replica, training in zip(self._modules, modes, strict=True):
+            replica.training = training
         for owner, attr, idx in self._param_owners:
             owner._parameters[attr] = weights[idx]
         for owner, attr, idx in self._buffer_owners:

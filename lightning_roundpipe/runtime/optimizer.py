@@ -354,6 +354,7 @@ class OptimizerWorker:
         # new job and for a pending weight copy becoming possible alike
         self._queue: deque[_Job | None] = deque()
         self.applied = 0  # updates whose fn has run (or was skipped)
+        self.calls_done = 0  # ordered calls (zero_grad, scheduler steps) that have run
         self._pending: tuple[int, list[_Param]] | None = None  # P copies still to do
         self.thread: threading.Thread | None = None
         self._grads: dict[int, torch.Tensor] = {}
@@ -394,6 +395,9 @@ class OptimizerWorker:
                 if job.window < 0:  # an ordered call (zero_grad, scheduler step)
                     self.protocol.chaos("call")
                     job.handle.result = job.fn()
+                    with self.protocol.cond:
+                        self.calls_done += 1
+                        self.protocol.cond.notify_all()
                     job.handle._event.set()
                     continue
                 self._copy_ready(block=True)  # rule 5: copies before the next step

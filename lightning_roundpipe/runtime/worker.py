@@ -108,6 +108,7 @@ class Call:
     seed: int
     schedule: Schedule
     train: bool  # a training pass: gradients, running statistics written back
+    modes: list[tuple[bool, ...]]  # train/eval flags of each layer's modules at submission
     profiler: Profiler | None = None  # set while this iteration is being profiled
 
 
@@ -517,7 +518,7 @@ class Worker:
         for rep in replicas:
             bufs = [ctx.upload(b, ctx.weight_up, fresh=True) for b in rep.info.buffers]
             nbuf += sum(b.numel() * b.element_size() for b in rep.info.buffers)
-            rep.bind(weights, bufs)
+            rep.bind(weights, bufs, call.modes[rep.info.index])
         if nbuf:
             self.rt.traffic.add(it, "buffers", nbuf)
         # compute waits for this stage's weights and buffers (weights up -> compute)

@@ -813,3 +813,23 @@ def test_placement_never_changes_what_is_computed():
         torch.testing.assert_close(loss, results[0][0])
         for a, b in zip(g, results[0][1], strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_synchronize_waits_for_calls_queued_behind_a_step():
+    """A checkpoint taken after synchronize() never sees a half-applied
+    scheduler step or zero_grad queued behind the optimizer step."""
+    layers = mlp()
+    ran = []
+
+    def slow_scheduler_step():
+        time.sleep(0.3)
+        ran.append("scheduler")
+
+    with engine(layers, 2, 2, async_optimizer=True) as eng:
+        eng.forward_backward(
+            torch.randn(4, 8), labels=torch.randn(4, 4), loss_fn=nn.functional.mse_loss
+        )
+        eng.step(lambda: None)
+        eng.call(slow_scheduler_step)
+        eng.synchronize()
+        assert ran == ["scheduler"]

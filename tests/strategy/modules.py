@@ -120,3 +120,32 @@ class SeqModule(L.LightningModule):
 def seq_data(n: int = 64, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
+
+
+class DropoutSeq(L.LightningModule):
+    """An ``nn.Sequential`` with dropout, validated on the mean squared error."""
+
+    def __init__(self, lr: float = 1e-2, p: float = 0.3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 32),
+            nn.Dropout(p),
+            nn.Tanh(),
+            nn.Linear(32, 32),
+            nn.Dropout(p),
+            nn.Tanh(),
+            nn.Linear(32, 1),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
