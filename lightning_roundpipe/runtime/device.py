@@ -239,6 +239,13 @@ class DeviceContext:
             self.compute = self.act_up = self.act_down = _NULL_STREAM
             self.weight_up = self.grad_down = _NULL_STREAM
 
+    def synchronize(self) -> None:
+        """Wait until every stream of the device is idle, so no copy still reads
+        or writes host memory (before the engine frees its page-locked memory;
+        no-op on CPU, whose copies are synchronous)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
     def on(self, stream) -> contextlib.AbstractContextManager:
         """Context that makes ``stream`` current (no-op on CPU)."""
         if self.is_cuda:

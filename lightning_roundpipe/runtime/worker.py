@@ -404,9 +404,9 @@ class Worker:
         except BaseException as exc:  # every failure must reach the caller
             self.store.fail(self._wrap(exc, job, mb[0]))
         finally:
-            if self.ctx is not None and self.ctx.is_cuda:
+            if self.ctx is not None:
                 try:  # no copy may still read host memory once the engine frees it
-                    torch.cuda.synchronize(self.device)
+                    self.ctx.synchronize()
                 except Exception:  # a broken device: the failure is reported already
                     log.debug("could not synchronize %s at exit", self.device, exc_info=True)
             self.courier.stop()
@@ -891,8 +891,11 @@ class Worker:
             self._save(job, f"act{t.stop}", j, out, fresh=False)
         self._fetch_ahead(job, nxt)
 
-    @staticmethod
-    def _leaves(x: Any) -> tuple[Any, list[torch.Tensor | None]]:
+    def _leaves(self, x: Any) -> tuple[Any, list[torch.Tensor | None]]:
+        """The stage input as autograd leaves (whose ``.grad`` is the input
+        gradient) and, for the layers, a copy of each: a first layer that writes
+        its input in place (``ReLU(inplace=True)``, ``x.mul_()``) is then legal,
+        as it is in the unsplit model, and never changes the leaf."""
         flat: list[torch.Tensor | None] = []
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -900,11 +903,12 @@ class Worker:
             if t.is_floating_point() or t.is_complex():
                 t.requires_grad_(True)
                 flat.append(t)
-            else:
-                flat.append(None)
+                return t.clone()
+            flat.append(None)
             return t
 
-        return map_tensors(leaf, x), flat
+        with torch.enable_grad(), self.ctx.on(self.ctx.compute):
+            return map_tensors(leaf, x), flat
 
     def _input_grad(self, job: Job, j: int, leaves: list) -> None:
         t = job.task

@@ -833,3 +833,88 @@ def test_synchronize_waits_for_calls_queued_behind_a_step():
         eng.call(slow_scheduler_step)
         eng.synchronize()
         assert ran == ["scheduler"]
+
+
+class _ScaleInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(2.0)
+
+
+def _in_place_layers():
+    torch.manual_seed(0)
+    return list(
+        nn.Sequential(
+            nn.Linear(8, 16),
+            nn.ReLU(inplace=True),
+            nn.Linear(16, 16),
+            _ScaleInPlace(),
+            nn.Hardtanh(inplace=True),
+            nn.Linear(16, 4),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "plan", ["1,1,1,1,1|1|1,1,1,1,1", "2,1,2|1|1,1,1,1,1", "|6|", "1,2|3|2,1", "4|2|1,3"]
+)
+@pytest.mark.parametrize("n", [1, 3])
+def test_layers_that_change_their_input_in_place(plan, n):
+    """A layer that writes its input in place (ReLU(inplace=True), x.mul_())
+    at the start of any stage, or right after a boundary saved inside one, never
+    changes a value another task reads: results equal plain PyTorch."""
+    layers = _in_place_layers()
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(ref(x.clone()), y)
+    expected.backward()
+    x_before = x.clone()
+    with engine(layers, n, 4, plan) as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, list(ref))
+    torch.testing.assert_close(x, x_before)  # the caller's batch is untouched
+
+
+@pytest.mark.parametrize("path", ["failure", "interrupt"])
+def test_pinned_memory_is_freed_only_after_every_device_is_idle(monkeypatch, path):
+    """On the failure and interrupt paths (and so on a re-plan, which closes the
+    engine) the master arena is released only after every worker has waited
+    for its device's copies to finish."""
+    from lightning_roundpipe.runtime import device as device_mod
+    from lightning_roundpipe.runtime import host as host_mod
+
+    events = []
+    lock = threading.Lock()
+    original_free = host_mod.HostState.free
+
+    def synchronize(self):
+        time.sleep(0.05)  # a copy still in flight
+        with lock:
+            events.append("sync")
+
+    def free(self):
+        with lock:
+            events.append("free")
+        original_free(self)
+
+    monkeypatch.setattr(device_mod.DeviceContext, "synchronize", synchronize)
+    monkeypatch.setattr(host_mod.HostState, "free", free)
+    torch.manual_seed(0)
+    fail = path == "failure"
+    layers = [nn.Linear(8, 8), Boom(lambda x: fail), nn.Linear(8, 8), nn.Linear(8, 1)]
+    eng = engine(layers, 3, 6, "1,2|1|2,1")
+    try:
+        if fail:
+            with pytest.raises(WorkerError):
+                eng.forward_backward(
+                    torch.randn(12, 8), labels=torch.randn(12, 1), loss_fn=nn.functional.mse_loss
+                )
+                eng.synchronize()
+        else:  # Ctrl-C while stages are in flight: Lightning closes the engine
+            eng.forward_backward(
+                torch.randn(12, 8), labels=torch.randn(12, 1), loss_fn=nn.functional.mse_loss
+            )
+    finally:
+        eng.close()
+    assert events == ["sync"] * 3 + ["free"]
