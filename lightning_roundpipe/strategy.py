@@ -58,13 +58,14 @@ class RoundPipeStrategy(ParallelStrategy):
         async_optimizer: run optimizer steps on a host thread one step behind
             (staleness 1), overlapping them with device compute. ``False`` gives
             ordinary training semantics.
-        num_microbatches: micro-batches per training batch; batches must have
-            at least this many samples. ``"auto"``: the fewest (largest
-            micro-batches) among ``N, 2N, 4N, ... 8N`` for ``N`` workers whose
-            simulated bubble is at most 5% (with the asynchronous optimizer
-            usually ``N``); a shorter batch (the last of an epoch) is split into
-            one-sample micro-batches; doubled if the first batch runs out of
-            device memory (``oom_replans``).
+        num_microbatches: micro-batches per batch. ``"auto"``: the fewest
+            (largest micro-batches) among ``N, 2N, 4N, ... 8N`` for ``N``
+            workers whose simulated bubble is at most 5% (with the asynchronous
+            optimizer usually ``N``); doubled if the first batch runs out of
+            device memory (``oom_replans``). A batch with fewer samples (the
+            last of an epoch, an uneven validation set, ``batch_size=1``) is
+            split into one-sample micro-batches, whatever the setting; fewer
+            micro-batches than workers simply leave some workers idle.
         microbatches_per_round: micro-batches per round; ``None``/``"auto"``
             (default): the whole batch, so each stage's weights go up once per
             batch, unless a round's stage-boundary activations would exceed
@@ -347,7 +348,6 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
-        auto = self.num_microbatches == "auto"
         m = self._microbatch_count(costs, n, tightest(self._oom_limit, self.device_memory_limit))
         seed = self.seed if self.seed is not None else torch.initial_seed()
         self.engine = RoundPipeEngine(
@@ -361,7 +361,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 PRECISIONS[self.precision_plugin.precision]
             ),
             trace=self.trace_dir is not None,
-            fit_to_batch=auto,
+            fit_to_batch=True,  # a short batch: one sample per micro-batch
             precision=self.precision_plugin.precision,
             async_optimizer=self.async_optimizer,
             seed=seed,
