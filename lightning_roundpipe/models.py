@@ -9,8 +9,10 @@ becomes engine work:
   with autograd on, ``backward`` of anything computed from them runs the
   pipelined backward (the engine re-runs the forward with the output gradient).
 * :class:`CausalLMAdapter`: Hugging Face causal LMs of the Llama family (Llama,
-  Qwen2, Qwen3, Mistral; also wrapped by PEFT). Layers: the token embedding,
-  each decoder layer (the causal mask and rotary embeddings are built from
+  Qwen2, Qwen3, Mistral; also wrapped by PEFT). Layers: the token embedding
+  (or the given ``inputs_embeds``), each decoder layer (the mask the model
+  itself builds for that layer, full or sliding-window causal, and the rotary
+  embeddings are built from
   ``position_ids`` and the 2-D ``attention_mask`` by a stage's first decoder
   layer, once per micro-batch, and shared by the stage's other layers, so only
   the hidden states cross stage boundaries), and norm + LM head. Whether a batch
@@ -19,14 +21,18 @@ becomes engine work:
   ``labels=`` while training, the loss is computed inside the pipeline (the
   fused stage) per micro-batch and weighted by its share of the batch's real
   tokens, so it equals the unsplit model's loss and full-batch logits never
-  exist.
+  exist. Config settings and call arguments the pipeline layers do not
+  implement are refused, never ignored.
 
-:func:`find_adapter` picks the adapter for a LightningModule.
+:func:`find_adapter` picks the adapter for a LightningModule: the candidate
+stack holding most of its parameters, refused when that is not clear.
+``describe_layers()`` gives the layer numbering that plan strings use.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -37,6 +43,7 @@ from torch import nn
 
 from .runtime.engine import EngineClosedError
 from .runtime.nested import batch_size_of, split_microbatches
+from .runtime.optimizer import NonFiniteError
 from .runtime.scope import stage_cached
 
 if TYPE_CHECKING:
@@ -78,9 +85,26 @@ class _Adapter(ABC):
     def layers(self) -> list[nn.Module]:
         """The pipeline layers, in order."""
 
-    def attach(self, engine: RoundPipeEngine, grad_scale: Callable[[], float]) -> None:
+    @abstractmethod
+    def _layer_names(self) -> list[tuple[str, str]]:
+        """Each pipeline layer's kind: (name, plural name)."""
+
+    def describe_layers(self) -> str:
+        """The pipeline layers by index, as plan strings count them, runs of one
+        kind collapsed: ``"0 embed, 1-28 blocks, 29 head"`` for a causal LM,
+        ``"0 Linear, 1 ReLU, 2-5 Block, 6 Linear"`` for an ``nn.Sequential``."""
+        names = self._layer_names()
+        parts, start = [], 0
+        for i in range(1, len(names) + 1):
+            if i < len(names) and names[i] == names[start]:
+                continue
+            one, many = names[start]
+            parts.append(f"{start} {one}" if i - start == 1 else f"{start}-{i - 1} {many}")
+            start = i
+        return ", ".join(parts)
+
+    def attach(self, engine: RoundPipeEngine) -> None:
         self.engine = engine
-        self.grad_scale = grad_scale
         adapter = self
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -149,6 +173,9 @@ class SequentialAdapter(_Adapter):
     def layers(self) -> list[nn.Module]:
         return list(self.target)
 
+    def _layer_names(self) -> list[tuple[str, str]]:
+        return [(type(c).__name__, type(c).__name__) for c in self.target]
+
     def call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != 1:
             raise TypeError(f"{self.name} (nn.Sequential) takes one input")
@@ -159,7 +186,22 @@ class SequentialAdapter(_Adapter):
 
 
 # ------------------------------------------------------------ causal LMs
-_HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# How each family's model picks a decoder layer's mask (read from its
+# ``*Model.forward`` in transformers 5): LlamaModel builds one causal mask for
+# every layer; MistralModel a sliding-window mask for every layer whenever
+# ``config.sliding_window`` is not None (it never reads ``layer_types``);
+# Qwen2Model and Qwen3Model the mask named by ``config.layer_types[i]``.
+_MASK_RULES = {
+    "llama": "full",
+    "mistral": "sliding_window",
+    "qwen2": "layer_types",
+    "qwen3": "layer_types",
+}
+_HF_FAMILIES = tuple(_MASK_RULES)
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# attention implementations whose mask the adapter builds exactly as the model
+# does and whose result does not depend on how the batch is split
+_ATTENTION = ("eager", "sdpa")
 
 
 def _is_causal_lm(module: nn.Module) -> bool:
@@ -175,12 +217,22 @@ def _is_causal_lm(module: nn.Module) -> bool:
 
 
 class _Embed(nn.Module):
+    """The token embedding, or the given ``inputs_embeds`` (the model's own
+    rule: exactly one of them)."""
+
     def __init__(self, embed: nn.Module) -> None:
         super().__init__()
         self.embed = embed
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, packed=False):
-        h = self.embed(input_ids)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        packed=False,
+        inputs_embeds=None,
+    ):
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         out = {"hidden_states": h, "position_ids": position_ids}
@@ -207,7 +259,7 @@ def is_packed(position_ids: torch.Tensor) -> bool:
 
 
 class _Decoder(nn.Module):
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any, index: int) -> None:
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any, sliding: bool) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = rotary
@@ -215,8 +267,8 @@ class _Decoder(nn.Module):
         # replica of this layer holds its own copy of the module)
         self.rotary_key = id(rotary)
         self.config = config
-        types = getattr(config, "layer_types", None)
-        self.sliding = bool(types) and types[index] == "sliding_attention"
+        # the mask the model itself builds for this layer (see _layer_types)
+        self.sliding = sliding
 
     def _mask(self, hidden_states, position_ids, attention_mask, packed):
         """The model's own mask for this layer type, without the checks that
@@ -288,18 +340,49 @@ def _shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the micro-batch's real tokens (labels
-    ``-100`` are ignored); zero when it has none."""
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, empty: float | None = 0.0
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the real tokens (labels ``-100`` are
+    ignored). With none: ``empty`` (0 for a micro-batch, whose weight is then
+    0), or, with ``empty=None``, NaN as the model's own loss is."""
     target = _shifted(labels).reshape(-1).to(logits.device)
     flat = logits.float().reshape(-1, logits.shape[-1])
     count = (target != -100).sum()
     total = nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
-    return total / count.clamp(min=1)
+    return total / (count if empty is None else count.clamp(min=1))
 
 
 class CausalLMAdapter(_Adapter):
-    """A Hugging Face Llama-family causal LM (optionally inside PEFT)."""
+    """A Hugging Face Llama-family causal LM (optionally inside PEFT).
+
+    Construction refuses a model whose config asks for something the pipeline
+    layers do not do the way the model does (see :func:`_check_config`)."""
+
+    kind = "Hugging Face causal LM"
+
+    def __init__(self, target: nn.Module, name: str) -> None:
+        _check_config(target, name)
+        self.target = target
+        self.name = name
+        inner = target.model
+        config = target.config
+        types = _layer_types(target)
+        self._layers = [
+            _Embed(inner.embed_tokens),
+            *[
+                _Decoder(layer, inner.rotary_emb, config, kind == "sliding_attention")
+                for layer, kind in zip(inner.layers, types, strict=True)
+            ],
+            _Head(inner.norm, target.lm_head),
+        ]
+
+    def layers(self) -> list[nn.Module]:
+        return self._layers
+
+    def _layer_names(self) -> list[tuple[str, str]]:
+        blocks = [("block", "blocks")] * (len(self._layers) - 2)
+        return [("embed", "embed"), *blocks, ("head", "head")]
 
     def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int]:
         """Hidden states in the compute dtype plus the positions and mask that
@@ -308,8 +391,8 @@ class CausalLMAdapter(_Adapter):
         hidden = int(self.target.config.hidden_size)
 
         def estimate(inputs: Any) -> int:
-            ids = inputs["input_ids"]
-            tokens = ids.numel()
+            ids = inputs.get("input_ids")
+            tokens = ids.numel() if ids is not None else inputs["inputs_embeds"].shape[:-1].numel()
             out = tokens * hidden * size + tokens * 8  # hidden states, positions
             mask = inputs.get("attention_mask")
             if mask is not None:
@@ -331,21 +414,67 @@ class CausalLMAdapter(_Adapter):
             return False
         return bool(use_cache)
 
-    kind = "Hugging Face causal LM"
-
-    def __init__(self, target: nn.Module, name: str) -> None:
-        self.target = target
-        self.name = name
-        inner = target.model
-        config = target.config
-        self._layers = [
-            _Embed(inner.embed_tokens),
-            *[_Decoder(layer, inner.rotary_emb, config, i) for i, layer in enumerate(inner.layers)],
-            _Head(inner.norm, target.lm_head),
-        ]
-
-    def layers(self) -> list[nn.Module]:
-        return self._layers
+    def _check_call(
+        self,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: Any,
+        past_key_values: Any,
+        labels: torch.Tensor | None,
+        logits_to_keep: Any,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Refuse call arguments the pipeline would otherwise ignore."""
+        name = self.name
+        if inputs_embeds is not None and torch.is_grad_enabled() and inputs_embeds.requires_grad:
+            raise ValueError(
+                f"{name}: inputs_embeds requires grad, but gradients into inputs_embeds are not "
+                "supported by the RoundPipe pipeline (its backward ends at the first pipeline "
+                "layer, the gradient would be lost); pass inputs_embeds.detach() (a frozen soft "
+                "prompt), or make the trainable embeddings part of the model's input embedding "
+                "and pass input_ids"
+            )
+        if past_key_values is not None:
+            raise TypeError(
+                f"{name}: past_key_values is not supported by the RoundPipe pipeline (it keeps no "
+                "key-value cache, so e.g. prefix tuning cannot work); call the model without "
+                "past_key_values"
+            )
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+        ):
+            shape = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
+            raise TypeError(
+                f"{name}: attention_mask must be a 2-D (batch, sequence) padding mask, got "
+                f"{shape}; the pipeline builds each layer's mask itself, so prepared masks are "
+                "not supported"
+            )
+        for key in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(key):
+                raise TypeError(
+                    f"{name}: {key}=True is not supported by the RoundPipe pipeline (it returns "
+                    f"the loss and logits only); call the model without {key}"
+                )
+        unknown = {
+            k
+            for k in kwargs
+            if k not in ("return_dict", "output_attentions", "output_hidden_states")
+        }
+        if unknown:
+            raise TypeError(
+                f"{name}: arguments {sorted(unknown)} are not supported by the pipeline"
+            )
+        if labels is not None and not _keeps_all(logits_to_keep):
+            raise TypeError(
+                f"{name}: logits_to_keep={logits_to_keep!r} with labels= is not supported by the "
+                "RoundPipe pipeline (the loss needs every position's logits); call the model "
+                "without logits_to_keep"
+            )
+        if labels is not None:
+            _check_loss(self.target, name)
 
     def call(
         self,
@@ -356,27 +485,23 @@ class CausalLMAdapter(_Adapter):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        if input_ids is None or inputs_embeds is not None:
-            raise TypeError(
-                f"{self.name}: the pipeline takes input_ids (inputs_embeds is not supported)"
-            )
-        if past_key_values is not None or use_cache:
-            log.debug("RoundPipe ignores past_key_values/use_cache (training has no cache)")
-        unknown = {
-            k
-            for k in kwargs
-            if k
-            not in ("return_dict", "output_attentions", "output_hidden_states", "logits_to_keep")
-        }
-        if unknown:
-            raise TypeError(
-                f"{self.name}: arguments {sorted(unknown)} are not supported by the pipeline"
-            )
-        inputs: dict[str, Any] = {"input_ids": input_ids}
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            # the model's own check, with its message
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        self._check_call(
+            inputs_embeds, attention_mask, past_key_values, labels, logits_to_keep, kwargs
+        )
+        # the batch tensor: token ids, or embeddings (split into micro-batches
+        # along dim 0 like the ids; floating, so uploaded in the compute dtype)
+        batch = input_ids if input_ids is not None else inputs_embeds
+        inputs: dict[str, Any] = (
+            {"input_ids": input_ids} if input_ids is not None else {"inputs_embeds": inputs_embeds}
+        )
         # decided here, on the host, so no stage has to read device values: a
         # mask without padding is no mask (the model would skip it too), and
         # packed sequences are detected from the positions
@@ -384,8 +509,8 @@ class CausalLMAdapter(_Adapter):
         if attention_mask is not None and not bool(attention_mask.all()):
             inputs["attention_mask"] = attention_mask
         if position_ids is not None:
-            if position_ids.shape[0] != input_ids.shape[0]:
-                position_ids = position_ids.expand(input_ids.shape[0], -1)
+            if position_ids.shape[0] != batch.shape[0]:
+                position_ids = position_ids.expand(batch.shape[0], -1)
             inputs["position_ids"] = position_ids
             no_cache = not self._cache(past_key_values, use_cache)
             if attention_mask is None and no_cache and is_packed(position_ids):
@@ -393,57 +518,169 @@ class CausalLMAdapter(_Adapter):
         engine = self.engine
         training = torch.is_grad_enabled() and self.target.training
         if training and labels is not None:
-            bsz = batch_size_of(input_ids)
+            bsz = batch_size_of(batch)
             m = engine.microbatches_for(bsz)
             counts = [int((_shifted(y) != -100).sum()) for y in split_microbatches(labels, m, bsz)]
-            total = max(1, sum(counts))
-            scale = self.grad_scale()
-            loss = (
-                engine.forward_backward(
-                    inputs,
-                    labels=labels,
-                    loss_fn=causal_lm_loss,
-                    loss_weights=[c / total for c in counts],
-                    scale=scale,
-                )
-                / scale
+            total = sum(counts)
+            if total == 0:  # the model's loss is NaN (0 / 0): so is this one
+                if engine.nonfinite == "raise":
+                    raise NonFiniteError(
+                        f"{self.name}: the batch has no labelled token (every label is -100), so "
+                        "its loss is NaN, as the model itself returns it; the weights were not "
+                        "updated. Filter such batches out, or set nonfinite='skip' to skip "
+                        "their steps"
+                    )
+                weights = [math.nan] * m
+            else:
+                weights = [c / total for c in counts]
+            # the gradient factor (Lightning's accumulation division, a scaled or
+            # combined loss) is whatever autograd brings to the returned loss
+            loss = engine.forward_backward(
+                inputs,
+                labels=labels,
+                loss_fn=causal_lm_loss,
+                loss_weights=weights,
+                scale="later",
             )
-            return CausalLMOutputWithPast(loss=_expect_grad(loss, scale, self.name), logits=None)
+            return CausalLMOutputWithPast(
+                loss=_pipeline_loss(loss, engine, engine.iteration - 1), logits=None
+            )
         if training:
             logits = self._outputs_with_backward(inputs)
-            return CausalLMOutputWithPast(logits=logits)
+            return CausalLMOutputWithPast(logits=_keep(logits, logits_to_keep))
         logits = engine.forward(inputs)
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+            loss = causal_lm_loss(logits, labels, empty=None)
+        return CausalLMOutputWithPast(loss=loss, logits=_keep(logits, logits_to_keep))
 
 
-class _Expect(torch.autograd.Function):
-    """A loss whose backward already ran inside the pipeline with ``scale``;
-    checks that autograd asks for exactly that."""
+def _keeps_all(logits_to_keep: Any) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+def _keep(logits: torch.Tensor, logits_to_keep: Any) -> torch.Tensor:
+    """The model's ``logits_to_keep`` selection (it selects hidden states before
+    the LM head, which acts on each position alone: the same logits)."""
+    if _keeps_all(logits_to_keep):
+        return logits
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    if isinstance(logits_to_keep, torch.Tensor):
+        logits_to_keep = logits_to_keep.to(logits.device)
+    return slice_logits_to_keep(logits, logits_to_keep)
+
+
+def _check_loss(target: nn.Module, name: str) -> None:
+    """With ``labels=`` the pipeline computes the standard next-token
+    cross-entropy (``ForCausalLMLoss``); refuse a model set to another loss."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    fn = target.loss_function
+    if fn is not ForCausalLMLoss:
+        raise ValueError(
+            f"{name}: the model's loss_function is {getattr(fn, '__name__', fn)!r}, but with "
+            "labels= the RoundPipe pipeline computes the standard next-token cross-entropy "
+            "(ForCausalLMLoss); call the model without labels= and compute the loss from the "
+            "logits"
+        )
+
+
+def _layer_types(target: nn.Module) -> list[str]:
+    """Each decoder layer's attention type, by its family's own rule (``_MASK_RULES``)."""
+    config = target.config
+    n = len(target.model.layers)
+    rule = _MASK_RULES[config.model_type]
+    if rule == "layer_types":
+        return list(config.layer_types[:n])
+    if rule == "sliding_window" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
+def _check_config(target: nn.Module, name: str) -> None:
+    """Refuse config settings the pipeline layers would not honour as the model
+    does. What the pipeline layers leave out of the family's ``*Model.forward``
+    and ``*ForCausalLM.forward``: the mask choice (reproduced per layer), the
+    key-value cache (refused per call), ``output_attentions`` and
+    ``output_hidden_states`` (refused), ``layers[: num_hidden_layers]``,
+    ``logits_to_keep`` and the loss (checked per call). Rotary settings are
+    honoured (the model's own rotary module runs), as are tied embeddings."""
+    config = target.config
+    inner = target.model
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in _ATTENTION:
+        raise ValueError(
+            f"{name}: config._attn_implementation={impl!r} is not supported by the RoundPipe "
+            f"pipeline, which reproduces the model's attention masks for "
+            f"{' and '.join(map(repr, _ATTENTION))} only; load the model with "
+            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
+        )
+    n = len(inner.layers)
+    if config.num_hidden_layers < n:
+        raise ValueError(
+            f"{name}: config.num_hidden_layers={config.num_hidden_layers}, but the model holds "
+            f"{n} decoder layers; the model runs only the first num_hidden_layers and the "
+            "pipeline would run them all: remove the extra layers or set "
+            f"config.num_hidden_layers={n}"
+        )
+    if _MASK_RULES[config.model_type] == "layer_types":
+        types = list(getattr(config, "layer_types", None) or [])
+        if len(types) < n:
+            raise ValueError(
+                f"{name}: config.layer_types has {len(types)} entries for {n} decoder layers; "
+                "give one attention type per layer"
+            )
+        for i, kind in enumerate(types[:n]):
+            if kind not in _LAYER_TYPES:
+                raise ValueError(
+                    f"{name}: config.layer_types[{i}]={kind!r} is not supported by the RoundPipe "
+                    f"pipeline, which builds {' and '.join(map(repr, _LAYER_TYPES))} masks only; "
+                    "use one of those layer types"
+                )
+    for key in ("output_attentions", "output_hidden_states"):
+        if getattr(config, key, False):
+            raise ValueError(
+                f"{name}: config.{key}=True is not supported by the RoundPipe pipeline (it "
+                f"returns the loss and logits only); set config.{key}=False"
+            )
+    if inner._forward_hooks or inner._forward_pre_hooks:
+        raise ValueError(
+            f"{name}: {type(inner).__name__} has forward hooks, which the RoundPipe pipeline "
+            "would not run (it calls the embedding, decoder layers and head itself); register "
+            "them on those submodules instead, or remove them"
+        )
+
+
+class _PipelineLoss(torch.autograd.Function):
+    """A loss whose backward ran inside the pipeline; the gradient autograd
+    brings to it (Lightning's accumulation factor, a scaled or combined loss)
+    is the factor its weight gradients join the window with."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, scale: float, name: str):
-        ctx.scale, ctx.name = scale, name
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, give: Callable[[float], None]):
+        ctx.give = give
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        g = float(grad)
-        if abs(g - ctx.scale) > 1e-6 * max(1.0, abs(ctx.scale)):
-            raise RuntimeError(
-                f"the loss returned by {ctx.name} was scaled by {g / ctx.scale:g} before "
-                "backward; RoundPipe runs the model's backward inside the pipeline when the "
-                "model is called with labels=, so use the returned loss unchanged (extra terms "
-                "may be added to it), or call the model without labels= and compute the loss "
-                "from the logits"
+        ctx.give(float(grad))
+        return None, None, None
+
+
+def _pipeline_loss(loss: torch.Tensor, engine: RoundPipeEngine, iteration: int) -> torch.Tensor:
+    # the graph refers to the engine weakly (a graph may outlive a re-planned engine)
+    engine_ref = weakref.ref(engine)
+
+    def give(factor: float) -> None:
+        eng = engine_ref()
+        if eng is None:
+            raise EngineClosedError(
+                "backward reached a loss of a RoundPipe engine that no longer exists"
             )
-        return None, None, None, None
+        eng.scale_gradients(iteration, factor)
 
-
-def _expect_grad(loss: torch.Tensor, scale: float, name: str) -> torch.Tensor:
-    return _Expect.apply(_anchor(), loss, scale, name)
+    return _PipelineLoss.apply(_anchor(), loss, give)
 
 
 # ------------------------------------------------------------------ finding
@@ -468,11 +705,41 @@ def _adapter_for(module: nn.Module, name: str) -> _Adapter | None:
     return None
 
 
+def _count(params: Any) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _unsupported_hf(module: nn.Module) -> str | None:
+    """Why a Hugging Face model cannot be pipelined (None: not one, or it can)."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if not isinstance(model_type, str) or _is_causal_lm(module):
+        return None
+    families = ", ".join(_HF_FAMILIES)
+    if model_type in _HF_FAMILIES:
+        return (
+            f"a {type(module).__name__} (model_type {model_type!r}) without an LM head; "
+            f"RoundPipe pipelines the causal LMs (*ForCausalLM) of {families}"
+        )
+    return (
+        f"a Hugging Face model with model_type {model_type!r}, which RoundPipe does not "
+        f"support (supported: {families})"
+    )
+
+
+def _describe(name: str, module: nn.Module, n: int, total: int) -> str:
+    return f"'{name}' ({type(module).__name__}, {n:,} parameters, {n / total:.0%})"
+
+
 def find_adapter(root: nn.Module, layers: str | None = None) -> _Adapter:
     """The adapter for ``root`` (a LightningModule): the module named by
-    ``layers`` (an attribute path), else the first Hugging Face causal LM of
-    the Llama family, else the first ``nn.Sequential``, searching submodules
-    breadth first."""
+    ``layers`` (an attribute path), else the layer stack that holds most of
+    ``root``'s parameters.
+
+    The candidates are the Hugging Face causal LMs of the Llama family and the
+    non-empty ``nn.Sequential`` submodules not inside another candidate; the
+    one with the most parameters (frozen ones too, shared ones once) is chosen
+    when it holds more than half of ``root``'s parameters, else the choice is
+    refused (:class:`LayerStackNotFound`, naming what holds the rest)."""
     if layers is not None:
         module = _resolve(root, layers)
         if isinstance(module, nn.ModuleList):  # e.g. "model.model.layers": find its owner
@@ -487,21 +754,81 @@ def find_adapter(root: nn.Module, layers: str | None = None) -> _Adapter:
                 f"({', '.join(_HF_FAMILIES)})"
             )
         return adapter
-    searched: list[str] = []
-    queue: list[tuple[str, nn.Module]] = list(root.named_children())
-    while queue:
-        name, module = queue.pop(0)
-        searched.append(name)
-        if _is_causal_lm(module):
-            return CausalLMAdapter(module, name)
-        queue.extend((f"{name}.{n}", c) for n, c in module.named_children())
-    for name, module in root.named_modules():
-        if name and isinstance(module, nn.Sequential) and len(module) > 0:
-            return SequentialAdapter(module, name)
-    shown = ", ".join(searched[:12]) + (" ..." if len(searched) > 12 else "")
+    modules = [(n, m) for n, m in root.named_modules() if n]
+    candidates: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()  # modules within a candidate
+    for name, module in modules:
+        if id(module) in inside:
+            continue
+        if _is_causal_lm(module) or (isinstance(module, nn.Sequential) and len(module) > 0):
+            candidates.append((name, module))
+            inside.update(id(m) for m in module.modules())
+    root_name = type(root).__name__
+    families = ", ".join(_HF_FAMILIES)
+    if not candidates:
+        searched = [n for n, _ in root.named_children()]
+        shown = ", ".join(searched[:12]) + (" ..." if len(searched) > 12 else "")
+        foreign = [(n, t) for n, m in modules if (t := _unsupported_hf(m)) is not None]
+        why = f" ('{foreign[0][0]}' is {foreign[0][1]})" if foreign else ""
+        raise LayerStackNotFound(
+            f"no layer stack found in {root_name}: looked for a Hugging Face causal LM of the "
+            f"Llama family ({families}) and an nn.Sequential among its submodules (searched: "
+            f"{shown or 'none'}). Pass layers='attribute.path' to RoundPipeStrategy only for "
+            "such a module that is not a registered submodule; otherwise put the layers to "
+            f"pipeline in an nn.Sequential{why}"
+        )
+    total = _count(root.parameters())
+    sizes = [_count(m.parameters()) for _, m in candidates]
+    best = max(range(len(candidates)), key=lambda i: sizes[i])  # the first of equals
+    name, chosen = candidates[best]
+    if sizes[best] * 2 > total or total == 0:
+        return _adapter_for(chosen, name)
+    # the choice is not clear: name what holds the rest
+    mine = {id(p) for p in chosen.parameters()}
+    within = {id(m) for m in chosen.modules()}
+    other, other_n = None, -1
+    for n, m in modules:
+        if id(m) in within or any(c is chosen for c in m.modules()):
+            continue  # inside the chosen stack, or holding it
+        count = _count(p for p in m.parameters() if id(p) not in mine)
+        if count > other_n:
+            other, other_n = (n, m), count
+    stack = _describe(name, chosen, sizes[best], total)
+    if other is None or other_n == 0:
+        raise LayerStackNotFound(
+            f"the layer stack of {root_name} is not clear: {stack} holds at most half of its "
+            f"{total:,} parameters, the rest are held by {root_name} itself. Pass "
+            f"layers={name!r} to RoundPipeStrategy to pipeline it anyway"
+        )
+    o_name, o_mod = other
+    rest = _describe(o_name, o_mod, other_n, total)
+    if any(m is o_mod for _, m in candidates):
+        raise LayerStackNotFound(
+            f"the layer stack of {root_name} is not clear: {stack} and {rest} are both "
+            f"candidates and neither holds more than half of its {total:,} parameters. Pass "
+            f"layers={name!r} or layers={o_name!r} to RoundPipeStrategy"
+        )
+    owner = next(
+        (
+            (n, t)
+            for n, m in modules
+            if (t := _unsupported_hf(m)) is not None and any(c is o_mod for c in m.modules())
+        ),
+        None,
+    )
+    if owner is not None:
+        advice = (
+            f"'{owner[0]}' is {owner[1]}, so it cannot be pipelined; train it with another "
+            f"strategy, or pass layers={name!r} to RoundPipeStrategy to pipeline only '{name}'"
+        )
+    else:
+        advice = (
+            "RoundPipe pipelines an nn.Sequential or a Hugging Face causal LM of the Llama "
+            f"family ({families}): put the layers of '{o_name}' in an nn.Sequential, or pass "
+            f"layers={name!r} to RoundPipeStrategy to pipeline only '{name}'"
+        )
     raise LayerStackNotFound(
-        f"no layer stack found in {type(root).__name__}: looked for a Hugging Face causal LM "
-        f"of the Llama family ({', '.join(_HF_FAMILIES)}) and an nn.Sequential among its "
-        f"submodules (searched: {shown or 'none'}). Pass layers='attribute.path' to "
-        "RoundPipeStrategy"
+        f"the layer stack of {root_name} is not clear: the largest candidate, {stack}, holds "
+        f"at most half of its {total:,} parameters; {rest} would run outside the pipeline. "
+        f"{advice}"
     )

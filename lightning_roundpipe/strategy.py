@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from .models import find_adapter
 from .plan import PlanError, choose_microbatches, partition, simulate
@@ -348,32 +349,37 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
-        m = self._microbatch_count(costs, n, tightest(self._oom_limit, self.device_memory_limit))
         seed = self.seed if self.seed is not None else torch.initial_seed()
-        self.engine = RoundPipeEngine(
-            adapter.layers(),
-            devices,
-            m,
-            plan=None if self.plan == "auto" else self.plan,
-            microbatches_per_round=self.microbatches_per_round,
-            activation_memory=self.activation_memory,
-            activation_estimate=adapter.boundary_estimate(
-                PRECISIONS[self.precision_plugin.precision]
-            ),
-            trace=self.trace_dir is not None,
-            fit_to_batch=True,  # a short batch: one sample per micro-batch
-            precision=self.precision_plugin.precision,
-            async_optimizer=self.async_optimizer,
-            seed=seed,
-            watchdog_timeout=self.watchdog_timeout,
-            device_memory_limit=self.device_memory_limit,
-            # learned from an out-of-memory error, in size-estimate units
-            size_limit=self._oom_limit,
-            optimizer_threads=self.optimizer_threads,
-            nonfinite=self.nonfinite,
-            profile_iterations=self.profile_iterations,
-            replan_margin=self.replan_margin,
-        )
+        try:
+            limit = tightest(self._oom_limit, self.device_memory_limit)
+            m = self._microbatch_count(costs, n, limit)
+            self.engine = RoundPipeEngine(
+                adapter.layers(),
+                devices,
+                m,
+                plan=None if self.plan == "auto" else self.plan,
+                microbatches_per_round=self.microbatches_per_round,
+                activation_memory=self.activation_memory,
+                activation_estimate=adapter.boundary_estimate(
+                    PRECISIONS[self.precision_plugin.precision]
+                ),
+                trace=self.trace_dir is not None,
+                fit_to_batch=True,  # a short batch: one sample per micro-batch
+                precision=self.precision_plugin.precision,
+                async_optimizer=self.async_optimizer,
+                seed=seed,
+                watchdog_timeout=self.watchdog_timeout,
+                device_memory_limit=self.device_memory_limit,
+                # learned from an out-of-memory error, in size-estimate units
+                size_limit=self._oom_limit,
+                optimizer_threads=self.optimizer_threads,
+                nonfinite=self.nonfinite,
+                profile_iterations=self.profile_iterations,
+                replan_margin=self.replan_margin,
+            )
+        except PlanError as exc:
+            # plans count the embedding and the head as layers: say which is which
+            raise PlanError(f"{exc}. Pipeline layers: {adapter.describe_layers()}") from exc
         self._adapter = adapter
         if self._chaos is not None:  # tests: delays or faults at the hand-offs
             self.engine._protocol.chaos = self._chaos
@@ -381,7 +387,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.stage_plan = self.engine.plan
         self.pipeline_layers = adapter.layers()
         self.microbatches = m
-        adapter.attach(self.engine, lambda: 1.0 / max(1, trainer.accumulate_grad_batches))
+        adapter.attach(self.engine)
         self._restore.append(adapter.detach)
         sim = simulate(
             "roundpipe",
@@ -395,7 +401,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._bubble = sim.async_bubble_ratio if self.async_optimizer else sim.bubble_ratio
         rank_zero_info(
             f"RoundPipe: {adapter.kind} '{adapter.name}', {len(adapter.layers())} pipeline "
-            f"layers, plan {self.engine.plan} on {n} device(s) "
+            f"layers ({adapter.describe_layers()}), plan {self.engine.plan} on {n} device(s) "
             f"({', '.join(map(str, devices))}), {m} micro-batches, "
             f"{'asynchronous' if self.async_optimizer else 'synchronous'} optimizer; "
             f"simulated bubble {self._bubble:.1%} (size-based estimates)"
@@ -698,6 +704,28 @@ class RoundPipeStrategy(ParallelStrategy):
             f"{plan} -> {self.engine.plan}, {m} -> {self.engine.num_microbatches} "
             "micro-batches; running the batch again"
         )
+
+    # --------------------------------------------------------- evaluation
+    def _newest_weights(self) -> None:
+        """Validation, test and predict see the weights a checkpoint saved now
+        would hold (with the asynchronous optimizer: after the queued step)."""
+        if self.engine is not None:
+            self.engine.use_newest_weights()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._newest_weights()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._newest_weights()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._newest_weights()
 
     # -------------------------------------------------------- checkpoints
     def _drain(self) -> None:

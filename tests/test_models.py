@@ -53,7 +53,7 @@ def batches():
 def run(model, inputs, devices=("cpu", "cpu"), **engine_kw):
     adapter = CausalLMAdapter(model, "model")
     with RoundPipeEngine(adapter.layers(), list(devices), 2, plan=PLAN, **engine_kw) as eng:
-        adapter.attach(eng, lambda: 1.0)
+        adapter.attach(eng)
         try:
             loss = model(**inputs).loss
             loss.backward()

@@ -43,7 +43,7 @@ from ..plan.policy import (
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
 from .device import pin
-from .host import HostState
+from .host import HostState, _Param
 from .nested import (
     batch_size_of,
     map_tensors,
@@ -64,7 +64,7 @@ from .optimizer import (
 )
 from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder, named, write_trace
 from .store import EngineFailure, HandoffTimeout, Store
-from .worker import Call, Job, Runtime, Worker, WorkerError
+from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
 
 __all__ = ["EngineClosedError", "RoundPipeEngine", "TrafficReport", "estimate_costs"]
 
@@ -158,6 +158,9 @@ def _shutdown(rt: Runtime, join_timeout: float = 30.0) -> list[str]:
     if rt.closed:
         return []
     rt.closed = True
+    for handle in rt.hooks:  # the parameters outlive the engine
+        handle.remove()
+    rt.hooks.clear()
     rt.store.fail(EngineClosedError("the RoundPipe engine was closed"))
     threads = []
     for w in rt.workers:
@@ -486,6 +489,13 @@ class RoundPipeEngine:
         self._window_has_grads = False
         self._jobs = 0
         self._calls = 0  # calls queued on the optimizer thread
+        # factors of forward_backward(scale="later") calls not given yet
+        self._gains: dict[int, Gain] = {}  # by iteration
+        # (window, gain) of every such call whose gradients may still be held
+        self._held_gains: list[tuple[int, Gain]] = []
+        # while evaluating with the newest weights: the master copies the next
+        # training window computes with (asynchronous mode), by parameter index
+        self._training_masters: dict[int, torch.Tensor] | None = None
         self._lock = threading.Lock()
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         store = Store(watchdog_timeout)
@@ -496,12 +506,11 @@ class RoundPipeEngine:
         rt.forbid_host_sync = forbid_host_sync
         self._set_plan(plan)
         self.scaler = LossScaler(enabled=precision == "16-mixed")
-        names = {}
+        index = {id(hp.param): hp.index for hp in self._host.params}
+        names: dict[int, str] = {}
         for i, layer in enumerate(layers):
             for name, p in layer.named_parameters():
-                for hp in self._host.params:
-                    if hp.param is p and hp.index not in names:
-                        names[hp.index] = f"layers[{i}].{name}"
+                names.setdefault(index[id(p)], f"layers[{i}].{name}")
         self.nonfinite = nonfinite
         rt.optimizer = self._optimizer = OptimizerWorker(
             self._host,
@@ -513,6 +522,7 @@ class RoundPipeEngine:
             names=names,
         )
         rt.workers.extend(Worker(i, d, rt) for i, d in enumerate(devs))
+        rt.hooks = self._outside_gradient_hooks(names)
         self._finalizer = weakref.finalize(self, _shutdown, rt)
         for w in rt.workers:
             w.start()
@@ -525,6 +535,46 @@ class RoundPipeEngine:
             n,
             ", ".join(map(str, devs)),
         )
+
+    def _outside_gradient_hooks(self, names: dict[int, str]) -> list[Any]:
+        """Autograd on the caller's thread reaching a pipeline parameter (a
+        weight penalty, a tied weight used outside the layers): in synchronous
+        mode its gradient joins the window's, exactly as in the unsplit model;
+        in asynchronous mode it is refused before it is written, since the
+        optimizer thread owns ``.grad`` and the weights while the caller runs."""
+        engine = weakref.ref(self)  # the parameters must not keep the engine alive
+        handles = []
+        for p in self._host.trainable:
+            name = names.get(p.index, f"parameter {p.index}")
+            if self.async_optimizer:
+
+                def refuse(grad: torch.Tensor, name: str = name) -> None:
+                    raise RuntimeError(
+                        f"pipeline parameter {name} got a gradient from autograd on the "
+                        "training loop's thread (a weight penalty, or a tied weight used outside "
+                        "the layer stack). With the asynchronous optimizer the optimizer thread "
+                        "updates it meanwhile, so the loop would read and write it in a race. "
+                        "Use strategy='roundpipe_sync' (async_optimizer=False), which adds such "
+                        "gradients to the pipeline's exactly, or compute the term inside a "
+                        "pipeline layer"
+                    )
+
+                handles.append(p.param.register_hook(refuse))
+            else:
+
+                def add(param: torch.Tensor, p: _Param = p) -> None:
+                    eng = engine()
+                    g, param.grad = param.grad, None
+                    if eng is None or g is None:
+                        return
+                    with eng._lock:
+                        scale = eng._window_scale.setdefault(eng._window, eng.scaler.scale)
+                        eng._window_has_grads = True
+                    g = g.to_dense() if g.is_sparse else g
+                    eng._host.accumulate(p, g * scale if scale != 1.0 else g)
+
+                handles.append(p.param.register_post_accumulate_grad_hook(add))
+        return handles
 
     def _set_plan(self, plan: StagePlan, costs: LayerCosts | None = None) -> None:
         """Install a stage plan and a fresh clock for the costs in use. A new
@@ -996,6 +1046,7 @@ class RoundPipeEngine:
     def reserve_iteration(self) -> int:
         """Take the next iteration number now (for a ``forward`` whose
         ``forward_backward`` follows later with the same dropout masks)."""
+        self._restore_training_masters()
         with self._lock:
             it = self._iteration
             self._iteration += 1
@@ -1033,7 +1084,7 @@ class RoundPipeEngine:
         inputs: Any,
         labels: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        scale: float = 1.0,
+        scale: float | Literal["later"] = 1.0,
         loss_weights: Sequence[float] | None = None,
         iteration: int | None = None,
     ) -> torch.Tensor:
@@ -1046,20 +1097,31 @@ class RoundPipeEngine:
             labels: split like ``inputs`` and passed to ``loss_fn``.
             loss_fn: ``loss_fn(output_mb, labels_mb)`` -> scalar; ``None`` when
                 the last layer returns the loss.
-            scale: gradients are those of ``scale * loss``.
+            scale: gradients are those of ``scale * loss``. ``"later"``: the
+                factor is not known yet; give it with :meth:`scale_gradients`
+                (e.g. when autograd reaches the returned loss, which may have
+                been scaled or combined with other terms). The weight gradients
+                wait on the host until then; a window's :meth:`step` (or
+                :meth:`zero_grad`) takes a factor never given as 0, as autograd
+                would for a loss nothing was backpropagated through.
             loss_weights: weight of each micro-batch's loss; default its share
                 of the batch (``mb_size / batch_size``).
             iteration: a number from :meth:`reserve_iteration` (dropout masks of
                 an earlier :meth:`forward`); default the next one.
 
         Returns:
-            ``scale * sum_j weight_j * loss_j`` as a host float32 scalar (fp16
+            ``scale * sum_j weight_j * loss_j`` (without ``scale`` when it is
+            ``"later"``) as a host float32 scalar (fp16
             loss scaling is internal and not included), available once every
             micro-batch's loss is known (backward stages may still be running;
             ``synchronize`` waits for them).
         """
         self._check()
+        later = isinstance(scale, str)
+        if later and scale != "later":
+            raise ValueError(f"scale must be a number or 'later', got {scale!r}")
         bsz, mbs = self._split(inputs)
+        self._restore_training_masters()
         m = len(mbs)
         labs = [None] * m if labels is None else split_microbatches(labels, m, bsz)
         if loss_weights is None:
@@ -1080,9 +1142,15 @@ class RoundPipeEngine:
             # the loss scale a window starts with unscales all of its gradients
             loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
             self._window_has_grads = True
-            call = self._call(
-                iteration, labs, weights, loss_fn, float(scale) * loss_scale, train=True
-            )
+            seed = loss_scale if later else float(scale) * loss_scale
+            call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
+            if later:
+                with self._rt.store.lock:
+                    call.gain = self._gains[iteration] = Gain(iteration)
+                    self._held_gains = [
+                        (w, g) for w, g in self._held_gains if g.value is None or g.parked
+                    ]
+                    self._held_gains.append((window, call.gain))
             self._submit(call, self.plan, mbs, train=True)
         store = self._rt.store
         with named(f"RP wait losses of iteration {iteration}"):
@@ -1111,7 +1179,47 @@ class RoundPipeEngine:
                 "nonfinite='skip' to skip such steps, or look for the cause (learning rate, "
                 "data, precision)"
             )
-        return per_mb.sum() * float(scale)
+        return per_mb.sum() if later else per_mb.sum() * float(scale)
+
+    def scale_gradients(self, iteration: int, factor: float) -> None:
+        """The factor for the weight gradients of ``iteration``, a
+        ``forward_backward(..., scale="later")``: its gradients are added into
+        the window's as ``factor`` times those of its loss. Once per iteration."""
+        store = self._rt.store
+        with store.lock:
+            gain = self._gains.pop(iteration, None)
+            if gain is None:
+                raise RuntimeError(
+                    f"the gradients of iteration {iteration} were already scaled, or it was not "
+                    "run with scale='later': backward through a RoundPipe loss runs once (use "
+                    "the loss once per backward, without retain_graph)"
+                )
+            gain.value = float(factor)
+            store.lock.notify_all()
+        self._wake_couriers()
+
+    def _settle_gains(self, window: int) -> None:
+        """Gradients of ``window`` still waiting for a factor get 0: autograd
+        never reached their loss (it was not part of what was backpropagated)."""
+        store = self._rt.store
+        with store.lock:
+            open_ = [g for w, g in self._held_gains if w == window and g.value is None]
+            for g in open_:
+                g.value = 0.0
+                self._gains.pop(g.iteration, None)
+            store.lock.notify_all()
+        if open_:
+            log.debug(
+                "RoundPipe: iterations %s of window %d were never backpropagated: their "
+                "gradients are dropped",
+                [g.iteration for g in open_],
+                window,
+            )
+            self._wake_couriers()
+
+    def _wake_couriers(self) -> None:
+        for w in self._rt.workers:
+            w.courier.wake()
 
     def call(self, fn: Callable[[], Any]) -> StepHandle:
         """Run ``fn`` on the host in order with the optimizer steps (after the
@@ -1136,6 +1244,20 @@ class RoundPipeEngine:
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
 
+    def _wait_settled(self) -> None:
+        """Gradients whose factor is known are in the buffers (those still
+        waiting for theirs are not part of the window yet)."""
+        rt = self._rt
+        gains = [g for _, g in self._held_gains]
+        self._wait(
+            lambda: rt.store.wait_until(
+                lambda: all(g.value is None or g.parked == 0 for g in gains),
+                "gradients to be added with their factor",
+            )
+        )
+        with rt.store.lock:  # those added are done with
+            self._held_gains = [(w, g) for w, g in self._held_gains if g.value is None]
+
     def _wait_tasks(self) -> None:
         rt = self._rt
         self._wait(
@@ -1146,11 +1268,13 @@ class RoundPipeEngine:
 
     def synchronize(self) -> None:
         """Wait for all outstanding work: every dispatched stage, every queued
-        optimizer step and every queued :meth:`call`. Afterwards parameters hold the latest weights and each
-        trainable parameter's ``.grad`` the gradient accumulated since the last
-        ``step`` (fp32, in the parameter's dtype)."""
+        optimizer step and every queued :meth:`call`. Afterwards parameters hold
+        the latest weights and each trainable parameter's ``.grad`` the gradient
+        accumulated since the last ``step`` (fp32, in the parameter's dtype;
+        ``None`` where nothing reached the parameter)."""
         self._check()
         self._wait_tasks()
+        self._wait_settled()
         opt = self._optimizer
         self._wait(
             lambda: self._rt.store.wait_until(
@@ -1194,6 +1318,8 @@ class RoundPipeEngine:
         for name, v in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
+        self._restore_training_masters()
+        self._settle_gains(self._window)
         with self._lock:
             window = self._window
             self._window += 1
@@ -1230,11 +1356,49 @@ class RoundPipeEngine:
             raise error
         return handle
 
+    def use_newest_weights(self) -> None:
+        """Until the next training call, forward passes compute with the newest
+        weights: those in the parameters, which a checkpoint saves.
+
+        For validation, test and predict. In asynchronous mode the master copies
+        devices read are one update behind the parameters; this waits for every
+        queued step (the last step is then not overlapped with compute), keeps
+        the one-update-behind copies of the trainable weights aside (host memory:
+        those weights once more, in the compute dtype) and copies the
+        parameters in. The next :meth:`forward_backward`, :meth:`reserve_iteration`
+        or :meth:`step` puts them back, so training goes on exactly as if
+        nothing had been evaluated. Synchronous mode: nothing to do after
+        :meth:`synchronize`, the master copies are the parameters."""
+        self.synchronize()
+        pending = self._optimizer._pending
+        if not self.async_optimizer or pending is None or self._training_masters is not None:
+            return
+        _, behind = pending  # parameters whose copy into the masters is still due
+        kept = {}
+        with torch.no_grad():
+            for p in behind:
+                if p.trainable:  # frozen weights never change
+                    kept[p.index] = p.master.clone()
+                    p.master.copy_(p.param.detach())
+        self._training_masters = kept
+
+    def _restore_training_masters(self) -> None:
+        """Put back the master copies :meth:`use_newest_weights` set aside (the
+        evaluation that read the newest weights is complete: its outputs were
+        taken)."""
+        kept, self._training_masters = self._training_masters, None
+        if kept:
+            with torch.no_grad():
+                for p in self._host.params:
+                    if p.index in kept:
+                        p.master.copy_(kept[p.index])
+
     def stale_weights(self) -> list[torch.Tensor]:
         """The master copies (the weights the next window computes with; in
         asynchronous mode one update behind the parameters), one per distinct
         parameter in :meth:`parameters` order. Call after :meth:`synchronize`."""
-        return [p.master for p in self._host.params]
+        kept = self._training_masters or {}
+        return [kept.get(p.index, p.master) for p in self._host.params]
 
     def parameters(self) -> list[nn.Parameter]:
         """The distinct parameters of the pipeline layers, in engine order."""
@@ -1255,6 +1419,7 @@ class RoundPipeEngine:
             )
         if self._iteration or self._window:
             raise RuntimeError("resume() must be called before the first forward_backward")
+        self._training_masters = None
         params = self._host.params
         if len(stale) != len(params):
             raise ValueError(f"resume() got {len(stale)} tensors for {len(params)} parameters")
@@ -1280,12 +1445,14 @@ class RoundPipeEngine:
         """Copy the parameters into the master copy again; call after changing
         parameters outside :meth:`step` (e.g. ``load_state_dict``)."""
         self.synchronize()
+        self._training_masters = None
         self._host.refresh_masters()
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated in the current window (after waiting
         for every dispatched stage and queued step); ``.grad`` is ``None``
         afterwards, as between steps."""
+        self._settle_gains(self._window)
         self.synchronize()
         self._host.zero_grads()
         self._host.detach_grads()

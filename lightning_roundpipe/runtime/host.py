@@ -380,33 +380,35 @@ class HostState:
         return [p for p in self.params if p.trainable]
 
     # ----------------------------------------------------------- gradients
-    def accumulate(self, p: _Param, grad: torch.Tensor) -> None:
-        """Add a gradient into the fp32 buffer (thread-safe): the window's first
-        is copied in, later ones added."""
+    def accumulate(self, p: _Param, grad: torch.Tensor, factor: float = 1.0) -> None:
+        """Add ``factor * grad`` into the fp32 buffer (thread-safe): the window's
+        first is copied in, later ones added."""
         assert p.grad is not None
         with p.lock:
             if p.filled:
-                p.grad.add_(grad)
-            else:
+                p.grad.add_(grad, alpha=factor)
+            elif factor == 1.0:
                 p.grad.copy_(grad)
-                p.filled = True
+            else:
+                torch.mul(grad, factor, out=p.grad)
+            p.filled = True
 
-    def grad_of(self, p: _Param) -> torch.Tensor:
-        """The window's gradient of ``p`` (zeros when nothing was added)."""
+    def window_grad(self, p: _Param) -> torch.Tensor | None:
+        """The window's gradient of ``p``, or None when nothing was added (no
+        backward reached the parameter: autograd would leave ``.grad`` None,
+        and optimizers skip such parameters, weight decay included)."""
         assert p.grad is not None
         with p.lock:
-            if not p.filled:
-                p.grad.zero_()
-                p.filled = True
-            return p.grad
+            return p.grad if p.filled else None
 
     def expose_grads(self) -> None:
         """Point every trainable parameter's ``.grad`` at its accumulated gradient."""
         for p in self.params:
             if p.grad is None:
                 continue
-            g = self.grad_of(p)
-            p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
+            g = self.window_grad(p)
+            if g is not None:
+                p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
 
     def zero_grads(self) -> None:
         """Empty every buffer (the next gradient is copied in)."""

@@ -441,9 +441,11 @@ class OptimizerWorker:
                     raise RuntimeError(
                         f"gradient copy (G copy) of {self.names.get(p.index, p.index)} failed"
                     ) from exc
-                g = self.host.grad_of(p)
+                g = self.host.window_grad(p)
                 self._grads[p.index] = g
                 proto.g_copied(w, p)
+                if g is None:  # no backward reached it: .grad stays None
+                    continue
                 if inv is not None:
                     g.mul_(inv)
                 if (
@@ -469,7 +471,10 @@ class OptimizerWorker:
                 self._p_copies(job)
             for p in trainable:
                 g = self._grads[p.index]
-                p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
+                if g is None:
+                    p.param.grad = None
+                else:
+                    p.param.grad = g if p.param.dtype == torch.float32 else g.to(p.param.dtype)
             clip_norm, clip_value = job.clip_norm, job.clip_value
             if job.prepare is not None:
                 try:

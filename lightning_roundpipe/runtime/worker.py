@@ -94,6 +94,21 @@ class WorkerError(RuntimeError):
         self.iteration = iteration
 
 
+class Gain:
+    """The factor a call's weight gradients are added into the host buffers
+    with, when it is known only after the call returned: autograd reaching the
+    returned loss gives it (``0.5 * loss``, Lightning's accumulation factor). Until
+    then the call's gradients wait on the host, held by the couriers. Guarded by
+    the store's lock."""
+
+    __slots__ = ("iteration", "parked", "value")
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.value: float | None = None  # None: not known yet
+        self.parked = 0  # gradients held for it by the couriers
+
+
 @dataclass
 class Call:
     """What one ``forward`` / ``forward_backward`` call asks of its tasks."""
@@ -110,6 +125,7 @@ class Call:
     train: bool  # a training pass: gradients, running statistics written back
     modes: list[tuple[bool, ...]]  # train/eval flags of each layer's modules at submission
     profiler: Profiler | None = None  # set while this iteration is being profiled
+    gain: Gain | None = None  # a factor for the weight gradients given later; None: 1
 
 
 @dataclass(eq=False)
@@ -164,6 +180,7 @@ class Runtime:
         self.written: set[tuple] = set()  # jobs whose running statistics are on the host
         self.kept: dict[int, int] = {}  # iteration -> bytes of boundary values written
         self.forbid_host_sync = False
+        self.hooks: list[Any] = []  # on the user's parameters; removed at close
         self.closed = False
 
     def job_done(self, job: Job) -> None:
@@ -186,6 +203,16 @@ class Runtime:
             self.done_keys = {k for k in self.done_keys if k[0] >= before_serial}
             self.written = {k for k in self.written if k[0] >= before_serial or k in keep}
             self.kept = {k: v for k, v in self.kept.items() if k >= before_iteration}
+
+
+@dataclass(eq=False)
+class _Held:
+    """A downloaded gradient the courier has not added yet."""
+
+    job: Job
+    param: _Param
+    grad: torch.Tensor
+    parked: bool = False  # waiting for its call's gain; no longer counted by its job
 
 
 @dataclass
@@ -216,16 +243,20 @@ class _Courier:
     Items are ``(event, fn, job)``: wait for the copy's event, then run ``fn``
     (publish a value, signal rule 1, write running statistics back, finish a
     job). Gradients wait, in addition, until the previous step has released
-    the host buffer (rule 4); they are held meanwhile, and nothing behind them
-    waits. The courier sleeps on its own condition, woken by its worker, by a
-    release of gradient buffers and by a failure, never by unrelated hand-offs."""
+    the host buffer (rule 4) and until their call's :class:`Gain` is known;
+    they are held meanwhile, and nothing behind them waits. A job is done once
+    its gradients are added or held for an unknown gain (its compute and copies
+    are over; the window's step waits for those gradients by rule 3). The
+    courier sleeps on its own condition, woken by its worker, by a release of
+    gradient buffers, by a gain becoming known and by a failure, never by
+    unrelated hand-offs."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.store = worker.rt.store
         self._cond = threading.Condition()
         self._items: deque[tuple[Any, Callable[[], None] | None, Job | None]] = deque()
-        self._grads: list[tuple[Job, int, _Param, torch.Tensor]] = []  # held by rule 4
+        self._grads: list[_Held] = []  # held by rule 4 or for their call's gain
         self._stop = False
         self._poke = False  # a buffer was released: look at the held gradients again
         worker.rt.protocol.on_release.append(self.wake)
@@ -254,7 +285,7 @@ class _Courier:
             with self.store.lock:
                 job.outstanding += len(items)
                 job.finished = True
-            self._grads.extend((job, job.call.window, p, g) for p, g in items)
+            self._grads.extend(_Held(job, p, g) for p, g in items)
             self._poke = True
 
         job.grads_last = True
@@ -279,16 +310,33 @@ class _Courier:
             self._stop = True
             self._cond.notify()
 
-    def _ready_grads(self) -> list[tuple[Job, int, _Param, torch.Tensor]]:
-        """Held gradients whose buffer is free now (this thread only)."""
+    def _ready_grads(self) -> list[_Held]:
+        """Held gradients whose buffer is free and whose gain is known now
+        (this thread only). Those waiting for their gain no longer keep their
+        job from being done."""
         if not self._grads:
             return []
-        proto = self.worker.rt.protocol
+        rt = self.worker.rt
+        proto = rt.protocol
+        ready, waiting, finished = [], [], []
         with proto.cond:
-            ready = [g for g in self._grads if proto.grad_ready(g[1], g[2])]
-        if ready:
-            taken = {id(g) for g in ready}
-            self._grads = [g for g in self._grads if id(g) not in taken]
+            for h in self._grads:
+                gain = h.job.call.gain
+                if gain is not None and gain.value is None:
+                    if not h.parked:
+                        h.parked = True
+                        gain.parked += 1
+                        h.job.outstanding -= 1
+                        if h.job.outstanding == 0:
+                            finished.append(h.job)
+                    waiting.append(h)
+                elif proto.grad_ready(h.job.call.window, h.param):
+                    ready.append(h)
+                else:
+                    waiting.append(h)
+        self._grads = waiting
+        for job in finished:
+            rt.job_done(job)
         return ready
 
     def _main(self) -> None:
@@ -307,13 +355,22 @@ class _Courier:
                     item = self._items.popleft() if self._items else None
                     if item is None and not poke and self._stop:
                         return
-                for job, window, p, g in self._ready_grads() if poke else ():
+                for h in self._ready_grads() if poke else ():
+                    job, window, p = h.job, h.job.call.window, h.param
+                    gain = job.call.gain
+                    factor = 1.0 if gain is None else gain.value
                     rt.protocol.before_add(window, p)
-                    rt.host.accumulate(p, g)
+                    if factor != 0.0:  # 0: autograd never reached the call's loss
+                        rt.host.accumulate(p, h.grad, factor)
                     rt.protocol.after_grad(window, p)  # rule 3 producer
                     with self.store.lock:
-                        job.outstanding -= 1
-                        last = job.finished and job.outstanding == 0
+                        if h.parked:
+                            gain.parked -= 1
+                            last = False
+                            self.store.lock.notify_all()
+                        else:
+                            job.outstanding -= 1
+                            last = job.finished and job.outstanding == 0
                     if last:
                         rt.job_done(job)
                 if item is not None:

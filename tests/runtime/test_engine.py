@@ -918,3 +918,40 @@ def test_pinned_memory_is_freed_only_after_every_device_is_idle(monkeypatch, pat
     finally:
         eng.close()
     assert events == ["sync"] * 3 + ["free"]
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_gradient_factor_given_after_the_call(n, async_optimizer):
+    """scale='later': the loss is returned first, the factor its gradients are
+    added with comes afterwards (autograd reaching a loss the caller scaled or
+    combined); a factor never given drops the call's gradients at the step."""
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    xs = [torch.randn(8, 8) for _ in range(3)]
+    ys = [torch.randn(8, 4) for _ in range(3)]
+    total = 0.5 * nn.functional.mse_loss(nn.Sequential(*ref)(xs[0]), ys[0])
+    total = total + 0.25 * nn.functional.mse_loss(nn.Sequential(*ref)(xs[1]), ys[1])
+    total.backward()
+    with engine(layers, n, 4, "3,3|1|2,2,2", async_optimizer=async_optimizer) as eng:
+        losses = []
+        for x, y, factor in zip(xs, ys, (0.5, 0.25, None), strict=True):
+            loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss, scale="later")
+            losses.append(loss)
+            if factor is not None:
+                eng.scale_gradients(eng.iteration - 1, factor)
+        with pytest.raises(RuntimeError, match="were already scaled"):
+            eng.scale_gradients(0, 1.0)
+        seen = {}
+
+        def look():
+            seen.update({i: p.grad.clone() for i, p in enumerate(eng.parameters())})
+
+        eng.step(look).wait()
+        eng.synchronize()
+    torch.testing.assert_close(
+        losses[0], nn.functional.mse_loss(nn.Sequential(*ref)(xs[0]), ys[0]).detach()
+    )
+    expected = [p.grad for layer in ref for p in layer.parameters()]
+    for i, g in enumerate(expected):
+        torch.testing.assert_close(seen[i], g)

@@ -149,3 +149,19 @@ class DropoutSeq(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class PenalizedSeq(SeqModule):
+    """A weight penalty on the pipeline's parameters, and a linear map outside
+    the layer stack that shares (ties) the stack's last weight."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__(lr=lr, extra=False)
+        self.tied = nn.Linear(16, 1, bias=False)
+        self.tied.weight = self.net[4].weight
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        penalty = sum(p.square().sum() for p in self.net.parameters())
+        return loss + 1e-2 * penalty + 0.1 * self.tied(torch.ones(1, 16)).square().sum()

@@ -50,3 +50,77 @@ def test_validation_between_steps_does_not_change_asynchronous_training(devices)
     _fit(validated, _late_backward(1), devices, validate=True)
     for a, b in zip(plain.parameters(), validated.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+class _SaveAtValidation(L.Callback):
+    """A checkpoint at the end of every validation, with the loss validation saw."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.saved = []
+
+    def on_validation_end(self, trainer, module):
+        path = self.directory / f"step{trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path)
+        self.saved.append((path, float(trainer.callback_metrics["val_loss"])))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_validation_sees_the_weights_the_checkpoint_saved_at_the_same_moment(tmp_path, devices):
+    """What ModelCheckpoint(monitor=...), EarlyStopping and ReduceLROnPlateau
+    judge is the model they save: validation under the asynchronous optimizer
+    runs with the newest weights, and training is unchanged by it."""
+    saver = _SaveAtValidation(tmp_path)
+    module = DropoutSeq()
+    _fit(module, RoundPipeStrategy(num_microbatches=4), devices, validate=True, callbacks=[saver])
+    unvalidated = DropoutSeq()
+    _fit(unvalidated, RoundPipeStrategy(num_microbatches=4), devices, validate=False)
+    for a, b in zip(module.parameters(), unvalidated.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert len(saver.saved) == 4
+    data = seq_data(48)
+    for path, seen in saver.saved:
+        plain = L.Trainer(accelerator="cpu", devices=1, **QUIET, limit_val_batches=1)
+        (out,) = plain.validate(DropoutSeq(), loader(data, 12), ckpt_path=path, verbose=False)
+        torch.testing.assert_close(out["val_loss"], seen)
+
+
+def test_autograd_on_the_loops_thread_reaching_pipeline_parameters():
+    """A weight penalty and a tied weight used outside the layer stack: exact
+    in synchronous mode, refused (before any step) in asynchronous mode."""
+    from .modules import PenalizedSeq
+
+    def run(strategy, devices=1):
+        module = PenalizedSeq()
+        L.seed_everything(0)
+        L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=devices,
+            max_steps=3,
+            enable_checkpointing=False,
+            **QUIET,
+        ).fit(module, loader(seq_data(48), 12))
+        return module
+
+    ref = run("auto")
+    for devices in (1, 3):
+        got = run(RoundPipeStrategy(async_optimizer=False, num_microbatches=4), devices)
+        for a, b in zip(ref.parameters(), got.parameters(), strict=True):
+            torch.testing.assert_close(a, b)
+    module = PenalizedSeq()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(
+        RuntimeError,
+        match=r"pipeline parameter layers\[\d\]\.\w+ got a gradient from autograd on the "
+        r"training loop's thread .* Use strategy='roundpipe_sync'",
+    ):
+        L.Trainer(
+            strategy="roundpipe",
+            accelerator="cpu",
+            max_steps=3,
+            enable_checkpointing=False,
+            **QUIET,
+        ).fit(module, loader(seq_data(48), 12))
+    for a, b in zip(before, module.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

@@ -183,14 +183,6 @@ def test_errors_name_the_option():
         fit(SeqModule(), data, sync(), max_steps=1, precision="64-true")
     with pytest.raises(ValueError, match=r"layers='nope': SeqModule has no attribute 'nope'"):
         fit(SeqModule(), data, sync(layers="nope"), max_steps=1)
-    with pytest.raises(
-        ValueError,
-        match=r"batch size \(2\) is smaller than num_microbatches "
-        r"\(4\)",
-    ):
-        L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=1, **QUIET).fit(
-            SeqModule(), loader(data, batch_size=2)
-        )
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer or 'auto'"):
         RoundPipeStrategy(num_microbatches=0)
 
@@ -560,3 +552,17 @@ def test_trace_dir_gets_timelines_and_a_chrome_trace_and_traffic_is_reported(tmp
 def test_activation_memory_must_be_a_byte_count():
     with pytest.raises(ValueError, match="activation_memory must be a positive number of bytes"):
         RoundPipeStrategy(activation_memory=0)
+
+
+def test_the_startup_log_and_plan_errors_name_the_layers(caplog):
+    """Plan strings count the embedding and the head: the log and the errors
+    say which index is which."""
+    data = lm_data(8)
+    with caplog.at_level("INFO"):
+        fit(CausalLM(), data, sync(n_mb=2), max_steps=1)
+    assert "pipeline layers (0 embed, 1-3 blocks, 4 head), plan" in caplog.text
+    with pytest.raises(
+        ValueError, match=r"has 5.*Pipeline layers: 0 embed, 1-3 blocks, 4 head$"
+    ) as info:
+        fit(CausalLM(), data, sync(n_mb=2, plan="1,1|1|1,1"), max_steps=1)
+    assert "covers" in str(info.value)

@@ -1,0 +1,89 @@
+"""Losses as users write them: the model's loss scaled or combined with other
+terms, several model calls per step, batches with no labelled token."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime.optimizer import NonFiniteError
+
+from .modules import CausalLM, lm_data
+
+QUIET = dict(
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+)
+
+
+class WeightedLM(CausalLM):
+    """Multi-task weighting: the model's loss scaled, and a second call on
+    shifted labels with its own weight."""
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        main = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        other = self.model(input_ids=ids.flip(1), labels=labels.flip(1)).loss
+        loss = 0.5 * main + 0.25 * other
+        self.log("loss", loss)
+        return loss
+
+
+def _fit(module, strategy, devices=1, **kw):
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=4, **QUIET, **kw
+    )
+    trainer.fit(module, DataLoader(lm_data(32), batch_size=8))
+    return trainer
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_scaled_and_combined_model_loss_trains_like_the_default_strategy(devices, accumulate):
+    ref, got = WeightedLM(), WeightedLM()
+    a = _fit(ref, "auto", accumulate_grad_batches=accumulate)
+    b = _fit(
+        got,
+        RoundPipeStrategy(async_optimizer=False, num_microbatches=4),
+        devices,
+        accumulate_grad_batches=accumulate,
+    )
+    torch.testing.assert_close(b.callback_metrics["loss"], a.callback_metrics["loss"])
+    for x, y in zip(ref.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_asynchronous_training_with_a_combined_loss_trains():
+    module = WeightedLM()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = _fit(module, RoundPipeStrategy(num_microbatches=4), 2)
+    assert torch.isfinite(trainer.callback_metrics["loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def _unlabelled(n=8):
+    ids, mask, labels = lm_data(n).tensors
+    return torch.utils.data.TensorDataset(ids, mask, torch.full_like(labels, -100))
+
+
+def test_a_batch_with_no_labelled_token_has_a_nan_loss_as_in_the_model():
+    module = CausalLM()
+    ids, mask, labels = _unlabelled().tensors
+    with torch.no_grad():
+        expected = module.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.isnan(expected)
+    with pytest.raises(NonFiniteError, match="no labelled token"):
+        L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, max_steps=1, **QUIET).fit(
+            module, DataLoader(_unlabelled(), batch_size=8)
+        )
+    trainer = L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, **QUIET)
+    (out,) = trainer.validate(CausalLM(), DataLoader(_unlabelled(), batch_size=8), verbose=False)
+    assert out["val_loss"] != out["val_loss"]  # NaN, as the model reports it
+    skip = RoundPipeStrategy(nonfinite="skip")
+    module = CausalLM()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = L.Trainer(strategy=skip, accelerator="cpu", devices=2, max_steps=1, **QUIET)
+    trainer.fit(module, DataLoader(_unlabelled(), batch_size=8))
+    for a, b in zip(before, module.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
