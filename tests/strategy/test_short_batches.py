@@ -33,6 +33,10 @@ def test_a_last_batch_of_one_sample_trains_like_the_default_strategy(devices, nu
     _trainer(strategy, devices, max_epochs=2).fit(mod, DataLoader(data, batch_size=8))
     for a, b in zip(ref.parameters(), mod.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+    # the asynchronous optimizer runs the same batches
+    trainer = _trainer(RoundPipeStrategy(num_microbatches=num_microbatches), devices, max_epochs=2)
+    trainer.fit(SeqModule(extra=False), DataLoader(data, batch_size=8))
+    assert trainer.global_step == 6
 
 
 class _PredictLM(CausalLM):
