@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .runtime.engine import EngineClosedError
-from .runtime.nested import batch_size_of, split_microbatches
+from .runtime.nested import batch_size_of, flatten_tensors, split_microbatches
 from .runtime.optimizer import NonFiniteError
 from .runtime.scope import stage_cached
 
@@ -59,17 +59,25 @@ class LayerStackNotFound(ValueError):
 
 
 class _Deferred(torch.autograd.Function):
-    """Outputs computed by the pipeline; their backward runs the pipeline's."""
+    """Outputs computed by the pipeline; their backward runs the pipeline's and
+    returns the gradients of the pipeline's inputs that require one."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run) -> torch.Tensor:
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run, *needs) -> torch.Tensor:
         ctx.run = run
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.run(grad)
-        return None, None, None
+        return None, None, None, *ctx.run(grad)
+
+
+def _needing_grad(inputs: Any) -> list[int]:
+    """Positions (in ``flatten_tensors`` order) of input tensors that require a
+    gradient: embeddings from a trainable module outside the pipeline."""
+    if not torch.is_grad_enabled():
+        return []
+    return [i for i, t in enumerate(flatten_tensors(inputs)) if t.requires_grad]
 
 
 def _anchor() -> torch.Tensor:
@@ -141,18 +149,30 @@ class _Adapter(ABC):
         # the graph refers to the engine weakly: a graph that outlives it (a
         # failed batch run again on a re-planned engine) does not keep it alive
         engine_ref = weakref.ref(engine)
+        needs = _needing_grad(inputs)
 
-        def run(grad: torch.Tensor) -> None:
+        def run(grad: torch.Tensor) -> list[torch.Tensor | None]:
             eng = engine_ref()
             if eng is None:
                 raise EngineClosedError(
                     "backward reached outputs of a RoundPipe engine that no longer exists"
                 )
             eng.forward_backward(
-                inputs, labels=grad, loss_fn=_dot, iteration=it, loss_weights=[1.0] * m
+                inputs,
+                labels=grad,
+                loss_fn=_dot,
+                iteration=it,
+                loss_weights=[1.0] * m,
+                input_grads=bool(needs),
             )
+            if not needs:
+                return []
+            grads = eng.input_grads(it)
+            return [grads[i] for i in needs]
 
-        return _Deferred.apply(_anchor(), out.float() if out.is_floating_point() else out, run)
+        flat = flatten_tensors(inputs)
+        value = out.float() if out.is_floating_point() else out
+        return _Deferred.apply(_anchor(), value, run, *(flat[i] for i in needs))
 
 
 def _dot(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -425,14 +445,6 @@ class CausalLMAdapter(_Adapter):
     ) -> None:
         """Refuse call arguments the pipeline would otherwise ignore."""
         name = self.name
-        if inputs_embeds is not None and torch.is_grad_enabled() and inputs_embeds.requires_grad:
-            raise ValueError(
-                f"{name}: inputs_embeds requires grad, but gradients into inputs_embeds are not "
-                "supported by the RoundPipe pipeline (its backward ends at the first pipeline "
-                "layer, the gradient would be lost); pass inputs_embeds.detach() (a frozen soft "
-                "prompt), or make the trainable embeddings part of the model's input embedding "
-                "and pass input_ids"
-            )
         if past_key_values is not None:
             raise TypeError(
                 f"{name}: past_key_values is not supported by the RoundPipe pipeline (it keeps no "
@@ -535,16 +547,17 @@ class CausalLMAdapter(_Adapter):
                 weights = [c / total for c in counts]
             # the gradient factor (Lightning's accumulation division, a scaled or
             # combined loss) is whatever autograd brings to the returned loss
+            needs = _needing_grad(inputs)
             loss = engine.forward_backward(
                 inputs,
                 labels=labels,
                 loss_fn=causal_lm_loss,
                 loss_weights=weights,
                 scale="later",
+                input_grads=bool(needs),
             )
-            return CausalLMOutputWithPast(
-                loss=_pipeline_loss(loss, engine, engine.iteration - 1), logits=None
-            )
+            loss = _pipeline_loss(loss, engine, engine.iteration - 1, inputs, needs)
+            return CausalLMOutputWithPast(loss=loss, logits=None)
         if training:
             logits = self._outputs_with_backward(inputs)
             return CausalLMOutputWithPast(logits=_keep(logits, logits_to_keep))
@@ -655,32 +668,39 @@ def _check_config(target: nn.Module, name: str) -> None:
 class _PipelineLoss(torch.autograd.Function):
     """A loss whose backward ran inside the pipeline; the gradient autograd
     brings to it (Lightning's accumulation factor, a scaled or combined loss)
-    is the factor its weight gradients join the window with."""
+    is the factor its weight gradients join the window with, and its input
+    gradients (``inputs_embeds`` that require one) are returned with it."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, give: Callable[[float], None]):
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, give, *needs):
         ctx.give = give
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.give(float(grad))
-        return None, None, None
+        return None, None, None, *ctx.give(float(grad))
 
 
-def _pipeline_loss(loss: torch.Tensor, engine: RoundPipeEngine, iteration: int) -> torch.Tensor:
+def _pipeline_loss(
+    loss: torch.Tensor, engine: RoundPipeEngine, iteration: int, inputs: Any, needs: list[int]
+) -> torch.Tensor:
     # the graph refers to the engine weakly (a graph may outlive a re-planned engine)
     engine_ref = weakref.ref(engine)
 
-    def give(factor: float) -> None:
+    def give(factor: float) -> list[torch.Tensor | None]:
         eng = engine_ref()
         if eng is None:
             raise EngineClosedError(
                 "backward reached a loss of a RoundPipe engine that no longer exists"
             )
         eng.scale_gradients(iteration, factor)
+        if not needs:
+            return []
+        grads = eng.input_grads(iteration)
+        return [None if grads[i] is None else grads[i] * factor for i in needs]
 
-    return _PipelineLoss.apply(_anchor(), loss, give)
+    flat = flatten_tensors(inputs)
+    return _PipelineLoss.apply(_anchor(), loss, give, *(flat[i] for i in needs))
 
 
 # ------------------------------------------------------------------ finding

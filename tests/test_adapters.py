@@ -255,29 +255,31 @@ def test_inputs_embeds_train_like_the_model(loss_outside):
     model = causal_lm("mistral", sliding_window=5)
     ref = copy.deepcopy(model)
 
-    def loss_of(m):
+    # a trainable soft prompt: the gradient flows back out of the pipeline
+    soft_ref, soft = embeds.clone().requires_grad_(), embeds.clone().requires_grad_()
+
+    def loss_of(m, e):
         if loss_outside:
-            logits = m(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
+            logits = m(inputs_embeds=e, attention_mask=mask, position_ids=positions).logits
             target = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
             return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
-        return m(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, labels=labels
-        ).loss
+        return m(inputs_embeds=e, attention_mask=mask, position_ids=positions, labels=labels).loss
 
-    expected = loss_of(ref)
+    expected = 0.5 * loss_of(ref, soft_ref)
     expected.backward()
 
     def step():
-        loss = loss_of(model)
+        loss = 0.5 * loss_of(model, soft)
         loss.backward()
         return loss.detach()
 
     torch.testing.assert_close(attached(model, step), expected.detach())
     for a, b in zip(grads(model), grads(ref), strict=True):
         torch.testing.assert_close(a, b)
+    torch.testing.assert_close(soft.grad, soft_ref.grad)
 
 
-def test_inputs_embeds_evaluate_like_the_model_and_misuse_is_refused():
+def test_inputs_embeds_evaluate_like_the_model_and_misuse_is_refused_as_by_the_model():
     embeds, mask, labels = embed_case()
     model = causal_lm("qwen3", layers=2).eval()
     with torch.no_grad():
@@ -296,9 +298,6 @@ def test_inputs_embeds_evaluate_like_the_model_and_misuse_is_refused():
         with pytest.raises(ValueError) as ours:
             attached(model, lambda kwargs=kwargs: model(**kwargs))
         assert str(ours.value) == str(theirs.value)
-    soft = embeds.clone().requires_grad_()
-    with pytest.raises(ValueError, match="gradients into inputs_embeds are not supported"):
-        attached(model, lambda: model(inputs_embeds=soft, labels=labels))
 
 
 def test_inputs_embeds_under_the_strategy_train_like_the_default_strategy():

@@ -46,6 +46,7 @@ from .device import pin
 from .host import HostState, _Param
 from .nested import (
     batch_size_of,
+    flatten_tensors,
     map_tensors,
     merge_microbatches,
     split_microbatches,
@@ -489,6 +490,9 @@ class RoundPipeEngine:
         self._window_has_grads = False
         self._jobs = 0
         self._calls = 0  # calls queued on the optimizer thread
+        # calls whose input gradients are wanted: (inputs, micro-batches, batch size,
+        # loss scale), by iteration
+        self._wanted: dict[int, tuple[Any, list[Any], int, float]] = {}
         # factors of forward_backward(scale="later") calls not given yet
         self._gains: dict[int, Gain] = {}  # by iteration
         # (window, gain) of every such call whose gradients may still be held
@@ -1087,6 +1091,7 @@ class RoundPipeEngine:
         scale: float | Literal["later"] = 1.0,
         loss_weights: Sequence[float] | None = None,
         iteration: int | None = None,
+        input_grads: bool = False,
     ) -> torch.Tensor:
         """Run forward, loss and backward of one batch through the pipeline.
 
@@ -1108,6 +1113,9 @@ class RoundPipeEngine:
                 of the batch (``mb_size / batch_size``).
             iteration: a number from :meth:`reserve_iteration` (dropout masks of
                 an earlier :meth:`forward`); default the next one.
+            input_grads: also compute the gradient with respect to the
+                floating-point tensors of ``inputs`` (embeddings from a trainable
+                module outside the pipeline); take it with :meth:`input_grads`.
 
         Returns:
             ``scale * sum_j weight_j * loss_j`` (without ``scale`` when it is
@@ -1144,6 +1152,9 @@ class RoundPipeEngine:
             self._window_has_grads = True
             seed = loss_scale if later else float(scale) * loss_scale
             call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
+            call.input_grad = input_grads
+            if input_grads:
+                self._wanted[iteration] = (inputs, mbs, bsz, loss_scale)
             if later:
                 with self._rt.store.lock:
                     call.gain = self._gains[iteration] = Gain(iteration)
@@ -1181,6 +1192,43 @@ class RoundPipeEngine:
             )
         return per_mb.sum() if later else per_mb.sum() * float(scale)
 
+    def input_grads(self, iteration: int) -> list[torch.Tensor | None]:
+        """The gradient of a ``forward_backward(..., input_grads=True)`` call's
+        loss (times its ``scale``, unless that was ``"later"``) with respect to
+        each tensor of its ``inputs``, in ``flatten_tensors(inputs)`` order (None
+        for tensors that are not floating point). Waits for the
+        first layer's backward of every micro-batch; once per iteration."""
+        wanted = self._wanted.pop(iteration, None)
+        if wanted is None:
+            raise RuntimeError(
+                f"iteration {iteration} computed no input gradients, or they were taken "
+                "already: run it with forward_backward(..., input_grads=True)"
+            )
+        inputs, mbs, bsz, loss_scale = wanted
+        store = self._rt.store
+        per_mb = [
+            self._wait(
+                lambda j=j: store.take(
+                    (iteration, "grad", 0, j), f"input gradient of micro-batch {j}"
+                )[0]
+            )
+            for j in range(len(mbs))
+        ]
+        out: list[torch.Tensor | None] = []
+        for i, t in enumerate(flatten_tensors(inputs)):
+            grads = [g[i] for g in per_mb]
+            if any(g is None for g in grads):
+                out.append(None)
+                continue
+            grads = [g.to("cpu", torch.float32) for g in grads]
+            # split tensors were cut along dim 0; the others went to every micro-batch
+            split = t.dim() > 0 and t.shape[0] == bsz
+            g = torch.cat(grads) if split else torch.stack(grads).sum(0)
+            if loss_scale != 1.0:
+                g = g / loss_scale
+            out.append(g.to(t.dtype))
+        return out
+
     def scale_gradients(self, iteration: int, factor: float) -> None:
         """The factor for the weight gradients of ``iteration``, a
         ``forward_backward(..., scale="later")``: its gradients are added into
@@ -1208,6 +1256,9 @@ class RoundPipeEngine:
                 g.value = 0.0
                 self._gains.pop(g.iteration, None)
             store.lock.notify_all()
+        for g in open_:  # input gradients nobody will take: out of the store
+            if g.iteration in self._wanted:
+                self.input_grads(g.iteration)
         if open_:
             log.debug(
                 "RoundPipe: iterations %s of window %d were never backpropagated: their "

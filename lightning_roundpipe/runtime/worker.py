@@ -126,6 +126,7 @@ class Call:
     modes: list[tuple[bool, ...]]  # train/eval flags of each layer's modules at submission
     profiler: Profiler | None = None  # set while this iteration is being profiled
     gain: Gain | None = None  # a factor for the weight gradients given later; None: 1
+    input_grad: bool = False  # the first layer's input gradient is wanted too
 
 
 @dataclass(eq=False)
@@ -969,15 +970,17 @@ class Worker:
 
     def _input_grad(self, job: Job, j: int, leaves: list) -> None:
         t = job.task
-        if t.start == 0:
+        if t.start == 0 and not job.call.input_grad:
             return
+        name = f"grad{t.start}"
+        job.names.setdefault(name, ("grad", t.start))  # grad0: for the caller
         grads = [None if v is None else v.grad for v in leaves]
-        self._save(job, f"grad{t.start}", j, grads, fresh=False)
+        self._save(job, name, j, grads, fresh=False)
 
     def _fused(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
         t, call = job.task, job.call
         x = self._fetch(job, t.reads[0], j)
-        x, leaves = self._leaves(x) if t.start > 0 else (x, [])
+        x, leaves = self._leaves(x) if t.start > 0 or call.input_grad else (x, [])
         timer = self._timer(job, leaves)
         mark = self._mark()
         with torch.enable_grad():
@@ -1017,9 +1020,9 @@ class Worker:
         self._fetch_ahead(job, nxt)
 
     def _backward(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
-        t = job.task
+        t, call = job.task, job.call
         x = self._fetch(job, t.reads[0], j)
-        x, leaves = self._leaves(x) if t.start > 0 else (x, [])
+        x, leaves = self._leaves(x) if t.start > 0 or call.input_grad else (x, [])
         timer = self._timer(job, leaves)
         mark = self._mark()
         with torch.enable_grad():

@@ -87,3 +87,85 @@ def test_a_batch_with_no_labelled_token_has_a_nan_loss_as_in_the_model():
     trainer.fit(module, DataLoader(_unlabelled(), batch_size=8))
     for a, b in zip(before, module.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+class SoftPromptLM(CausalLM):
+    """A trainable soft prompt outside the model, given as inputs_embeds."""
+
+    def __init__(self, loss_inside: bool = True) -> None:
+        super().__init__()
+        self.loss_inside = loss_inside
+        torch.manual_seed(2)
+        self.prompt = torch.nn.Parameter(torch.randn(3, 32) * 0.1)
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        n = ids.shape[0]
+        with torch.no_grad():
+            tokens = self.model.get_input_embeddings()(ids)
+        embeds = torch.cat([self.prompt.expand(n, -1, -1), tokens], 1)
+        mask = torch.cat([torch.ones(n, 3, dtype=mask.dtype), mask], 1)
+        labels = torch.cat([torch.full((n, 3), -100), labels], 1)
+        if self.loss_inside:
+            return self.model(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
+        logits = self.model(inputs_embeds=embeds, attention_mask=mask).logits
+        target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 97), target.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("loss_inside", [True, False])
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_trainable_soft_prompt_trains_like_the_default_strategy(devices, loss_inside):
+    ref, got = SoftPromptLM(loss_inside), SoftPromptLM(loss_inside)
+    _fit(ref, "auto")
+    _fit(got, RoundPipeStrategy(async_optimizer=False, num_microbatches=4), devices)
+    assert not torch.equal(got.prompt, SoftPromptLM().prompt)  # it trained
+    for x, y in zip(ref.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+class EncodedSeq(L.LightningModule):
+    """A trainable module outside the pipeline feeds the nn.Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Linear(8, 8)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16),
+            torch.nn.Tanh(),
+            torch.nn.Linear(16, 16),
+            torch.nn.Tanh(),
+            torch.nn.Linear(16, 16),
+            torch.nn.Tanh(),
+            torch.nn.Linear(16, 16),
+            torch.nn.Linear(16, 1),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(self.encoder(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_gradients_flow_out_of_the_pipeline_into_a_module_before_it(devices):
+    from .modules import seq_data
+
+    data = DataLoader(seq_data(32), batch_size=8)
+    ref, got = EncodedSeq(), EncodedSeq()
+    L.seed_everything(0)
+    L.Trainer(strategy="auto", accelerator="cpu", max_steps=3, **QUIET).fit(ref, data)
+    L.seed_everything(0)
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=4)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, **QUIET).fit(
+        got, data
+    )
+    assert not torch.equal(got.encoder.weight, EncodedSeq().encoder.weight)
+    for x, y in zip(ref.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(x, y)
