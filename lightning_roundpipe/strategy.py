@@ -376,6 +376,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 nonfinite=self.nonfinite,
                 profile_iterations=self.profile_iterations,
                 replan_margin=self.replan_margin,
+                parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
             )
         except PlanError as exc:
             # plans count the embedding and the head as layers: say which is which
@@ -726,6 +727,27 @@ class RoundPipeStrategy(ParallelStrategy):
     def on_predict_start(self) -> None:
         super().on_predict_start()
         self._newest_weights()
+
+    def _training_weights(self) -> None:
+        """After evaluation, what runs before the next training step (a
+        generation in a callback) sees the weights training computes with."""
+        if self.engine is not None:
+            self.engine.use_training_weights()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._training_weights()
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._training_weights()
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._training_weights()
 
     # -------------------------------------------------------- checkpoints
     def _drain(self) -> None:

@@ -328,6 +328,9 @@ class RoundPipeEngine:
             (a non-finite gradient, the optimizer, a ``prepare`` hook) leaves
             the engine failed: later calls raise that error at once; build a
             new engine to go on.
+        parameter_names: names for the parameters in errors (e.g. the
+            LightningModule's ``named_parameters()``, as a dict from parameter
+            to name); default ``layers[i].<name inside the layer>``.
     """
 
     def __init__(
@@ -355,6 +358,7 @@ class RoundPipeEngine:
         replan_margin: float = 0.05,
         nonfinite: Literal["raise", "skip", "ignore"] = "raise",
         size_limit: int | None = None,
+        parameter_names: dict[nn.Parameter, str] | None = None,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -491,8 +495,9 @@ class RoundPipeEngine:
         self._jobs = 0
         self._calls = 0  # calls queued on the optimizer thread
         # calls whose input gradients are wanted: (inputs, micro-batches, batch size,
-        # loss scale), by iteration
-        self._wanted: dict[int, tuple[Any, list[Any], int, float]] = {}
+        # loss scale, window), by iteration
+        self._wanted: dict[int, tuple[Any, list[Any], int, float, int]] = {}
+        self._skip_windows: set[int] = set()  # a non-finite input gradient: skip the step
         # factors of forward_backward(scale="later") calls not given yet
         self._gains: dict[int, Gain] = {}  # by iteration
         # (window, gain) of every such call whose gradients may still be held
@@ -512,9 +517,10 @@ class RoundPipeEngine:
         self.scaler = LossScaler(enabled=precision == "16-mixed")
         index = {id(hp.param): hp.index for hp in self._host.params}
         names: dict[int, str] = {}
+        given = {id(p): n for p, n in (parameter_names or {}).items()}
         for i, layer in enumerate(layers):
             for name, p in layer.named_parameters():
-                names.setdefault(index[id(p)], f"layers[{i}].{name}")
+                names.setdefault(index[id(p)], given.get(id(p), f"layers[{i}].{name}"))
         self.nonfinite = nonfinite
         rt.optimizer = self._optimizer = OptimizerWorker(
             self._host,
@@ -565,19 +571,31 @@ class RoundPipeEngine:
 
                 handles.append(p.param.register_hook(refuse))
             else:
+                # before accumulation: the incoming gradient alone goes into the
+                # window's buffer and autograd accumulates zeros (``.grad`` may be
+                # the exposed buffer itself, after a mid-window synchronize)
+                was_none = [False]
 
-                def add(param: torch.Tensor, p: _Param = p) -> None:
+                def add(grad: torch.Tensor, p: _Param = p, was_none: list = was_none) -> Any:
                     eng = engine()
-                    g, param.grad = param.grad, None
-                    if eng is None or g is None:
-                        return
+                    if eng is None:
+                        return None
                     with eng._lock:
                         scale = eng._window_scale.setdefault(eng._window, eng.scaler.scale)
                         eng._window_has_grads = True
-                    g = g.to_dense() if g.is_sparse else g
-                    eng._host.accumulate(p, g * scale if scale != 1.0 else g)
+                    with torch.no_grad():
+                        g = grad.detach()
+                        g = g.to_dense() if g.is_sparse else g
+                        eng._host.accumulate(p, g * scale if scale != 1.0 else g)
+                    was_none[0] = p.param.grad is None
+                    return torch.zeros_like(grad)
 
-                handles.append(p.param.register_post_accumulate_grad_hook(add))
+                def clear(param: torch.Tensor, was_none: list = was_none) -> None:
+                    if was_none[0]:  # the zeros autograd put there: not a gradient
+                        param.grad = None
+
+                handles.append(p.param.register_hook(add))
+                handles.append(p.param.register_post_accumulate_grad_hook(clear))
         return handles
 
     def _set_plan(self, plan: StagePlan, costs: LayerCosts | None = None) -> None:
@@ -1050,7 +1068,7 @@ class RoundPipeEngine:
     def reserve_iteration(self) -> int:
         """Take the next iteration number now (for a ``forward`` whose
         ``forward_backward`` follows later with the same dropout masks)."""
-        self._restore_training_masters()
+        self.use_training_weights()
         with self._lock:
             it = self._iteration
             self._iteration += 1
@@ -1129,7 +1147,7 @@ class RoundPipeEngine:
         if later and scale != "later":
             raise ValueError(f"scale must be a number or 'later', got {scale!r}")
         bsz, mbs = self._split(inputs)
-        self._restore_training_masters()
+        self.use_training_weights()
         m = len(mbs)
         labs = [None] * m if labels is None else split_microbatches(labels, m, bsz)
         if loss_weights is None:
@@ -1153,16 +1171,19 @@ class RoundPipeEngine:
             seed = loss_scale if later else float(scale) * loss_scale
             call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
             call.input_grad = input_grads
+            if later:
+                call.gain = Gain(iteration)
+            self._submit(call, self.plan, mbs, train=True)
+            # registered once submitted: nothing waits for a call that never ran
             if input_grads:
-                self._wanted[iteration] = (inputs, mbs, bsz, loss_scale)
+                self._wanted[iteration] = (inputs, mbs, bsz, loss_scale, window)
             if later:
                 with self._rt.store.lock:
-                    call.gain = self._gains[iteration] = Gain(iteration)
+                    self._gains[iteration] = call.gain
                     self._held_gains = [
                         (w, g) for w, g in self._held_gains if g.value is None or g.parked
                     ]
                     self._held_gains.append((window, call.gain))
-            self._submit(call, self.plan, mbs, train=True)
         store = self._rt.store
         with named(f"RP wait losses of iteration {iteration}"):
             losses = [
@@ -1184,6 +1205,7 @@ class RoundPipeEngine:
             and not bool(torch.isfinite(per_mb).all())
         ):
             bad = [j for j in range(m) if not bool(torch.isfinite(per_mb[j]))]
+            self._wanted.pop(iteration, None)
             raise NonFiniteError(
                 f"the loss of micro-batch(es) {bad} in iteration {iteration} is not finite "
                 f"({per_mb[bad[0]].item()}); the weights were not updated by it. Set "
@@ -1204,7 +1226,7 @@ class RoundPipeEngine:
                 f"iteration {iteration} computed no input gradients, or they were taken "
                 "already: run it with forward_backward(..., input_grads=True)"
             )
-        inputs, mbs, bsz, loss_scale = wanted
+        inputs, mbs, bsz, loss_scale, window = wanted
         store = self._rt.store
         per_mb = [
             self._wait(
@@ -1227,7 +1249,26 @@ class RoundPipeEngine:
             if loss_scale != 1.0:
                 g = g / loss_scale
             out.append(g.to(t.dtype))
+        self._check_input_grads(out, iteration, window)
         return out
+
+    def _check_input_grads(
+        self, grads: list[torch.Tensor | None], iteration: int, window: int
+    ) -> None:
+        """Input gradients go to modules outside the pipeline, which the
+        window's step updates too: a non-finite one skips that step (fp16: an
+        overflow, the loss scale backs off) or raises, as a weight gradient would."""
+        if not self.scaler.enabled and self.nonfinite == "ignore":
+            return
+        if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            return
+        if not self.scaler.enabled and self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"the gradient of the pipeline's inputs in iteration {iteration} is not finite "
+                "(inf or NaN); the weights were not updated by it. Set nonfinite='skip' to skip "
+                "such steps, or look for the cause (learning rate, data, precision)"
+            )
+        self._skip_windows.add(window)
 
     def scale_gradients(self, iteration: int, factor: float) -> None:
         """The factor for the weight gradients of ``iteration``, a
@@ -1253,7 +1294,7 @@ class RoundPipeEngine:
         with store.lock:
             open_ = [g for w, g in self._held_gains if w == window and g.value is None]
             for g in open_:
-                g.value = 0.0
+                g.value, g.dropped = 0.0, True
                 self._gains.pop(g.iteration, None)
             store.lock.notify_all()
         for g in open_:  # input gradients nobody will take: out of the store
@@ -1369,7 +1410,7 @@ class RoundPipeEngine:
         for name, v in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
-        self._restore_training_masters()
+        self.use_training_weights()
         self._settle_gains(self._window)
         with self._lock:
             window = self._window
@@ -1377,6 +1418,8 @@ class RoundPipeEngine:
             scale = self._window_scale.pop(window, self.scaler.scale)
             handle = StepHandle(window, _store=self._rt.store)
             job = _Job(window, fn, scale, clip_grad_norm, clip_grad_value, handle, prepare)
+            job.skip = window in self._skip_windows
+            self._skip_windows.discard(window)
             self._jobs += 1
             self._window_has_grads = False
             self._protocol.close_window(window)
@@ -1416,12 +1459,14 @@ class RoundPipeEngine:
         queued step (the last step is then not overlapped with compute), keeps
         the one-update-behind copies of the trainable weights aside (host memory:
         those weights once more, in the compute dtype) and copies the
-        parameters in. The next :meth:`forward_backward`, :meth:`reserve_iteration`
-        or :meth:`step` puts them back, so training goes on exactly as if
-        nothing had been evaluated. Synchronous mode: nothing to do after
+        parameters in. :meth:`use_training_weights` (or the next
+        :meth:`forward_backward`, :meth:`reserve_iteration` or :meth:`step`)
+        puts them back, so training goes on exactly as if nothing had been
+        evaluated. Synchronous mode: nothing to do after
         :meth:`synchronize`, the master copies are the parameters."""
         self.synchronize()
-        pending = self._optimizer._pending
+        with self._rt.store.lock:  # the optimizer thread sets it under this lock
+            pending = self._optimizer._pending
         if not self.async_optimizer or pending is None or self._training_masters is not None:
             return
         _, behind = pending  # parameters whose copy into the masters is still due
@@ -1433,10 +1478,12 @@ class RoundPipeEngine:
                     p.master.copy_(p.param.detach())
         self._training_masters = kept
 
-    def _restore_training_masters(self) -> None:
-        """Put back the master copies :meth:`use_newest_weights` set aside (the
-        evaluation that read the newest weights is complete: its outputs were
-        taken)."""
+    def use_training_weights(self) -> None:
+        """End of an evaluation: forward passes compute with the weights the
+        next training window uses again (puts back the master copies
+        :meth:`use_newest_weights` set aside; the evaluation's outputs were all
+        taken, so nothing reads them any more). Training calls do this
+        themselves."""
         kept, self._training_masters = self._training_masters, None
         if kept:
             with torch.no_grad():

@@ -308,6 +308,7 @@ class _Job:
     # called with the window's gradients in .grad, before clipping; may return
     # clipping options (the strategy runs Lightning's pre-step hooks here)
     prepare: Callable[[], dict[str, float] | None] | None = None
+    skip: bool = False  # a non-finite gradient outside the buffers (input gradients)
 
 
 class NonFiniteError(FloatingPointError):
@@ -428,7 +429,7 @@ class OptimizerWorker:
         trainable = self.host.trainable
         chaos = proto.chaos
         inv = 1.0 / job.scale if job.scale != 1.0 else None
-        finite = True
+        finite = not job.skip
         # G copies, per parameter as its gradients complete (rule 3): the buffer
         # itself is lent to the step as .grad (nothing is allocated or copied);
         # the next window's gradients wait for its release (rule 4)
@@ -507,13 +508,14 @@ class OptimizerWorker:
         job.handle.grad_norm = norm
         job.handle.skipped = not finite
         with proto.cond:
+            # the weight copies are due before anyone sees the step as applied
+            if 5 not in proto.disabled:
+                self._pending = (w, list(self.host.params))
             self.applied += 1
             proto.cond.notify_all()
         job.handle._event.set()
-        if 5 not in proto.disabled:
-            self._pending = (w, list(self.host.params))
-            if not proto.async_mode:
-                self._copy_ready(block=True)
+        if 5 not in proto.disabled and not proto.async_mode:
+            self._copy_ready(block=True)
 
     def _release(self, w: int, trainable: list[_Param]) -> None:
         """The step's gradients are released as soon as it is done (as zero_grad

@@ -101,11 +101,12 @@ class Gain:
     then the call's gradients wait on the host, held by the couriers. Guarded by
     the store's lock."""
 
-    __slots__ = ("iteration", "parked", "value")
+    __slots__ = ("dropped", "iteration", "parked", "value")
 
     def __init__(self, iteration: int) -> None:
         self.iteration = iteration
         self.value: float | None = None  # None: not known yet
+        self.dropped = False  # never backpropagated: its gradients are not added at all
         self.parked = 0  # gradients held for it by the couriers
 
 
@@ -361,7 +362,9 @@ class _Courier:
                     gain = job.call.gain
                     factor = 1.0 if gain is None else gain.value
                     rt.protocol.before_add(window, p)
-                    if factor != 0.0:  # 0: autograd never reached the call's loss
+                    # dropped: autograd never reached the call's loss (an explicit
+                    # factor of 0 adds zeros, as autograd would)
+                    if gain is None or not gain.dropped:
                         rt.host.accumulate(p, h.grad, factor)
                     rt.protocol.after_grad(window, p)  # rule 3 producer
                     with self.store.lock:
@@ -822,11 +825,17 @@ class Worker:
             return None, ctx.record(ctx.act_up)
         nbytes = 0
 
+        # a reader before the last gets its own copy, in case a layer writes in
+        # place; fused and backward stages give their layers a copy of the leaf
+        # anyway (_leaves)
+        t_ = job.task
+        copied = t_.kind != "forward" and (t_.start > 0 or job.call.input_grad)
+        fresh = not last and not copied
+
         def up(t: torch.Tensor) -> torch.Tensor:
             nonlocal nbytes
             nbytes += t.nbytes
-            # a reader before the last gets its own copy, in case a layer writes in place
-            return ctx.upload(t, ctx.act_up, fresh=not last)
+            return ctx.upload(t, ctx.act_up, fresh=fresh)
 
         dev = map_tensors(up, host)
         self.rt.traffic.add(job.call.iteration, "acts_up", nbytes)

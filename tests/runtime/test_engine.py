@@ -955,3 +955,59 @@ def test_a_gradient_factor_given_after_the_call(n, async_optimizer):
     expected = [p.grad for layer in ref for p in layer.parameters()]
     for i, g in enumerate(expected):
         torch.testing.assert_close(seen[i], g)
+
+
+def test_loop_thread_gradient_after_a_mid_window_synchronize_counts_once():
+    """A weight penalty backpropagated on the caller's thread after
+    synchronize() exposed the window's gradient (validation or a checkpoint
+    in the middle of accumulation) is added once, as in plain PyTorch."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    loss = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    (loss + 0.1 * ref[0].weight.square().sum()).backward()
+    seen = {}
+    with engine(layers, 2, 2) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        (0.1 * layers[0].weight.square().sum()).backward()
+        eng.step(lambda: seen.update(g=layers[0].weight.grad.clone())).wait()
+    torch.testing.assert_close(seen["g"], ref[0].weight.grad)
+
+
+def test_a_factor_of_zero_gives_zero_gradients_and_a_dropped_loss_none():
+    """(0 * loss).backward() gives zero gradients (momentum and weight decay
+    still apply); a loss never backpropagated gives none."""
+    layers = mlp()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    seen = []
+    with engine(layers, 2, 2) as eng:
+        for factor in (0.0, None):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss, scale="later")
+            if factor is not None:
+                eng.scale_gradients(eng.iteration - 1, factor)
+            eng.step(lambda: seen.append(layers[0].weight.grad)).wait()
+    assert seen[0] is not None and not seen[0].any() and seen[1] is None
+
+
+def test_an_fp16_overflow_in_input_gradients_skips_the_step():
+    """Input gradients (a soft prompt) are checked like weight gradients: an
+    fp16 overflow there skips the window's step and backs the scale off."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.requires_grad_(False)
+    prompt = torch.randn(12, 8, requires_grad=True)
+    y = torch.randn(12, 4) * 50
+    with engine(layers, 2, 4, precision="16-mixed") as eng:
+        scale = eng.scaler.scale
+        eng.forward_backward(
+            prompt,
+            labels=y,
+            loss_fn=lambda o, t: nn.functional.mse_loss(o.float(), t.float()),
+            input_grads=True,
+        )
+        eng.input_grads(eng.iteration - 1)
+        handle = eng.step(lambda: None).wait()
+        assert handle.skipped and eng.scaler.scale == scale / 2
