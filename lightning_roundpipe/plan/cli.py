@@ -150,7 +150,7 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
             path = args.png
             if len(results) > 1:
                 path = path.with_name(f"{path.stem}-{res.schedule}{path.suffix or '.png'}")
-            plot_timeline(res, path)
+            plot_timeline(res, path, time_unit="the unit of the given costs")
             out.write(f"wrote {path}\n")
 
 

@@ -33,10 +33,13 @@ def plot_timeline(
     title: str | None = None,
     width: float | None = None,
     dpi: int = 120,
+    time_unit: str = "estimated cost units",
 ) -> Path:
     """Write a PNG Gantt chart of ``result``: devices as rows; forward,
     recompute and backward in distinct colours; micro-batch numbers on the
-    bars; the bubble ratio in the title. Returns the path written."""
+    bars; the bubble ratio in the title. ``time_unit`` names the unit of the
+    time axis: ``"seconds"`` for measured times, the default for size-based
+    estimates. Returns the path written."""
     plt = _pyplot()
     from matplotlib.patches import Patch
 
@@ -71,7 +74,7 @@ def plot_timeline(
         ax.set_yticklabels([f"device {d}" for d in range(n)])
         ax.set_ylim(0, n)
         ax.set_xlim(0, span)
-        ax.set_xlabel("time")
+        ax.set_xlabel(f"time ({time_unit})")
         ratio = f"bubble {result.bubble_ratio:.1%}"
         if result.async_bubble_ratio is not None:
             ratio += f", steady-state with async optimizer {result.async_bubble_ratio:.1%}"

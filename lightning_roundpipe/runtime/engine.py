@@ -853,7 +853,8 @@ class RoundPipeEngine:
         if self._rt.trace is None:
             raise RuntimeError("the engine records no trace; create it with trace=True")
         self._wait_tasks()
-        return write_trace(self._rt.trace, directory, iterations)
+        measured = self.measured_costs() is not None
+        return write_trace(self._rt.trace, directory, iterations, measured_costs=measured)
 
     @property
     def last_schedule(self) -> Schedule | None:

@@ -374,13 +374,20 @@ class TraceRecorder:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(recorder: TraceRecorder, directory: str | Path, iterations: int = 3) -> list[Path]:
+def write_trace(
+    recorder: TraceRecorder,
+    directory: str | Path,
+    iterations: int = 3,
+    measured_costs: bool = False,
+) -> list[Path]:
     """Write the last ``iterations`` traced training iterations as pictures of
     the measured timeline (``timeline-measured.png``) and of the same lowered
     schedules as the clock predicted them (``timeline-simulated.png``), in the
     style of :func:`~lightning_roundpipe.plan.plot_timeline`, and every
-    recorded operation as a Chrome/Perfetto trace (``trace.json``). Returns
-    the paths written (the pictures need matplotlib)."""
+    recorded operation as a Chrome/Perfetto trace (``trace.json``).
+    ``measured_costs``: the clock predicted from measured per-layer times (its
+    time axis is then in seconds). Returns the paths written (the pictures
+    need matplotlib)."""
     from ..plan.plot import plot_timeline
     from ..plan.schedule import Segment
     from ..plan.simulate import result_from_segments
@@ -419,10 +426,14 @@ def write_trace(recorder: TraceRecorder, directory: str | Path, iterations: int 
         for s in predicted
     ]
     what = f"iterations {its[0]}-{its[-1]}, {n} devices, {m} micro-batches"
-    for name, segs, title in (
-        ("measured", measured, f"measured (seconds): {what}"),
-        ("simulated", predicted, f"simulated (the clock's prediction, its cost unit): {what}"),
+    # the clock predicts in seconds once per-layer times are measured, before
+    # that in the size-based estimates' unit
+    unit = "seconds" if measured_costs else "estimated cost units"
+    for name, segs, title, axis in (
+        ("measured", measured, f"measured: {what}", "seconds"),
+        ("simulated", predicted, f"simulated (the clock's prediction): {what}", unit),
     ):
         res = result_from_segments(f"roundpipe ({name})", segs, n, m, len(its))
-        written.append(plot_timeline(res, out / f"timeline-{name}.png", title=title))
+        path = out / f"timeline-{name}.png"
+        written.append(plot_timeline(res, path, title=title, time_unit=axis))
     return written
