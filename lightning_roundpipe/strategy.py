@@ -214,6 +214,7 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------- registry
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             "roundpipe",
@@ -230,6 +231,7 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # -------------------------------------------------------- precision
     @property
+    @override
     def precision_plugin(self) -> RoundPipePrecision:
         if self._precision_plugin is None:
             self._precision_plugin = RoundPipePrecision()
@@ -243,66 +245,83 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # --------------------------------------------------- single process
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[0]
 
     @property
+    @override
     def world_size(self) -> int:
         return 1
 
     @property
+    @override
     def global_rank(self) -> int:
         return 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return 0
 
     @property
+    @override
     def is_global_zero(self) -> bool:
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": 1, "rank": 0}
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return tensor
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return tensor.unsqueeze(0)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
+    @override
     def setup_environment(self) -> None:
         pass  # no process group; devices are driven by the engine's workers
 
+    @override
     def model_to_device(self) -> None:
         pass  # the module stays on the host
 
+    @override
     def batch_to_device(
         self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
     ) -> Any:
         return batch  # the engine uploads each micro-batch to the device that runs it
 
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         with torch.device("cpu"), self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------- setup
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -377,13 +396,12 @@ class RoundPipeStrategy(ParallelStrategy):
                 profile_iterations=self.profile_iterations,
                 replan_margin=self.replan_margin,
                 parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
+                chaos=self._chaos,  # tests: delays or faults at the hand-offs
             )
         except PlanError as exc:
             # plans count the embedding and the head as layers: say which is which
             raise PlanError(f"{exc}. Pipeline layers: {adapter.describe_layers()}") from exc
         self._adapter = adapter
-        if self._chaos is not None:  # tests: delays or faults at the hand-offs
-            self.engine._protocol.chaos = self._chaos
         # kept after the engine closes, for reports
         self.stage_plan = self.engine.plan
         self.pipeline_layers = adapter.layers()
@@ -482,13 +500,14 @@ class RoundPipeStrategy(ParallelStrategy):
             _warn_gradient_hooks(trainer, module)
 
     # -------------------------------------------------------- optimizing
+    @override
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         """Run the closure (``training_step`` and the pipelined backward), the
         hooks Lightning runs before a step, then queue the step on the engine."""
         model = model or self.lightning_module
-        earlier = self.engine._window_has_grads  # from accumulated earlier batches
+        earlier = self.engine.has_pending_gradients  # from accumulated earlier batches
         result = closure()
         self._end_first_batch()  # also when training_step returned None
         precision = self.precision_plugin
@@ -498,7 +517,7 @@ class RoundPipeStrategy(ParallelStrategy):
             # model call with labels= already put into the window.
             precision._after_closure(model, optimizer)
             precision.take_clip()
-            if self.engine._window_has_grads:
+            if self.engine.has_pending_gradients:
                 self.engine.zero_grad()
             return None
 
@@ -546,6 +565,7 @@ class RoundPipeStrategy(ParallelStrategy):
             step=trainer.global_step,
         )
 
+    @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
@@ -565,7 +585,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 failure: WorkerError | None = None
                 try:
                     precision.backward(loss, module, optimizer, *args, **kwargs)
-                    self.engine._wait_tasks()
+                    self.engine.wait_stages()
                     break
                 except WorkerError as err:
                     failure = err
@@ -584,6 +604,7 @@ class RoundPipeStrategy(ParallelStrategy):
         return closure_loss
 
     # ------------------------------------------------------ out of memory
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._oom_open:
             return super().training_step(*args, **kwargs)
@@ -595,7 +616,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 # stages still running (the backward of a loss computed inside
                 # the model) fail here, where the batch can be run again, and
                 # not in the zero_grad Lightning calls next
-                self.engine._wait_tasks()
+                self.engine.wait_stages()
                 if out is None or (isinstance(out, Mapping) and out.get("loss") is None):
                     self._end_first_batch()  # nothing to run backward on: what it logged stays
                 return out
@@ -657,7 +678,8 @@ class RoundPipeStrategy(ParallelStrategy):
         ):
             raise err
         start, stop = err.layers
-        costs, plan, m, n = engine._costs, engine.plan, engine.num_microbatches, engine.num_devices
+        costs, plan = engine.estimates, engine.plan
+        m, n = engine.num_microbatches, engine.num_devices
         change = None
         if self.plan == "auto" and stop - start > 1 and costs.memory is not None:
             stage = costs.stage_memory(start, stop)
@@ -754,16 +776,19 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.synchronize()
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._drain()  # the optimizer copy holds the latest completed step
         return super().lightning_module_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._drain()
         return super().optimizer_state(optimizer)
 
     _STALE_KEY = "roundpipe_stale_weights"
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
@@ -796,6 +821,7 @@ class RoundPipeStrategy(ParallelStrategy):
             if id(p) in names
         }
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         self._stale = checkpoint.get(self._STALE_KEY)
@@ -815,6 +841,7 @@ class RoundPipeStrategy(ParallelStrategy):
         ]
         self.engine.resume(tensors)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # keep optimizer state on the host, where the optimizer runs
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
@@ -846,9 +873,11 @@ class RoundPipeStrategy(ParallelStrategy):
             engine, self.engine = self.engine, None
             engine.close()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._close()
 
+    @override
     def teardown(self) -> None:
         try:
             self._drain()

@@ -331,6 +331,12 @@ class RoundPipeEngine:
         parameter_names: names for the parameters in errors (e.g. the
             LightningModule's ``named_parameters()``, as a dict from parameter
             to name); default ``layers[i].<name inside the layer>``.
+        chaos: tests only: called with the name of each hand-off point
+            (``"upload"``, ``"forward"``, ``"backward"``, ``"grad"``,
+            ``"download"``, ``"store"``, ``"g_copy"``, ``"step"``, ``"p_copy"``,
+            ``"call"``) as it is reached, to delay or fail there (see
+            :class:`~lightning_roundpipe.runtime.optimizer.Chaos`); default:
+            nothing.
     """
 
     def __init__(
@@ -359,6 +365,7 @@ class RoundPipeEngine:
         nonfinite: Literal["raise", "skip", "ignore"] = "raise",
         size_limit: int | None = None,
         parameter_names: dict[nn.Parameter, str] | None = None,
+        chaos: Callable[[str], None] | None = None,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -509,6 +516,8 @@ class RoundPipeEngine:
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         store = Store(watchdog_timeout)
         self._protocol = Protocol(self._host, store, async_optimizer)
+        if chaos is not None:
+            self._protocol.chaos = chaos
         rt = self._rt = Runtime(self._host, store, self._protocol)
         if trace:
             rt.trace = TraceRecorder()
@@ -1350,6 +1359,24 @@ class RoundPipeEngine:
         )
         with rt.store.lock:  # those added are done with
             self._held_gains = [(w, g) for w, g in self._held_gains if g.value is None]
+
+    @property
+    def has_pending_gradients(self) -> bool:
+        """Whether the current window holds gradients a step has not taken
+        (training calls since the last :meth:`step` or :meth:`zero_grad`)."""
+        return self._window_has_grads
+
+    @property
+    def estimates(self) -> LayerCosts:
+        """The per-layer costs planned with before measurements (size-based
+        estimates, or the ``costs`` given), in the unit of :func:`estimate_costs`."""
+        return self._costs
+
+    def wait_stages(self) -> None:
+        """Wait until every dispatched stage is done (its compute and copies;
+        gradients of a ``scale="later"`` call whose factor is not given yet may
+        still wait on the host). Raises a stage's failure."""
+        self._wait_tasks()
 
     def _wait_tasks(self) -> None:
         rt = self._rt

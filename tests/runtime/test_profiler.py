@@ -164,7 +164,7 @@ def test_a_size_limit_holds_for_plans_from_measurements_too():
         )
         assert eng._replanned
         for plan in plans:
-            assert max(plan.stage_memory(eng._costs)) <= LAYER_BYTES, plan
+            assert max(plan.stage_memory(eng.estimates)) <= LAYER_BYTES, plan
         if device_limit is not None:
             assert max(plans[-1].stage_memory(eng.measured_costs())) <= device_limit
 
@@ -177,7 +177,7 @@ def test_a_plan_within_both_limits_is_found_when_one_exists():
     limit, cap = 5000, 2 * LAYER_BYTES
     eng, plans = run(layers, iterations=4, size_limit=cap, device_memory_limit=limit)
     assert max(plans[0].stage_memory(eng.measured_costs())) > limit  # from estimates: too big
-    assert max(plans[-1].stage_memory(eng._costs)) <= cap
+    assert max(plans[-1].stage_memory(eng.estimates)) <= cap
     assert max(plans[-1].stage_memory(eng.measured_costs())) <= limit
 
 
