@@ -35,10 +35,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .models import find_adapter
-from .plan import PlanError, choose_microbatches, partition, simulate
+from .plan import PlanError, choose_microbatches, simulate
+from .plan.decide import after_out_of_memory, tightest
 from .precision import RoundPipePrecision
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
-from .runtime.engine import tightest
 from .runtime.nested import batch_size_of
 from .runtime.optimizer import PRECISIONS
 from .runtime.worker import WorkerError
@@ -678,38 +678,30 @@ class RoundPipeStrategy(ParallelStrategy):
         ):
             raise err
         start, stop = err.layers
-        costs, plan = engine.estimates, engine.plan
-        m, n = engine.num_microbatches, engine.num_devices
-        change = None
-        if self.plan == "auto" and stop - start > 1 and costs.memory is not None:
-            stage = costs.stage_memory(start, stop)
-            # never below the largest layer anywhere in the model: one layer per
-            # stage must still be possible
-            limit = max(int(max(costs.memory)), int(stage // 2))
-            if limit < stage:
-                try:  # the plan the new engine would build, before closing this one
-                    # (limit < stage <= the old engine's limit: the tighter one)
-                    new_plan = partition(
-                        costs, n, self._microbatch_count(costs, n, limit), memory_limit=limit
-                    )
-                except PlanError:
-                    new_plan = None
-                if new_plan is not None and str(new_plan) != str(plan):
-                    self._oom_limit = limit
-                    change = (
-                        f"stages of at most {limit} bytes of weights and gradients (stage "
-                        f"{err.stage} had {stage:.0f})"
-                    )
-        if change is None and self.num_microbatches == "auto" and self._first_call is not None:
-            args, kwargs = self._first_call
-            batch = batch_size_of((args, kwargs))
-            # more micro-batches help while this batch's are larger than one
-            # sample (a short batch is split into single samples: fit_to_batch)
-            if batch is not None and engine.microbatches_for(batch) < batch:
-                self._oom_microbatches = 2 * m
-                change = f"num_microbatches={2 * m}"
-        if change is None:
+        plan, m, n = engine.plan, engine.num_microbatches, engine.num_devices
+        estimates = engine.estimates
+        batch = None if self._first_call is None else batch_size_of(self._first_call)
+        decision = after_out_of_memory(
+            estimates,
+            plan,
+            n,
+            (start, stop),
+            err.stage,
+            plan_given=self.plan != "auto",
+            # the count the new engine would use (limit < the old stage: the tighter one)
+            microbatches_for=lambda limit: self._microbatch_count(estimates, n, limit),
+            num_microbatches=m,
+            auto_microbatches=self.num_microbatches == "auto",
+            batch_size=batch,
+            batch_microbatches=None if batch is None else engine.microbatches_for(batch),
+        )
+        if decision is None:
             raise err
+        if decision.size_limit is not None:
+            self._oom_limit = decision.size_limit
+        if decision.microbatches is not None:
+            self._oom_microbatches = decision.microbatches
+        change = decision.change
         self._oom_left -= 1
         trainer = self.lightning_module.trainer
         cuda = any(d.type == "cuda" for d in engine.devices)

@@ -2,9 +2,11 @@
 
 What to run where, decided before anything runs: per-layer costs, the stage
 plan, its partitioner and the policy that chooses among plans and round
-sizes, the lowering of an iteration to the tasks that run (with the clock
-that places them), transfer windows, and a schedule simulator that executes
-the same lowered tasks, with the baselines RoundPipe is compared against.
+sizes, the decisions that change the plan (:mod:`.decide`: at the start,
+after measurement, after running out of memory), the lowering of an
+iteration to the tasks that run (with the clock that places them), transfer
+windows, and a schedule simulator that executes the same lowered tasks, with
+the baselines RoundPipe is compared against.
 """
 
 from .costs import LayerCosts, PlanError, decoder_costs

@@ -33,13 +33,8 @@ import torch
 from torch import nn
 
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
-from ..plan.policy import (
-    RoundChoice,
-    choose_plan,
-    choose_round,
-    hides_uploads,
-    simulated_period,
-)
+from ..plan.decide import after_measurement, initial_plan
+from ..plan.policy import RoundChoice, choose_round, hides_uploads
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
 from .device import pin
@@ -97,12 +92,6 @@ def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> L
         grads = sum(p.numel() for p in layer.parameters() if p.requires_grad)
         mem.append(n * size + grads * 4)
     return LayerCosts(fwd, bwd, memory=mem, weight_bytes=[n * size for n in counts])
-
-
-def tightest(*limits: float | None) -> float | None:
-    """The smallest of the memory limits that are set (None when none is)."""
-    given = [x for x in limits if x is not None]
-    return min(given) if given else None
 
 
 def _as_device(d: torch.device | str | int) -> torch.device:
@@ -442,24 +431,15 @@ class RoundPipeEngine:
         else:
             costs = estimate_costs(layers, compute_dtype)
         limit = self._memory_limit(devs, costs, device_memory_limit)
-        if plan is None:
-            # estimates hold no activations: both limits bound the same numbers
-            plan = choose_plan(
-                costs,
-                n,
-                m,
-                async_optimizer=async_optimizer,
-                memory_limit=tightest(limit, size_limit),
-            )
-        elif limit is not None:
-            worst = max(range(plan.num_slots), key=lambda i: plan.stage_memory(costs)[i])
-            need = plan.stage_memory(costs)[worst]
-            if need > limit:
-                raise PlanError(
-                    f"stage {plan.stages[worst].label} of plan {plan} needs about {need} bytes "
-                    f"of device memory but the limit is {limit}; give a plan with smaller "
-                    "stages, or plan=None to let the partitioner respect the limit"
-                )
+        plan = initial_plan(
+            costs,
+            n,
+            m,
+            given=plan,
+            async_optimizer=async_optimizer,
+            memory_limit=limit,
+            size_limit=size_limit,
+        )
 
         # ---- state
         self._user_plan = user_plan
@@ -648,119 +628,35 @@ class RoundPipeEngine:
         )
 
     def _maybe_replan(self) -> None:
-        """After profiling, switch to the measured plan if it is clearly better,
-        or if the current plan's stages exceed the memory limit once their
-        measured activations are counted."""
+        """After profiling, install what :func:`~lightning_roundpipe.plan.decide.after_measurement`
+        decides (between iterations, with nothing in flight); the clock predicts
+        with the measured times from then on."""
         if self._replanned or self._profiler is None or not self._profiler.complete:
             return
         self._replanned = True
         costs = self.measured_costs()
-        n, m, limit = self.num_devices, self.num_microbatches, self._limit
-        over = None
-        if limit is not None and costs.memory is not None:
-            need = self.plan.stage_memory(costs)
-            worst = max(range(len(need)), key=need.__getitem__)
-            if need[worst] > limit:
-                over = (self.plan.stages[worst].label, int(need[worst]))
-        if self._user_plan:
-            self._set_plan(self.plan, costs)  # the clock predicts with measured times
-            if over is not None:
-                log.warning(
-                    "RoundPipe: stage %s of the given plan %s needs about %d bytes with its "
-                    "measured activations, over the device memory limit of %d; expect an "
-                    "out-of-memory error: give a plan with smaller stages or raise "
-                    "num_microbatches",
-                    over[0],
-                    self.plan,
-                    over[1],
-                    limit,
-                )
-            return
-        self._wait_tasks()  # an iteration boundary with nothing in flight
-        try:
-            new = self._partition_measured(costs)
-        except PlanError as exc:
-            log.warning(
-                "RoundPipe kept plan %s: no plan fits the device memory limit with the measured "
-                "activations (%s); raise num_microbatches (smaller micro-batches) or "
-                "device_memory_limit",
-                self.plan,
-                exc,
-            )
-            return
-        kw = {"async_optimizer": self.async_optimizer, "round_size": self.microbatches_per_round}
-        old_t = simulated_period(costs, self.plan, n, m, **kw)
-        new_t = simulated_period(costs, new, n, m, **kw)
-        if new != self.plan and (over is not None or new_t < (1 - self.replan_margin) * old_t):
-            why = (
-                f"stage {over[0]} needs about {over[1]} bytes with its measured activations, "
-                f"over the limit of {limit}"
-                if over is not None
-                else f"simulated time per iteration {old_t:.4g} -> {new_t:.4g} s"
-            )
-            log.info(
-                "RoundPipe re-partitioned from measurements: %s -> %s (%s)", self.plan, new, why
-            )
-            self._set_plan(new, costs)
-        else:
-            log.info(
-                "RoundPipe kept plan %s after measuring (best %s, simulated time per iteration "
-                "%.4g vs %.4g s)",
-                self.plan,
-                new,
-                old_t,
-                new_t,
-            )
-            self._set_plan(self.plan, costs)  # the clock now predicts with measured times
-        if self.devices[0].type == "cuda":
+        assert costs is not None
+        if not self._user_plan:
+            self._wait_tasks()  # an iteration boundary with nothing in flight
+        decision = after_measurement(
+            self.plan,
+            costs,
+            self._costs,
+            self.num_devices,
+            self.num_microbatches,
+            user_plan=self._user_plan,
+            async_optimizer=self.async_optimizer,
+            round_size=self.microbatches_per_round,
+            memory_limit=self._limit,
+            size_limit=self.size_limit,
+            margin=self.replan_margin,
+        )
+        (log.warning if decision.warning else log.info)("RoundPipe %s", decision.reason)
+        self._set_plan(decision.plan, costs)
+        if self.devices[0].type == "cuda" and not self._user_plan:
             # for the report: whether a round's compute hides its weight uploads
             self._bandwidth = _bandwidth(self.devices[0])
             log.info("RoundPipe: %.1f GB/s host to device", self._bandwidth / 1e9)
-
-    def _partition_measured(self, costs: LayerCosts) -> StagePlan:
-        """The chosen plan for measured costs: within the device memory
-        limit with measured activations and, if set, within ``size_limit`` for
-        the size-based estimates."""
-        n, m, limit, cap, est = (
-            self.num_devices,
-            self.num_microbatches,
-            self._limit,
-            self.size_limit,
-            self._costs,
-        )
-        kw = {"async_optimizer": self.async_optimizer, "round_size": self.microbatches_per_round}
-        plan = choose_plan(costs, n, m, memory_limit=limit, **kw)
-        if cap is None or max(plan.stage_memory(est)) <= cap:
-            return plan
-
-        def fits(p: StagePlan) -> bool:
-            return max(p.stage_memory(est)) <= cap and (
-                limit is None or max(p.stage_memory(costs)) <= limit
-            )
-
-        # the measured times with stages no larger than the cap; if that packs
-        # too many activations together, a figure that bounds both at once:
-        # within `limit` by max(measured, estimate * limit / cap) means within
-        # `limit` measured and within `cap` estimated
-        memories = [est.memory]
-        if limit is not None:
-            memories.append(
-                [max(a, b * limit / cap) for a, b in zip(costs.memory, est.memory, strict=True)]
-            )
-        for memory, bound in zip(memories, (cap, limit), strict=False):
-            sized = LayerCosts(
-                costs.forward, costs.backward, memory=memory, weight_bytes=costs.weight_bytes
-            )
-            try:
-                plan = choose_plan(sized, n, m, memory_limit=bound, **kw)
-            except PlanError:
-                continue
-            if fits(plan):
-                return plan
-        raise PlanError(
-            f"no plan keeps every stage within size_limit {cap} (weights and gradients) "
-            f"and within {limit} bytes with its measured activations"
-        )
 
     @staticmethod
     def _memory_limit(devs: list[torch.device], costs: LayerCosts, limit: int | None) -> int | None:

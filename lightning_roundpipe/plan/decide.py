@@ -1,0 +1,295 @@
+"""Plan decisions: the plan to start with, after measurement, after running out of memory.
+
+Every change of plan is a function of (costs, limits, options) that returns
+what to do and why; the engine only installs a plan between iterations and
+the strategy only asks. Pure Python: the device memory limit and the
+measured costs come in as numbers.
+
+* :func:`initial_plan`: the given plan checked against the memory limit, or
+  the plan with the shortest simulated step within it (:func:`choose_plan`).
+* :func:`after_measurement`: once per-layer times and activation bytes are
+  measured, switch to the measured best plan when it is faster by more than a
+  margin or when the current plan no longer fits the limit.
+* :func:`after_out_of_memory`: a stage ran out of device memory in the first
+  batch: cap stage sizes at half the failed stage (never below the largest
+  layer), or, where the stage cannot be cut and the micro-batch count is
+  automatic, double the micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .costs import LayerCosts, PlanError
+from .partition import partition
+from .policy import choose_plan, simulated_period
+from .stages import StagePlan
+
+__all__ = [
+    "Measured",
+    "OutOfMemory",
+    "after_measurement",
+    "after_out_of_memory",
+    "initial_plan",
+    "plan_for_measured",
+    "tightest",
+]
+
+
+def tightest(*limits: float | None) -> float | None:
+    """The smallest of the memory limits that are set (None when none is)."""
+    given = [x for x in limits if x is not None]
+    return min(given) if given else None
+
+
+def initial_plan(
+    estimates: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    given: StagePlan | None,
+    async_optimizer: bool,
+    memory_limit: int | None,
+    size_limit: int | None = None,
+) -> StagePlan:
+    """The plan to start with: ``given`` if its largest stage fits
+    ``memory_limit`` (else :class:`PlanError` naming the stage), otherwise the
+    plan with the shortest simulated step within both limits (the estimates
+    hold no activations, so both bound the same numbers)."""
+    if given is None:
+        return choose_plan(
+            estimates,
+            num_devices,
+            num_microbatches,
+            async_optimizer=async_optimizer,
+            memory_limit=tightest(memory_limit, size_limit),
+        )
+    if memory_limit is not None:
+        need = given.stage_memory(estimates)
+        worst = max(range(given.num_slots), key=need.__getitem__)
+        if need[worst] > memory_limit:
+            raise PlanError(
+                f"stage {given.stages[worst].label} of plan {given} needs about {need[worst]} "
+                f"bytes of device memory but the limit is {memory_limit}; give a plan with "
+                "smaller stages, or plan=None to let the partitioner respect the limit"
+            )
+    return given
+
+
+def plan_for_measured(
+    measured: LayerCosts,
+    estimates: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool,
+    round_size: int | None,
+    memory_limit: int | None,
+    size_limit: int | None,
+) -> StagePlan:
+    """The chosen plan for measured costs: within ``memory_limit`` with the
+    measured activations and, if set, within ``size_limit`` for the size-based
+    ``estimates`` (a cap learned from an out-of-memory failure)."""
+    n, m, limit, cap = num_devices, num_microbatches, memory_limit, size_limit
+    kw = {"async_optimizer": async_optimizer, "round_size": round_size}
+    plan = choose_plan(measured, n, m, memory_limit=limit, **kw)
+    if cap is None or max(plan.stage_memory(estimates)) <= cap:
+        return plan
+
+    def fits(p: StagePlan) -> bool:
+        return max(p.stage_memory(estimates)) <= cap and (
+            limit is None or max(p.stage_memory(measured)) <= limit
+        )
+
+    # the measured times with stages no larger than the cap; if that packs
+    # too many activations together, a figure that bounds both at once:
+    # within `limit` by max(measured, estimate * limit / cap) means within
+    # `limit` measured and within `cap` estimated
+    assert estimates.memory is not None and measured.memory is not None
+    memories = [estimates.memory]
+    if limit is not None:
+        memories.append(
+            [
+                max(a, b * limit / cap)
+                for a, b in zip(measured.memory, estimates.memory, strict=True)
+            ]
+        )
+    for memory, bound in zip(memories, (cap, limit), strict=False):
+        sized = LayerCosts(
+            measured.forward, measured.backward, memory=memory, weight_bytes=measured.weight_bytes
+        )
+        try:
+            plan = choose_plan(sized, n, m, memory_limit=bound, **kw)
+        except PlanError:
+            continue
+        if fits(plan):
+            return plan
+    raise PlanError(
+        f"no plan keeps every stage within size_limit {cap} (weights and gradients) "
+        f"and within {limit} bytes with its measured activations"
+    )
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What to do once per-layer costs are measured.
+
+    Attributes:
+        plan: the plan to run from now on (the current one when kept).
+        changed: whether it differs from the current plan.
+        reason: why, for the log.
+        warning: say it as a warning (the plan may run out of memory).
+    """
+
+    plan: StagePlan
+    changed: bool
+    reason: str
+    warning: bool = False
+
+
+def after_measurement(
+    current: StagePlan,
+    measured: LayerCosts,
+    estimates: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    user_plan: bool,
+    async_optimizer: bool,
+    round_size: int | None,
+    memory_limit: int | None,
+    size_limit: int | None,
+    margin: float,
+) -> Measured:
+    """Keep ``current`` or switch to the measured best plan: switch when the
+    current plan's stages exceed ``memory_limit`` with their measured
+    activations, or when the best plan's simulated step is shorter by more
+    than ``margin``. A plan the user gave is never changed (only warned about)."""
+    n, m, limit = num_devices, num_microbatches, memory_limit
+    over = None
+    if limit is not None and measured.memory is not None:
+        need = current.stage_memory(measured)
+        worst = max(range(len(need)), key=need.__getitem__)
+        if need[worst] > limit:
+            over = (current.stages[worst].label, int(need[worst]))
+    if user_plan:
+        if over is None:
+            return Measured(current, False, f"kept the given plan {current}")
+        return Measured(
+            current,
+            False,
+            f"stage {over[0]} of the given plan {current} needs about {over[1]} bytes with its "
+            f"measured activations, over the device memory limit of {limit}; expect an "
+            "out-of-memory error: give a plan with smaller stages or raise num_microbatches",
+            warning=True,
+        )
+    try:
+        best = plan_for_measured(
+            measured,
+            estimates,
+            n,
+            m,
+            async_optimizer=async_optimizer,
+            round_size=round_size,
+            memory_limit=limit,
+            size_limit=size_limit,
+        )
+    except PlanError as exc:
+        return Measured(
+            current,
+            False,
+            f"kept plan {current}: no plan fits the device memory limit with the measured "
+            f"activations ({exc}); raise num_microbatches (smaller micro-batches) or "
+            "device_memory_limit",
+            warning=True,
+        )
+    kw = {"async_optimizer": async_optimizer, "round_size": round_size}
+    old_t = simulated_period(measured, current, n, m, **kw)
+    new_t = simulated_period(measured, best, n, m, **kw)
+    if best != current and (over is not None or new_t < (1 - margin) * old_t):
+        why = (
+            f"stage {over[0]} needs about {over[1]} bytes with its measured activations, "
+            f"over the limit of {limit}"
+            if over is not None
+            else f"simulated time per iteration {old_t:.4g} -> {new_t:.4g} s"
+        )
+        return Measured(
+            best, True, f"re-partitioned from measurements: {current} -> {best} ({why})"
+        )
+    return Measured(
+        current,
+        False,
+        f"kept plan {current} after measuring (best {best}, simulated time per iteration "
+        f"{old_t:.4g} vs {new_t:.4g} s)",
+    )
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """How to re-plan after a stage ran out of device memory.
+
+    Attributes:
+        size_limit: a cap on each stage's weights and gradients (size-estimate
+            bytes), or None.
+        microbatches: a new micro-batch count, or None.
+        change: what changes, for the warning.
+    """
+
+    size_limit: int | None
+    microbatches: int | None
+    change: str
+
+
+def after_out_of_memory(
+    estimates: LayerCosts,
+    current: StagePlan,
+    num_devices: int,
+    failed: tuple[int, int],
+    failed_stage: str,
+    *,
+    plan_given: bool,
+    microbatches_for: Callable[[int], int],
+    num_microbatches: int,
+    auto_microbatches: bool,
+    batch_size: int | None,
+    batch_microbatches: int | None,
+) -> OutOfMemory | None:
+    """What to change after stage ``failed_stage`` (layers ``failed``) ran out
+    of memory, or None when nothing smaller can be tried.
+
+    Stages at most half the failed one's size when the plan is not given, the
+    stage has more than one layer and the partitioner then finds a different
+    plan (``microbatches_for(limit)``: the micro-batch count it would use);
+    else, with an automatic count and micro-batches of more than one sample
+    (``batch_microbatches`` of a batch of ``batch_size``), twice the
+    micro-batches."""
+    start, stop = failed
+    if not plan_given and stop - start > 1 and estimates.memory is not None:
+        stage = estimates.stage_memory(start, stop)
+        # never below the largest layer anywhere in the model: one layer per
+        # stage must still be possible
+        limit = max(int(max(estimates.memory)), int(stage // 2))
+        if limit < stage:
+            try:
+                new_plan = partition(
+                    estimates, num_devices, microbatches_for(limit), memory_limit=limit
+                )
+            except PlanError:
+                new_plan = None
+            if new_plan is not None and str(new_plan) != str(current):
+                return OutOfMemory(
+                    limit,
+                    None,
+                    f"stages of at most {limit} bytes of weights and gradients (stage "
+                    f"{failed_stage} had {stage:.0f})",
+                )
+    if (
+        auto_microbatches
+        and batch_size is not None
+        and batch_microbatches is not None
+        and batch_microbatches < batch_size
+    ):
+        # more micro-batches help while this batch's are larger than one sample
+        return OutOfMemory(None, 2 * num_microbatches, f"num_microbatches={2 * num_microbatches}")
+    return None
