@@ -18,9 +18,11 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
+from .runtime.options import PRECISIONS
+
 __all__ = ["SUPPORTED", "RoundPipePrecision"]
 
-SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+SUPPORTED = tuple(PRECISIONS)
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 

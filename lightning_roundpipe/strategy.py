@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -40,7 +41,7 @@ from .plan.decide import after_out_of_memory, tightest
 from .precision import RoundPipePrecision
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.nested import batch_size_of
-from .runtime.optimizer import PRECISIONS
+from .runtime.options import PRECISIONS, EngineOptions, NonFinite
 from .runtime.worker import WorkerError
 
 __all__ = ["RoundPipeStrategy"]
@@ -143,7 +144,7 @@ class RoundPipeStrategy(ParallelStrategy):
         watchdog_timeout: float = 600.0,
         log_every_n_steps: int | None = None,
         workers_per_device: int = 1,
-        nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        nonfinite: NonFinite = "raise",
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
         oom_replans: int = 3,
@@ -156,6 +157,24 @@ class RoundPipeStrategy(ParallelStrategy):
             raise ValueError(
                 f"num_microbatches must be a positive integer or 'auto', got {num_microbatches!r}"
             )
+        if workers_per_device < 1:
+            raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
+        if isinstance(oom_replans, bool) or not isinstance(oom_replans, int) or oom_replans < 0:
+            raise ValueError(f"oom_replans must be an integer >= 0, got {oom_replans!r}")
+        # the engine's options, validated here once; setup adds precision, seed,
+        # tracing and what an out-of-memory failure teaches
+        self.options = EngineOptions(
+            async_optimizer=async_optimizer,
+            microbatches_per_round=microbatches_per_round,
+            activation_memory=activation_memory,
+            fit_to_batch=True,  # a short batch: one sample per micro-batch
+            watchdog_timeout=watchdog_timeout,
+            device_memory_limit=device_memory_limit,
+            optimizer_threads=optimizer_threads,
+            profile_iterations=profile_iterations,
+            replan_margin=replan_margin,
+            nonfinite=nonfinite,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -165,33 +184,14 @@ class RoundPipeStrategy(ParallelStrategy):
         )
         self.async_optimizer = async_optimizer
         self.num_microbatches = num_microbatches
-        self.microbatches_per_round = microbatches_per_round
-        if activation_memory is not None and (
-            isinstance(activation_memory, bool)
-            or not isinstance(activation_memory, int)
-            or activation_memory <= 0
-        ):
-            raise ValueError(
-                f"activation_memory must be a positive number of bytes, got {activation_memory!r}"
-            )
-        self.activation_memory = activation_memory
         self.trace_dir = trace_dir
         self.plan = plan
         self.layers = layers
-        self.device_memory_limit = device_memory_limit
-        self.optimizer_threads = optimizer_threads
         self.fuse_optimizer = fuse_optimizer
         self.seed = seed
-        self.watchdog_timeout = watchdog_timeout
         self.log_every_n_steps = log_every_n_steps
-        if workers_per_device < 1:
-            raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
         self.workers_per_device = workers_per_device
         self.nonfinite = nonfinite
-        self.profile_iterations = profile_iterations
-        self.replan_margin = replan_margin
-        if isinstance(oom_replans, bool) or not isinstance(oom_replans, int) or oom_replans < 0:
-            raise ValueError(f"oom_replans must be an integer >= 0, got {oom_replans!r}")
         self.oom_replans = oom_replans
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
@@ -370,31 +370,23 @@ class RoundPipeStrategy(ParallelStrategy):
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         seed = self.seed if self.seed is not None else torch.initial_seed()
         try:
-            limit = tightest(self._oom_limit, self.device_memory_limit)
+            limit = tightest(self._oom_limit, self.options.device_memory_limit)
             m = self._microbatch_count(costs, n, limit)
-            self.engine = RoundPipeEngine(
+            options = replace(
+                self.options,
+                precision=self.precision_plugin.precision,
+                seed=seed,
+                trace=self.trace_dir is not None,
+                # learned from an out-of-memory error, in size-estimate units
+                size_limit=self._oom_limit,
+            )
+            self.engine = RoundPipeEngine.from_options(
                 adapter.layers(),
                 devices,
                 m,
+                options,
                 plan=None if self.plan == "auto" else self.plan,
-                microbatches_per_round=self.microbatches_per_round,
-                activation_memory=self.activation_memory,
-                activation_estimate=adapter.boundary_estimate(
-                    PRECISIONS[self.precision_plugin.precision]
-                ),
-                trace=self.trace_dir is not None,
-                fit_to_batch=True,  # a short batch: one sample per micro-batch
-                precision=self.precision_plugin.precision,
-                async_optimizer=self.async_optimizer,
-                seed=seed,
-                watchdog_timeout=self.watchdog_timeout,
-                device_memory_limit=self.device_memory_limit,
-                # learned from an out-of-memory error, in size-estimate units
-                size_limit=self._oom_limit,
-                optimizer_threads=self.optimizer_threads,
-                nonfinite=self.nonfinite,
-                profile_iterations=self.profile_iterations,
-                replan_margin=self.replan_margin,
+                activation_estimate=adapter.boundary_estimate(options.compute_dtype),
                 parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
                 chaos=self._chaos,  # tests: delays or faults at the hand-offs
             )

@@ -4,11 +4,13 @@ from .device import layer_seed
 from .engine import EngineClosedError, RoundPipeEngine, estimate_costs
 from .host import pinned_bytes
 from .optimizer import NonFiniteError, OptimizerStepError, StepHandle, use_fused
+from .options import EngineOptions
 from .store import HandoffTimeout
 from .worker import WorkerError
 
 __all__ = [
     "EngineClosedError",
+    "EngineOptions",
     "HandoffTimeout",
     "NonFiniteError",
     "OptimizerStepError",

@@ -47,17 +47,16 @@ from .nested import (
     split_microbatches,
 )
 from .optimizer import (
-    PRECISIONS,
     HookError,
     LossScaler,
     NonFiniteError,
     OptimizerStepError,
     OptimizerWorker,
-    Precision,
     Protocol,
     StepHandle,
     _Job,
 )
+from .options import EngineOptions, NonFinite, Precision
 from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder, named, write_trace
 from .store import EngineFailure, HandoffTimeout, Store
 from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
@@ -351,7 +350,7 @@ class RoundPipeEngine:
         optimizer_threads: int | None = None,
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
-        nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        nonfinite: NonFinite = "raise",
         size_limit: int | None = None,
         parameter_names: dict[nn.Parameter, str] | None = None,
         chaos: Callable[[str], None] | None = None,
@@ -374,49 +373,38 @@ class RoundPipeEngine:
             if d.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {d} requested but CUDA is not available")
         _check_uniform(devs)
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"precision {precision!r} is not supported; use one of "
-                f"{', '.join(repr(p) for p in PRECISIONS)}"
-            )
-        compute_dtype = PRECISIONS[precision]
-        if optimizer_threads is not None and optimizer_threads < 1:
-            raise ValueError(f"optimizer_threads must be >= 1, got {optimizer_threads}")
-        if nonfinite not in ("raise", "skip", "ignore"):
-            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
-        if profile_iterations < 0:
-            raise ValueError(f"profile_iterations must be >= 0, got {profile_iterations}")
-        if not replan_margin >= 0:
-            raise ValueError(f"replan_margin must be >= 0, got {replan_margin!r}")
+        # every scalar option, validated in one place (shared with the strategy)
+        self.options = EngineOptions(
+            precision=precision,
+            async_optimizer=async_optimizer,
+            microbatches_per_round=microbatches_per_round,
+            activation_memory=activation_memory,
+            placement=placement,
+            trace=trace,
+            forbid_host_sync=forbid_host_sync,
+            fit_to_batch=fit_to_batch,
+            seed=seed,
+            watchdog_timeout=watchdog_timeout,
+            device_memory_limit=device_memory_limit,
+            size_limit=size_limit,
+            optimizer_threads=optimizer_threads,
+            profile_iterations=profile_iterations,
+            replan_margin=replan_margin,
+            nonfinite=nonfinite,
+        )
+        compute_dtype = self.options.compute_dtype
         user_plan = plan is not None
-        if not watchdog_timeout > 0:
-            raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
         if (
             isinstance(num_microbatches, bool)
             or not isinstance(num_microbatches, int)
             or (num_microbatches < 1)
         ):
             raise PlanError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-        if microbatches_per_round not in (None, "auto") and (
-            isinstance(microbatches_per_round, bool)
-            or not isinstance(microbatches_per_round, int)
-            or microbatches_per_round < 1
-        ):
-            raise PlanError(
-                f"microbatches_per_round must be an integer >= 1, 'auto' or None, got "
-                f"{microbatches_per_round!r}; leave it unset for one round per batch"
-            )
-        if activation_memory is not None and not activation_memory > 0:
-            raise ValueError(f"activation_memory must be > 0 bytes, got {activation_memory!r}")
-        if placement not in ("free-first", "rotate"):
-            raise ValueError(f"placement must be 'free-first' or 'rotate', got {placement!r}")
         n, m = len(devs), num_microbatches
         if isinstance(plan, str):
             plan = StagePlan.parse(plan, len(layers))
         elif plan is not None:
             plan.validate(len(layers))
-        if size_limit is not None and not size_limit > 0:
-            raise ValueError(f"size_limit must be > 0, got {size_limit!r}")
         if costs is not None:
             if not isinstance(costs, LayerCosts):
                 raise TypeError(f"costs must be a LayerCosts, got {type(costs).__name__}")
@@ -451,9 +439,7 @@ class RoundPipeEngine:
         self._replanned = False
         self.devices = devs
         self.num_microbatches = m
-        self.microbatches_per_round = (
-            None if microbatches_per_round == "auto" else microbatches_per_round
-        )
+        self.microbatches_per_round = self.options.microbatches_per_round
         available = _host_available()
         self.activation_memory = (
             activation_memory
@@ -534,6 +520,20 @@ class RoundPipeEngine:
             n,
             ", ".join(map(str, devs)),
         )
+
+    @classmethod
+    def from_options(
+        cls,
+        layers: Sequence[nn.Module],
+        devices: Sequence[torch.device | str | int],
+        num_microbatches: int,
+        options: EngineOptions,
+        **kwargs: Any,
+    ) -> RoundPipeEngine:
+        """An engine with ``options`` (validated when they were made);
+        ``kwargs``: the arguments that are not options (``plan``, ``costs``,
+        ``activation_estimate``, ``parameter_names``, ``chaos``)."""
+        return cls(layers, devices, num_microbatches, **options.as_kwargs(), **kwargs)
 
     def _outside_gradient_hooks(self, names: dict[int, str]) -> list[Any]:
         """Autograd on the caller's thread reaching a pipeline parameter (a

@@ -42,11 +42,12 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from .host import HostState, _Param
+from .options import NonFinite
 from .store import EngineFailure, Store
 
 __all__ = [
@@ -54,21 +55,12 @@ __all__ = [
     "LossScaler",
     "NonFiniteError",
     "OptimizerWorker",
-    "Precision",
     "Protocol",
     "StepHandle",
     "use_fused",
 ]
 
 log = logging.getLogger(__name__)
-
-Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
-PRECISIONS: dict[str, torch.dtype] = {
-    "32-true": torch.float32,
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-}
 
 
 class Chaos:
@@ -341,7 +333,7 @@ class OptimizerWorker:
         protocol: Protocol,
         scaler: LossScaler,
         threads: int | None = None,
-        nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+        nonfinite: NonFinite = "raise",
         names: dict[int, str] | None = None,
     ) -> None:
         self.nonfinite = nonfinite

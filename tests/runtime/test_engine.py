@@ -353,7 +353,7 @@ def test_state_dict_keys_unchanged():
             PlanError,
             r"microbatches_per_round must be an integer >= 1, 'auto' or None, got 0",
         ),
-        ({"activation_memory": 0}, ValueError, r"activation_memory must be > 0 bytes"),
+        ({"activation_memory": 0}, ValueError, r"activation_memory must be a positive number"),
         ({"placement": "random"}, ValueError, r"placement must be 'free-first' or 'rotate'"),
     ],
 )

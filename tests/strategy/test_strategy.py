@@ -566,3 +566,20 @@ def test_the_startup_log_and_plan_errors_name_the_layers(caplog):
     ) as info:
         fit(CausalLM(), data, sync(n_mb=2, plan="1,1|1|1,1"), max_steps=1)
     assert "covers" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nonfinite": "drop"}, "nonfinite must be 'raise', 'skip' or 'ignore', got 'drop'"),
+        ({"watchdog_timeout": 0}, "watchdog_timeout must be > 0"),
+        ({"microbatches_per_round": 0}, "microbatches_per_round must be an integer >= 1"),
+        ({"device_memory_limit": -1}, "device_memory_limit must be > 0 bytes"),
+        ({"replan_margin": -0.1}, "replan_margin must be >= 0"),
+    ],
+)
+def test_engine_options_are_refused_when_the_strategy_is_built(kwargs, match):
+    """The strategy validates the engine's options once, through the same
+    EngineOptions the engine uses, before any setup."""
+    with pytest.raises(ValueError, match=match):
+        RoundPipeStrategy(**kwargs)

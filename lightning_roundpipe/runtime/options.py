@@ -1,0 +1,109 @@
+"""Engine options: one frozen set, validated once, shared by the strategy and the engine.
+
+The strategy builds an :class:`EngineOptions` when it is constructed (so a bad
+value fails before anything else happens, naming the option) and hands it,
+completed with what only setup knows (precision, seed, a size cap learned from
+an out-of-memory failure), to :meth:`RoundPipeEngine.from_options
+<lightning_roundpipe.runtime.RoundPipeEngine.from_options>`; an engine built
+from keyword arguments validates them through the same class. Precisions and
+the non-finite policies are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+from ..plan import PlanError
+from ..plan.schedule import Placement
+
+__all__ = ["NONFINITE", "PRECISIONS", "EngineOptions", "NonFinite", "Precision"]
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+#: the compute dtype (and master-copy dtype) of each supported precision
+PRECISIONS: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+}
+NonFinite = Literal["raise", "skip", "ignore"]
+NONFINITE = ("raise", "skip", "ignore")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an engine runs (see :class:`~lightning_roundpipe.runtime.RoundPipeEngine`
+    for each option's meaning); validated when created."""
+
+    precision: Precision = "32-true"
+    async_optimizer: bool = False
+    microbatches_per_round: int | Literal["auto"] | None = None
+    activation_memory: int | None = None
+    placement: Placement = "free-first"
+    trace: bool = False
+    forbid_host_sync: bool = False
+    fit_to_batch: bool = False
+    seed: int = 0
+    watchdog_timeout: float = 600.0
+    device_memory_limit: int | None = None
+    size_limit: int | None = None
+    optimizer_threads: int | None = None
+    profile_iterations: int = 2
+    replan_margin: float = 0.05
+    nonfinite: NonFinite = "raise"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision {self.precision!r} is not supported; use one of "
+                f"{', '.join(repr(p) for p in PRECISIONS)}"
+            )
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise ValueError(f"optimizer_threads must be >= 1, got {self.optimizer_threads}")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(
+                f"nonfinite must be 'raise', 'skip' or 'ignore', got {self.nonfinite!r}"
+            )
+        if self.profile_iterations < 0:
+            raise ValueError(f"profile_iterations must be >= 0, got {self.profile_iterations}")
+        if not self.replan_margin >= 0:
+            raise ValueError(f"replan_margin must be >= 0, got {self.replan_margin!r}")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
+        mr = self.microbatches_per_round
+        if mr not in (None, "auto") and not _positive_int(mr):
+            raise PlanError(
+                f"microbatches_per_round must be an integer >= 1, 'auto' or None, got "
+                f"{mr!r}; leave it unset for one round per batch"
+            )
+        if mr == "auto":  # one spelling of "the whole batch within the budget"
+            object.__setattr__(self, "microbatches_per_round", None)
+        if self.activation_memory is not None and not _positive_int(self.activation_memory):
+            raise ValueError(
+                "activation_memory must be a positive number of bytes, got "
+                f"{self.activation_memory!r}"
+            )
+        if self.placement not in ("free-first", "rotate"):
+            raise ValueError(f"placement must be 'free-first' or 'rotate', got {self.placement!r}")
+        if self.size_limit is not None and not self.size_limit > 0:
+            raise ValueError(f"size_limit must be > 0, got {self.size_limit!r}")
+        if self.device_memory_limit is not None and not self.device_memory_limit > 0:
+            raise ValueError(
+                f"device_memory_limit must be > 0 bytes, got {self.device_memory_limit!r}"
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype devices compute in (and master copies are stored in)."""
+        return PRECISIONS[self.precision]
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as engine keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
