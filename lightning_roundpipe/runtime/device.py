@@ -19,7 +19,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DeviceContext", "LayerRandomness", "layer_seed", "pin", "seeded"]
+__all__ = [
+    "DeviceContext",
+    "LayerRandomness",
+    "as_device",
+    "check_uniform",
+    "host_to_device_bandwidth",
+    "layer_seed",
+    "pin",
+    "seeded",
+]
 
 log = logging.getLogger(__name__)
 
@@ -296,3 +305,54 @@ class DeviceContext:
             out.copy_(t, non_blocking=True)
         t.record_stream(stream)
         return out
+
+
+def as_device(d: torch.device | str | int) -> torch.device:
+    """A worker's device from ``torch.device``, ``"cuda:0"``, ``0`` or ``"cpu"``
+    (``"cuda"`` means the current CUDA device)."""
+    if isinstance(d, int):
+        d = torch.device("cuda", d)
+    elif not isinstance(d, torch.device):
+        d = torch.device(d)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def check_uniform(devs: list[torch.device]) -> None:
+    """All workers must draw the same dropout masks for the same seed: a layer's
+    forward and its recompute may run on different devices."""
+    kinds = sorted({d.type for d in devs})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"devices mix {' and '.join(kinds)}; random numbers (dropout) differ between "
+            "device types, so a recompute would not match its forward. Use one device type"
+        )
+    if kinds == ["cuda"]:
+        models = {}
+        for d in devs:
+            prop = torch.cuda.get_device_properties(d)
+            models[(prop.name, prop.multi_processor_count)] = d
+        if len(models) > 1:
+            raise ValueError(
+                f"devices are different GPU models ({', '.join(n for n, _ in models)}); "
+                "their dropout masks differ for the same seed. Use identical GPUs"
+            )
+
+
+def host_to_device_bandwidth(
+    device: torch.device, nbytes: int = 64 << 20, repeat: int = 3
+) -> float:
+    """Host-to-device bytes per second from page-locked memory (CUDA)."""
+    with torch.cuda.device(device):  # events and copies on the same device
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()  # note: a CPU-GPU sync point, once, at re-planning time
+        ms = start.elapsed_time(end)
+    return nbytes * repeat / max(ms / 1e3, 1e-9)

@@ -20,12 +20,10 @@ master copy.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,8 +35,8 @@ from ..plan.decide import after_measurement, initial_plan
 from ..plan.policy import RoundChoice, choose_round, hides_uploads
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
-from .device import pin
-from .host import HostState, _Param
+from .device import as_device, check_uniform, host_to_device_bandwidth, pin
+from .host import HostState, _Param, host_available
 from .nested import (
     batch_size_of,
     flatten_tensors,
@@ -57,7 +55,15 @@ from .optimizer import (
     _Job,
 )
 from .options import EngineOptions, NonFinite, Precision
-from .profiler import TRAFFIC_KINDS, Profiler, TraceRecorder, named, write_trace
+from .profiler import (
+    TRAFFIC_KINDS,
+    Profiler,
+    TraceRecorder,
+    TrafficReport,
+    estimate_costs,
+    named,
+    write_trace,
+)
 from .store import EngineFailure, HandoffTimeout, Store
 from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
 
@@ -68,76 +74,6 @@ log = logging.getLogger(__name__)
 
 class EngineClosedError(RuntimeError):
     """The engine was closed; create a new one."""
-
-
-def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> LayerCosts:
-    """Size-based layer costs used until measurements exist.
-
-    Forward time is taken proportional to a layer's parameter count (matmul
-    FLOPs per token are ~2 x parameters) with a small floor so parameter-free
-    layers still cost something; backward is twice the forward for layers with
-    trainable weights (input and weight gradients) and equal to it otherwise.
-    Memory is the weights in the compute dtype plus, for trainable weights, the
-    fp32 gradient accumulator."""
-    size = torch.empty(0, dtype=compute_dtype).element_size()
-    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    floor = max(1.0, 1e-3 * max(counts, default=1))
-    fwd, bwd, mem = [], [], []
-    for layer, n in zip(layers, counts, strict=True):
-        f = n + floor
-        trainable = any(p.requires_grad for p in layer.parameters())
-        fwd.append(f)
-        bwd.append(2 * f if trainable else f)
-        grads = sum(p.numel() for p in layer.parameters() if p.requires_grad)
-        mem.append(n * size + grads * 4)
-    return LayerCosts(fwd, bwd, memory=mem, weight_bytes=[n * size for n in counts])
-
-
-def _as_device(d: torch.device | str | int) -> torch.device:
-    if isinstance(d, int):
-        d = torch.device("cuda", d)
-    elif not isinstance(d, torch.device):
-        d = torch.device(d)
-    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-def _check_uniform(devs: list[torch.device]) -> None:
-    """All workers must draw the same dropout masks for the same seed: a layer's
-    forward and its recompute may run on different devices."""
-    kinds = sorted({d.type for d in devs})
-    if len(kinds) > 1:
-        raise ValueError(
-            f"devices mix {' and '.join(kinds)}; random numbers (dropout) differ between "
-            "device types, so a recompute would not match its forward. Use one device type"
-        )
-    if kinds == ["cuda"]:
-        models = {}
-        for d in devs:
-            prop = torch.cuda.get_device_properties(d)
-            models[(prop.name, prop.multi_processor_count)] = d
-        if len(models) > 1:
-            raise ValueError(
-                f"devices are different GPU models ({', '.join(n for n, _ in models)}); "
-                "their dropout masks differ for the same seed. Use identical GPUs"
-            )
-
-
-def _bandwidth(device: torch.device, nbytes: int = 64 << 20, repeat: int = 3) -> float:
-    """Host-to-device bytes per second from page-locked memory (CUDA)."""
-    with torch.cuda.device(device):  # events and copies on the same device
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=True)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()  # note: a CPU-GPU sync point, once, at re-planning time
-        ms = start.elapsed_time(end)
-    return nbytes * repeat / max(ms / 1e3, 1e-9)
 
 
 def _shutdown(rt: Runtime, join_timeout: float = 30.0) -> list[str]:
@@ -173,68 +109,6 @@ def _shutdown(rt: Runtime, join_timeout: float = 30.0) -> list[str]:
         if rt.optimizer is not None:
             rt.optimizer._grads.clear()
     return stuck
-
-
-@dataclass(frozen=True)
-class TrafficReport:
-    """Bytes one training iteration moved between host and devices, against
-    the least its schedule could move.
-
-    Attributes:
-        iteration: the iteration measured.
-        moved: bytes by kind (``weights_up``, ``grads_down``, ``acts_up``,
-            ``acts_down``, ``buffers``); on CPU workers, the bytes a device
-            would have moved.
-        weights_minimum, grads_minimum: each stage's weights up once, its fp32
-            gradients down once: the least any round size moves per iteration.
-        rounds: rounds of the iteration (each moves every stage's weights
-            and gradients once).
-        round: the round choice in use, with its reason.
-        uploads_hidden: whether each round's compute hides its weight uploads
-            at the measured host-to-device bandwidth (None: not known, e.g. on
-            CPU workers or before per-layer times are measured).
-    """
-
-    iteration: int
-    moved: dict[str, int]
-    weights_minimum: int
-    grads_minimum: int
-    rounds: int
-    round: RoundChoice
-    uploads_hidden: bool | None
-
-    @property
-    def weights_ratio(self) -> float:
-        """Weight bytes moved over the least any round size moves (the rounds)."""
-        return self.moved["weights_up"] / self.weights_minimum if self.weights_minimum else 0.0
-
-    def __str__(self) -> str:
-        m = self.moved
-        g = m["grads_down"] / self.grads_minimum if self.grads_minimum else 0.0
-        hidden = {None: "not measured", True: "yes", False: "no"}[self.uploads_hidden]
-        return (
-            f"iteration {self.iteration}: weights up {_size(m['weights_up'])} "
-            f"({self.weights_ratio:.2f}x the minimum), gradients down "
-            f"{_size(m['grads_down'])} ({g:.2f}x), activations up {_size(m['acts_up'])}, "
-            f"down {_size(m['acts_down'])}, buffers {_size(m['buffers'])}; {self.rounds} "
-            f"round(s): {self.round.reason}; uploads hidden behind compute: {hidden}"
-        )
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    raise AssertionError  # unreachable
-
-
-def _host_available() -> int | None:
-    """Host memory available now, in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 class RoundPipeEngine:
@@ -364,7 +238,7 @@ class RoundPipeEngine:
         for i, layer in enumerate(layers):
             if not isinstance(layer, nn.Module):
                 raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not an nn.Module")
-        devs = [_as_device(d) for d in devices]
+        devs = [as_device(d) for d in devices]
         if not devs:
             raise ValueError("devices is empty; give at least one device")
         for d in devs:
@@ -372,7 +246,7 @@ class RoundPipeEngine:
                 raise ValueError(f"device {d} is not supported; use CUDA devices or 'cpu'")
             if d.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {d} requested but CUDA is not available")
-        _check_uniform(devs)
+        check_uniform(devs)
         # every scalar option, validated in one place (shared with the strategy)
         self.options = EngineOptions(
             precision=precision,
@@ -440,7 +314,7 @@ class RoundPipeEngine:
         self.devices = devs
         self.num_microbatches = m
         self.microbatches_per_round = self.options.microbatches_per_round
-        available = _host_available()
+        available = host_available()
         self.activation_memory = (
             activation_memory
             if activation_memory is not None
@@ -655,7 +529,7 @@ class RoundPipeEngine:
         self._set_plan(decision.plan, costs)
         if self.devices[0].type == "cuda" and not self._user_plan:
             # for the report: whether a round's compute hides its weight uploads
-            self._bandwidth = _bandwidth(self.devices[0])
+            self._bandwidth = host_to_device_bandwidth(self.devices[0])
             log.info("RoundPipe: %.1f GB/s host to device", self._bandwidth / 1e9)
 
     @staticmethod

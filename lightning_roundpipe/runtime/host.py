@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["HostState", "LayerReplica", "pinned_bytes"]
+__all__ = ["HostState", "LayerReplica", "host_available", "pinned_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -453,3 +454,11 @@ class HostState:
                 p.grad = p.grad.new_empty(0)
         self.pool.free()
         self.grad_pool.free()
+
+
+def host_available() -> int | None:
+    """Host memory available now, in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -25,14 +25,17 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..plan import LayerCosts
+from ..plan.policy import RoundChoice
 
 __all__ = [
     "LayerTimer",
@@ -40,6 +43,8 @@ __all__ = [
     "Stopwatch",
     "TraceRecorder",
     "Traffic",
+    "TrafficReport",
+    "estimate_costs",
     "named",
     "saved_bytes",
     "write_trace",
@@ -437,3 +442,80 @@ def write_trace(
         path = out / f"timeline-{name}.png"
         written.append(plot_timeline(res, path, title=title, time_unit=axis))
     return written
+
+
+def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> LayerCosts:
+    """Size-based layer costs used until measurements exist.
+
+    Forward time is taken proportional to a layer's parameter count (matmul
+    FLOPs per token are ~2 x parameters) with a small floor so parameter-free
+    layers still cost something; backward is twice the forward for layers with
+    trainable weights (input and weight gradients) and equal to it otherwise.
+    Memory is the weights in the compute dtype plus, for trainable weights, the
+    fp32 gradient accumulator."""
+    size = torch.empty(0, dtype=compute_dtype).element_size()
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    floor = max(1.0, 1e-3 * max(counts, default=1))
+    fwd, bwd, mem = [], [], []
+    for layer, n in zip(layers, counts, strict=True):
+        f = n + floor
+        trainable = any(p.requires_grad for p in layer.parameters())
+        fwd.append(f)
+        bwd.append(2 * f if trainable else f)
+        grads = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        mem.append(n * size + grads * 4)
+    return LayerCosts(fwd, bwd, memory=mem, weight_bytes=[n * size for n in counts])
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """Bytes one training iteration moved between host and devices, against
+    the least its schedule could move.
+
+    Attributes:
+        iteration: the iteration measured.
+        moved: bytes by kind (``weights_up``, ``grads_down``, ``acts_up``,
+            ``acts_down``, ``buffers``); on CPU workers, the bytes a device
+            would have moved.
+        weights_minimum, grads_minimum: each stage's weights up once, its fp32
+            gradients down once: the least any round size moves per iteration.
+        rounds: rounds of the iteration (each moves every stage's weights
+            and gradients once).
+        round: the round choice in use, with its reason.
+        uploads_hidden: whether each round's compute hides its weight uploads
+            at the measured host-to-device bandwidth (None: not known, e.g. on
+            CPU workers or before per-layer times are measured).
+    """
+
+    iteration: int
+    moved: dict[str, int]
+    weights_minimum: int
+    grads_minimum: int
+    rounds: int
+    round: RoundChoice
+    uploads_hidden: bool | None
+
+    @property
+    def weights_ratio(self) -> float:
+        """Weight bytes moved over the least any round size moves (the rounds)."""
+        return self.moved["weights_up"] / self.weights_minimum if self.weights_minimum else 0.0
+
+    def __str__(self) -> str:
+        m = self.moved
+        g = m["grads_down"] / self.grads_minimum if self.grads_minimum else 0.0
+        hidden = {None: "not measured", True: "yes", False: "no"}[self.uploads_hidden]
+        return (
+            f"iteration {self.iteration}: weights up {_size(m['weights_up'])} "
+            f"({self.weights_ratio:.2f}x the minimum), gradients down "
+            f"{_size(m['grads_down'])} ({g:.2f}x), activations up {_size(m['acts_up'])}, "
+            f"down {_size(m['acts_down'])}, buffers {_size(m['buffers'])}; {self.rounds} "
+            f"round(s): {self.round.reason}; uploads hidden behind compute: {hidden}"
+        )
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError  # unreachable

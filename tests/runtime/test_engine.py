@@ -510,11 +510,11 @@ def test_memory_guard_names_the_layer_that_cannot_fit():
 
 
 def test_mixed_device_types_are_refused():
-    from lightning_roundpipe.runtime.engine import _check_uniform
+    from lightning_roundpipe.runtime.device import check_uniform
 
     with pytest.raises(ValueError, match="devices mix cpu and cuda; random numbers"):
-        _check_uniform([CPU, torch.device("cuda", 0)])
-    _check_uniform([CPU, CPU])
+        check_uniform([CPU, torch.device("cuda", 0)])
+    check_uniform([CPU, CPU])
 
 
 @pytest.mark.parametrize("n", [1, 3])
