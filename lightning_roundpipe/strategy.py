@@ -12,11 +12,8 @@ they run in order on the optimizer thread while devices compute.
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 import time
-import traceback
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -37,12 +34,11 @@ from typing_extensions import override
 
 from .models import find_adapter
 from .plan import PlanError, choose_microbatches, simulate
-from .plan.decide import after_out_of_memory, tightest
+from .plan.decide import tightest
 from .precision import RoundPipePrecision
+from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
-from .runtime.nested import batch_size_of
 from .runtime.options import PRECISIONS, EngineOptions, NonFinite
-from .runtime.worker import WorkerError
 
 __all__ = ["RoundPipeStrategy"]
 
@@ -205,12 +201,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
         # out-of-memory re-planning during the fit's first training batch
-        self._oom_open = False  # the first batch is running on a fresh engine
-        self._oom_left = 0
-        self._oom_limit: int | None = None  # tighter stage memory limit
-        self._oom_microbatches: int | None = None  # more micro-batches ("auto" only)
-        self._first_call: tuple[tuple, dict] | None = None
-        self._resumed: dict[str, Tensor] | None = None
+        self._retry = FirstBatchRetry(self, oom_replans)
 
     # ----------------------------------------------------------- registry
     @classmethod
@@ -330,7 +321,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
-        self._oom_left, self._oom_limit, self._oom_microbatches = self.oom_replans, None, None
+        self._retry.reset()
         self._build_engine(trainer)
 
     def _check_optimizers(self) -> None:
@@ -370,7 +361,7 @@ class RoundPipeStrategy(ParallelStrategy):
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         seed = self.seed if self.seed is not None else torch.initial_seed()
         try:
-            limit = tightest(self._oom_limit, self.options.device_memory_limit)
+            limit = tightest(self._retry.size_limit, self.options.device_memory_limit)
             m = self._microbatch_count(costs, n, limit)
             options = replace(
                 self.options,
@@ -378,7 +369,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 seed=seed,
                 trace=self.trace_dir is not None,
                 # learned from an out-of-memory error, in size-estimate units
-                size_limit=self._oom_limit,
+                size_limit=self._retry.size_limit,
             )
             self.engine = RoundPipeEngine.from_options(
                 adapter.layers(),
@@ -420,7 +411,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
             self._resume_stale()
-            self._oom_open = self.oom_replans > 0
+            self._retry.arm()
 
     def _check_outside_parameters(self, adapter: Any) -> None:
         """With the asynchronous optimizer the training loop must never read a
@@ -501,7 +492,7 @@ class RoundPipeStrategy(ParallelStrategy):
         model = model or self.lightning_module
         earlier = self.engine.has_pending_gradients  # from accumulated earlier batches
         result = closure()
-        self._end_first_batch()  # also when training_step returned None
+        self._retry.end()  # also when training_step returned None
         precision = self.precision_plugin
         if result is None and not earlier:
             # training_step returned None: Lightning runs the hooks and steps an
@@ -567,30 +558,15 @@ class RoundPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         precision = self.precision_plugin
         closure_loss = precision.pre_backward(closure_loss, module)
-        if not self._oom_open:
+        if not self._retry.open:
             precision.backward(closure_loss, module, optimizer, *args, **kwargs)
         else:
             # the fit's first batch: wait for every stage, so that running out
             # of memory surfaces here, where the batch can still be run again
-            loss = closure_loss
-            while True:
-                failure: WorkerError | None = None
-                try:
-                    precision.backward(loss, module, optimizer, *args, **kwargs)
-                    self.engine.wait_stages()
-                    break
-                except WorkerError as err:
-                    failure = err
-                # outside the except block: the failed attempt's frames and the
-                # old engine are not kept alive while the batch runs again
-                self._replan_after_oom(failure)
-                failure = None
-                # gradients autograd left in parameters outside the pipeline
-                # (sync mode) would otherwise be counted twice
-                for p in module.parameters():
-                    p.grad = None
-                loss = precision.pre_backward(self._rerun_training_step(), module)
-            self._end_first_batch()
+            self._retry.backward(
+                lambda loss: precision.backward(loss, module, optimizer, *args, **kwargs),
+                closure_loss,
+            )
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -598,118 +574,19 @@ class RoundPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------ out of memory
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._oom_open:
+        if not self._retry.open:
             return super().training_step(*args, **kwargs)
-        self._first_call = (args, kwargs)
-        while True:
-            failure: WorkerError | None = None
-            try:
-                out = super().training_step(*args, **kwargs)
-                # stages still running (the backward of a loss computed inside
-                # the model) fail here, where the batch can be run again, and
-                # not in the zero_grad Lightning calls next
-                self.engine.wait_stages()
-                if out is None or (isinstance(out, Mapping) and out.get("loss") is None):
-                    self._end_first_batch()  # nothing to run backward on: what it logged stays
-                return out
-            except WorkerError as err:
-                failure = err
-            self._replan_after_oom(failure)
-            failure = None
-            self._forget_logged()
-
-    def _forget_logged(self) -> None:
-        """What the failed attempt logged is logged again by the next one."""
-        results = getattr(self.lightning_module.trainer, "_results", None)
-        if results is not None:
-            results.reset(metrics=None, fx="training_step")
-
-    def _end_first_batch(self) -> None:
-        """Gradients are in the window (or a step is queued): no more re-runs."""
-        self._oom_open = False
-        self._first_call = None
-        self._resumed = None
-
-    def _rerun_training_step(self) -> Tensor:
-        """The first batch's training step again, on the re-planned engine; its
-        loss, normalized for accumulation as Lightning's closure does."""
-        from lightning.pytorch.loops.optimization.automatic import ClosureResult
-        from lightning.pytorch.trainer import call
-
-        assert self._first_call is not None
-        args, kwargs = self._first_call
-        trainer = self.lightning_module.trainer
-        self._forget_logged()
-        output = call._call_strategy_hook(trainer, "training_step", *args, **kwargs)
-        loss = ClosureResult.from_training_step_output(
-            output, trainer.accumulate_grad_batches
-        ).closure_loss
-        if loss is None:
-            raise RuntimeError("training_step returned no loss when run again after re-planning")
-        return loss
+        return self._retry.training_step(super().training_step, *args, **kwargs)
 
     def _microbatch_count(self, costs: Any, n: int, limit: int | None) -> int:
         if self.num_microbatches != "auto":
             return self.num_microbatches
-        return self._oom_microbatches or choose_microbatches(
+        return self._retry.microbatches or choose_microbatches(
             costs,
             n,
             async_optimizer=self.async_optimizer,
             plan=None if self.plan == "auto" else self.plan,
             memory_limit=limit,
-        )
-
-    def _replan_after_oom(self, err: WorkerError) -> None:
-        """Rebuild the engine with smaller stages or more micro-batches after a
-        device ran out of memory in the first batch, or re-raise ``err``."""
-        engine = self.engine
-        if (
-            not isinstance(err.__cause__, torch.OutOfMemoryError)
-            or engine is None
-            or self._oom_left <= 0
-        ):
-            raise err
-        start, stop = err.layers
-        plan, m, n = engine.plan, engine.num_microbatches, engine.num_devices
-        estimates = engine.estimates
-        batch = None if self._first_call is None else batch_size_of(self._first_call)
-        decision = after_out_of_memory(
-            estimates,
-            plan,
-            n,
-            (start, stop),
-            err.stage,
-            plan_given=self.plan != "auto",
-            # the count the new engine would use (limit < the old stage: the tighter one)
-            microbatches_for=lambda limit: self._microbatch_count(estimates, n, limit),
-            num_microbatches=m,
-            auto_microbatches=self.num_microbatches == "auto",
-            batch_size=batch,
-            batch_microbatches=None if batch is None else engine.microbatches_for(batch),
-        )
-        if decision is None:
-            raise err
-        if decision.size_limit is not None:
-            self._oom_limit = decision.size_limit
-        if decision.microbatches is not None:
-            self._oom_microbatches = decision.microbatches
-        change = decision.change
-        self._oom_left -= 1
-        trainer = self.lightning_module.trainer
-        cuda = any(d.type == "cuda" for d in engine.devices)
-        self._close()
-        del engine
-        _forget_frames(err)  # tensors of the failed attempt held by its traceback
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()  # the failed engine's blocks back to the driver
-        self._stale = self._resumed
-        self._build_engine(trainer)
-        rank_zero_warn(
-            f"RoundPipe: {err.device} ran out of memory in stage {err.stage} (layers "
-            f"{start}-{stop - 1}) during the first batch; re-planned with {change}: plan "
-            f"{plan} -> {self.engine.plan}, {m} -> {self.engine.num_microbatches} "
-            "micro-batches; running the batch again"
         )
 
     # --------------------------------------------------------- evaluation
@@ -781,18 +658,9 @@ class RoundPipeStrategy(ParallelStrategy):
         stale = self._stale_by_name() if self.engine is not None else self._final_stale
         if stale:
             checkpoint[self._STALE_KEY] = stale
-        path = str(filepath)
-        if "://" in path:  # remote filesystems: no rename; write directly
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        # atomic: a crash while writing leaves the previous file intact
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        # Lightning's checkpoint IO writes atomically (a crash leaves the
+        # previous file intact), locally and on remote filesystems
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _stale_by_name(self) -> dict[str, Tensor] | None:
         if self.engine is None or not self.async_optimizer:
@@ -815,7 +683,7 @@ class RoundPipeStrategy(ParallelStrategy):
 
     def _resume_stale(self) -> None:
         stale, self._stale = self._stale, None
-        self._resumed = stale  # a re-plan before the first step resumes again
+        self._retry.resumed = stale  # a re-plan before the first step resumes again
         if not stale or self.engine is None or not self.async_optimizer:
             return
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
@@ -870,16 +738,6 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._close()
         super().teardown()
-
-
-def _forget_frames(exc: BaseException | None) -> None:
-    """Clear the local variables of the finished frames in ``exc``'s traceback
-    and in those of its causes (frames still running are left alone)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
 
 
 def _warn_gradient_hooks(trainer: Any, module: Any) -> None:

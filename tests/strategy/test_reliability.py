@@ -34,20 +34,23 @@ def test_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
     trainer.save_checkpoint(path)
     good = path.read_bytes()
 
-    io = trainer.strategy.checkpoint_io
-    original = io.save_checkpoint
+    from fsspec.implementations.local import LocalFileOpener
 
-    def crash(checkpoint, filepath, storage_options=None):
-        with open(filepath, "wb") as fh:
-            fh.write(b"half a checkpoint")
+    original = LocalFileOpener.write
+    hits = []
+
+    def crash(self, data):  # half the checkpoint reaches the disk, then it is full
+        hits.append(len(data))
+        original(self, data[: len(data) // 2])
         raise OSError("disk full")
 
-    io.save_checkpoint = crash
+    LocalFileOpener.write = crash
     try:
         with pytest.raises(OSError, match="disk full"):
             trainer.save_checkpoint(path)
     finally:
-        io.save_checkpoint = original
+        LocalFileOpener.write = original
+    assert hits  # the write itself failed, half-way
     assert path.read_bytes() == good
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary left
     assert SeqModule.load_from_checkpoint(path) is not None
