@@ -2,23 +2,31 @@
 
 The engine does the precision work itself (a low-precision master copy that
 devices compute in, fp32 gradient buffers, fp16 loss scaling on the host), so
-this plugin adds no autocast and no loss scaling of its own. It remembers the
-gradient clipping Lightning asks for, which the engine applies to the fp32
-gradients inside the (possibly asynchronous) optimizer step.
+this plugin adds no autocast and no loss scaling of its own. Its
+``optimizer_step`` runs the closure, Lightning's pre-step hooks and the
+engine's step; the gradient clipping Lightning asks for is recorded and
+applied by the engine to the fp32 gradients inside the (possibly
+asynchronous) step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+from typing_extensions import override
 
 from .runtime.options import PRECISIONS
+
+if TYPE_CHECKING:
+    from .runtime import RoundPipeEngine
 
 __all__ = ["SUPPORTED", "RoundPipePrecision"]
 
@@ -44,6 +52,8 @@ class RoundPipePrecision(Precision):
             )
         self.precision = precision
         self.clip: tuple[float, str] | None = None
+        # the engine of the strategy using this plugin (set while it has one)
+        self.engine: RoundPipeEngine | None = None
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:
@@ -84,10 +94,58 @@ class RoundPipePrecision(Precision):
         if clip_val and clip_val > 0:
             self.clip = (float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
 
-    def take_clip(self) -> dict[str, float]:
+    def _take_clip(self) -> dict[str, float]:
         """Keyword arguments for ``engine.step`` (and forget the request)."""
         clip, self.clip = self.clip, None
         if clip is None:
             return {}
         value, algorithm = clip
         return {"clip_grad_norm": value} if algorithm == "norm" else {"clip_grad_value": value}
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizable,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (``training_step`` and the pipelined backward), the
+        hooks Lightning runs before a step (``on_before_optimizer_step``, gradient
+        clipping, which :meth:`clip_gradients` records), then the step, through
+        the engine, as Lightning's DeepSpeed and FSDP precision plugins do with
+        theirs. With the asynchronous optimizer the step is queued (the window's
+        gradients do not exist yet on this thread); synchronous: the hooks run
+        inside the step with this step's gradients in ``.grad``."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("RoundPipePrecision steps only inside the RoundPipe strategy")
+        earlier = engine.has_pending_gradients  # from accumulated earlier batches
+        result = closure()
+        # the closure may have rebuilt the engine (out-of-memory re-plan)
+        engine = self.engine
+        assert engine is not None
+        if result is None and not earlier:
+            # training_step returned None: Lightning runs the hooks and steps an
+            # optimizer that has no gradients, i.e. nothing changes. Drop what a
+            # model call with labels= already put into the window.
+            self._after_closure(model, optimizer)
+            self.clip = None
+            if engine.has_pending_gradients:
+                engine.zero_grad()
+            return None
+
+        def step() -> Any:
+            return optimizer.step(**kwargs)
+
+        if engine.async_optimizer:
+            self._after_closure(model, optimizer)
+            engine.step(step, **self._take_clip())
+        else:
+
+            def prepare() -> dict[str, float]:
+                self._after_closure(model, optimizer)
+                return self._take_clip()
+
+            engine.step(step, prepare=prepare).wait()
+        return result

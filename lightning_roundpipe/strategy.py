@@ -385,6 +385,7 @@ class RoundPipeStrategy(ParallelStrategy):
             # plans count the embedding and the head as layers: say which is which
             raise PlanError(f"{exc}. Pipeline layers: {adapter.describe_layers()}") from exc
         self._adapter = adapter
+        self.precision_plugin.engine = self.engine
         # kept after the engine closes, for reports
         self.stage_plan = self.engine.plan
         self.pipeline_layers = adapter.layers()
@@ -487,40 +488,21 @@ class RoundPipeStrategy(ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        """Run the closure (``training_step`` and the pipelined backward), the
-        hooks Lightning runs before a step, then queue the step on the engine."""
+        """Through the precision plugin's ``optimizer_step`` (the closure,
+        Lightning's pre-step hooks, the engine's step)."""
         model = model or self.lightning_module
-        earlier = self.engine.has_pending_gradients  # from accumulated earlier batches
-        result = closure()
-        self._retry.end()  # also when training_step returned None
-        precision = self.precision_plugin
-        if result is None and not earlier:
-            # training_step returned None: Lightning runs the hooks and steps an
-            # optimizer that has no gradients, i.e. nothing changes. Drop what a
-            # model call with labels= already put into the window.
-            precision._after_closure(model, optimizer)
-            precision.take_clip()
-            if self.engine.has_pending_gradients:
-                self.engine.zero_grad()
-            return None
+        earlier = self.engine.has_pending_gradients
 
-        def step() -> Any:
-            return optimizer.step(**kwargs)
+        def run_closure() -> Any:
+            out = closure()
+            self._retry.end()  # also when training_step returned None
+            return out
 
-        if self.async_optimizer:
-            # the window's gradients do not exist yet: they are collected on the
-            # optimizer thread while the next window computes
-            precision._after_closure(model, optimizer)
-            self.engine.step(step, **precision.take_clip())
-        else:
-            # the hooks see this step's gradients in .grad, as with any strategy
-
-            def prepare() -> dict[str, float]:
-                precision._after_closure(model, optimizer)
-                return precision.take_clip()
-
-            self.engine.step(step, prepare=prepare).wait()
-        self._log_metrics(model.trainer)
+        result = self.precision_plugin.optimizer_step(
+            optimizer, model=model, closure=run_closure, **kwargs
+        )
+        if result is not None or earlier:  # a step was taken
+            self._log_metrics(model.trainer)
         return result
 
     def _log_metrics(self, trainer: Any) -> None:
@@ -723,6 +705,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._restore.clear()
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            self.precision_plugin.engine = None
             engine.close()
 
     @override
