@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .runtime.engine import EngineClosedError
-from .runtime.nested import batch_size_of, flatten_tensors, split_microbatches
+from .runtime.nested import flatten_tensors
 from .runtime.optimizer import NonFiniteError
 from .runtime.scope import stage_cached
 
@@ -137,7 +137,6 @@ class _Adapter(ABC):
         """Forward now; when autograd reaches the outputs, run the pipelined
         backward with their gradient (same iteration: same dropout masks)."""
         engine = self.engine
-        m = engine.microbatches_for(batch_size_of(inputs) or 0)
         it = engine.reserve_iteration()
         out = engine.forward(inputs, iteration=it)
         if not isinstance(out, torch.Tensor):
@@ -162,7 +161,7 @@ class _Adapter(ABC):
                 labels=grad,
                 loss_fn=_dot,
                 iteration=it,
-                loss_weights=[1.0] * m,
+                loss_weights=_unit_weights,
                 input_grads=bool(needs),
             )
             if not needs:
@@ -173,6 +172,11 @@ class _Adapter(ABC):
         flat = flatten_tensors(inputs)
         value = out.float() if out.is_floating_point() else out
         return _Deferred.apply(_anchor(), value, run, *(flat[i] for i in needs))
+
+
+def _unit_weights(labels: list[Any]) -> list[float]:
+    """Every micro-batch's output gradient counts once."""
+    return [1.0] * len(labels)
 
 
 def _dot(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -434,6 +438,23 @@ class CausalLMAdapter(_Adapter):
             return False
         return bool(use_cache)
 
+    def _token_weights(self, labels: list[torch.Tensor]) -> list[float]:
+        """Each micro-batch's share of the batch's labelled tokens, so the sum
+        of the weighted micro-batch losses is the model's loss (the one place
+        the loss weighting is decided). No labelled token: NaN, as the model's
+        own loss is (0 / 0); refused first with ``nonfinite="raise"``."""
+        counts = [int((_shifted(y) != -100).sum()) for y in labels]
+        total = sum(counts)
+        if total:
+            return [c / total for c in counts]
+        if self.engine is not None and self.engine.nonfinite == "raise":
+            raise NonFiniteError(
+                f"{self.name}: the batch has no labelled token (every label is -100), so its "
+                "loss is NaN, as the model itself returns it; the weights were not updated. "
+                "Filter such batches out, or set nonfinite='skip' to skip their steps"
+            )
+        return [math.nan] * len(counts)
+
     def _check_call(
         self,
         inputs_embeds: torch.Tensor | None,
@@ -530,21 +551,6 @@ class CausalLMAdapter(_Adapter):
         engine = self.engine
         training = torch.is_grad_enabled() and self.target.training
         if training and labels is not None:
-            bsz = batch_size_of(batch)
-            m = engine.microbatches_for(bsz)
-            counts = [int((_shifted(y) != -100).sum()) for y in split_microbatches(labels, m, bsz)]
-            total = sum(counts)
-            if total == 0:  # the model's loss is NaN (0 / 0): so is this one
-                if engine.nonfinite == "raise":
-                    raise NonFiniteError(
-                        f"{self.name}: the batch has no labelled token (every label is -100), so "
-                        "its loss is NaN, as the model itself returns it; the weights were not "
-                        "updated. Filter such batches out, or set nonfinite='skip' to skip "
-                        "their steps"
-                    )
-                weights = [math.nan] * m
-            else:
-                weights = [c / total for c in counts]
             # the gradient factor (Lightning's accumulation division, a scaled or
             # combined loss) is whatever autograd brings to the returned loss
             needs = _needing_grad(inputs)
@@ -552,7 +558,7 @@ class CausalLMAdapter(_Adapter):
                 inputs,
                 labels=labels,
                 loss_fn=causal_lm_loss,
-                loss_weights=weights,
+                loss_weights=self._token_weights,
                 scale="later",
                 input_grads=bool(needs),
             )

@@ -887,7 +887,7 @@ class RoundPipeEngine:
         labels: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         scale: float | Literal["later"] = 1.0,
-        loss_weights: Sequence[float] | None = None,
+        loss_weights: Sequence[float] | Callable[[list[Any]], Sequence[float]] | None = None,
         iteration: int | None = None,
         input_grads: bool = False,
     ) -> torch.Tensor:
@@ -907,8 +907,10 @@ class RoundPipeEngine:
                 wait on the host until then; a window's :meth:`step` (or
                 :meth:`zero_grad`) takes a factor never given as 0, as autograd
                 would for a loss nothing was backpropagated through.
-            loss_weights: weight of each micro-batch's loss; default its share
-                of the batch (``mb_size / batch_size``).
+            loss_weights: weight of each micro-batch's loss, or a function of
+                the micro-batches' labels (as the batch is split) that returns
+                them (e.g. each micro-batch's share of the batch's real
+                tokens); default its share of the batch (``mb_size / batch_size``).
             iteration: a number from :meth:`reserve_iteration` (dropout masks of
                 an earlier :meth:`forward`); default the next one.
             input_grads: also compute the gradient with respect to the
@@ -933,7 +935,8 @@ class RoundPipeEngine:
         if loss_weights is None:
             weights = [batch_size_of(x) / bsz for x in mbs]
         else:
-            weights = [float(w) for w in loss_weights]
+            given = loss_weights(labs) if callable(loss_weights) else loss_weights
+            weights = [float(w) for w in given]
             if len(weights) != m:
                 raise ValueError(
                     f"loss_weights has {len(weights)} entries; give one per micro-batch ({m})"
