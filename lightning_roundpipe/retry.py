@@ -37,6 +37,11 @@ class FirstBatchRetry:
     Args:
         strategy: the strategy whose engine is rebuilt.
         replans: how many times (``oom_replans``).
+        close: closes the strategy's engine.
+        build: builds a new one (with what this object learned), resuming an
+            asynchronous run from the given one-behind weights.
+        microbatches: the micro-batch count the strategy would use with a
+            given stage size limit (for the plan a re-plan would get).
 
     Attributes:
         size_limit: a cap on each stage's weights and gradients learned from a
@@ -46,8 +51,19 @@ class FirstBatchRetry:
             before the first step resumes from them again).
     """
 
-    def __init__(self, strategy: RoundPipeStrategy, replans: int) -> None:
+    def __init__(
+        self,
+        strategy: RoundPipeStrategy,
+        replans: int,
+        *,
+        close: Callable[[], None],
+        build: Callable[[dict[str, Tensor] | None], None],
+        microbatches: Callable[[Any, int, int | None], int],
+    ) -> None:
         self.strategy = strategy
+        self._close = close
+        self._build = build
+        self._microbatches = microbatches
         self.replans = replans
         self.left = replans
         self.size_limit: int | None = None
@@ -164,7 +180,7 @@ class FirstBatchRetry:
             err.stage,
             plan_given=strategy.plan != "auto",
             # the count the new engine would use (limit < the old stage: the tighter one)
-            microbatches_for=lambda limit: strategy._microbatch_count(estimates, n, limit),
+            microbatches_for=lambda limit: self._microbatches(estimates, n, limit),
             num_microbatches=m,
             auto_microbatches=strategy.num_microbatches == "auto",
             batch_size=batch,
@@ -177,16 +193,14 @@ class FirstBatchRetry:
         if decision.microbatches is not None:
             self.microbatches = decision.microbatches
         self.left -= 1
-        trainer = strategy.lightning_module.trainer
         cuda = any(d.type == "cuda" for d in engine.devices)
-        strategy._close()
+        self._close()
         del engine
         _forget_frames(err)  # tensors of the failed attempt held by its traceback
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()  # the failed engine's blocks back to the driver
-        strategy._stale = self.resumed
-        strategy._build_engine(trainer)
+        self._build(self.resumed)
         rank_zero_warn(
             f"RoundPipe: {err.device} ran out of memory in stage {err.stage} (layers "
             f"{start}-{stop - 1}) during the first batch; re-planned with {decision.change}: "

@@ -201,7 +201,13 @@ class RoundPipeStrategy(ParallelStrategy):
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
         # out-of-memory re-planning during the fit's first training batch
-        self._retry = FirstBatchRetry(self, oom_replans)
+        self._retry = FirstBatchRetry(
+            self,
+            oom_replans,
+            close=self._close,
+            build=self._rebuild,
+            microbatches=self._microbatch_count,
+        )
 
     # ----------------------------------------------------------- registry
     @classmethod
@@ -559,6 +565,12 @@ class RoundPipeStrategy(ParallelStrategy):
         if not self._retry.open:
             return super().training_step(*args, **kwargs)
         return self._retry.training_step(super().training_step, *args, **kwargs)
+
+    def _rebuild(self, resumed: dict[str, Tensor] | None) -> None:
+        """A new engine after a re-plan (the old one is closed), resuming an
+        asynchronous run from ``resumed`` again."""
+        self._stale = resumed
+        self._build_engine(self.lightning_module.trainer)
 
     def _microbatch_count(self, costs: Any, n: int, limit: int | None) -> int:
         if self.num_microbatches != "auto":

@@ -107,7 +107,7 @@ def _shutdown(rt: Runtime, join_timeout: float = 30.0) -> list[str]:
     if not stuck:  # a stuck worker may still be copying from page-locked memory
         rt.host.free()
         if rt.optimizer is not None:
-            rt.optimizer._grads.clear()
+            rt.optimizer.forget()
     return stuck
 
 
@@ -1112,7 +1112,7 @@ class RoundPipeEngine:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             finally:
-                handle._event.set()
+                handle.finish()
             return handle
         with self._lock:
             self._calls += 1
@@ -1266,11 +1266,9 @@ class RoundPipeEngine:
         evaluated. Synchronous mode: nothing to do after
         :meth:`synchronize`, the master copies are the parameters."""
         self.synchronize()
-        with self._rt.store.lock:  # the optimizer thread sets it under this lock
-            pending = self._optimizer._pending
-        if not self.async_optimizer or pending is None or self._training_masters is not None:
+        behind = self._optimizer.pending_copies()  # their masters are one update behind
+        if not self.async_optimizer or not behind or self._training_masters is not None:
             return
-        _, behind = pending  # parameters whose copy into the masters is still due
         kept = {}
         with torch.no_grad():
             for p in behind:
@@ -1332,13 +1330,9 @@ class RoundPipeEngine:
                 p.master.copy_(t)
         # numbering as if a window 0 had run: window 1 is next, the G copy of
         # window 0 is done, and update 0's P copy (parameters -> masters) is pending
-        proto = self._protocol
-        with proto.cond:
-            self._window = 1
-            proto.closed = 0
-            proto.g_done = [1] * len(params)
-            proto.p_done = [0] * len(params)
-        self._optimizer._pending = (0, list(params))
+        self._window = 1
+        self._protocol.resume_after_window_zero()
+        self._optimizer.resume_pending(0)
 
     def reload_weights(self) -> None:
         """Copy the parameters into the master copy again; call after changing

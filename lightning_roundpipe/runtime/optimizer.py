@@ -123,6 +123,16 @@ class Protocol:
                 if grads and p.trainable:
                     self.grads[(p.index, window)] += 1
 
+    def resume_after_window_zero(self) -> None:
+        """Numbering as if a window 0 had run (an asynchronous run resumed from
+        a checkpoint): its G copies are done, update 0's P copies are not."""
+        with self.cond:
+            n = len(self.host.params)
+            self.closed = 0
+            self.g_done = [1] * n
+            self.p_done = [0] * n
+            self._notify()
+
     def close_window(self, window: int) -> None:
         with self.cond:
             self.closed = max(self.closed, window)
@@ -273,6 +283,10 @@ class StepHandle:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def finish(self) -> None:
+        """Mark the step (or call) as over: :meth:`wait` returns."""
+        self._event.set()
+
     def wait(self, timeout: float | None = None) -> StepHandle:
         """Wait for the step (raises the step's error, if any)."""
         limit = timeout if timeout is not None else (self._store.timeout if self._store else 600.0)
@@ -352,6 +366,21 @@ class OptimizerWorker:
         self.thread: threading.Thread | None = None
         self._grads: dict[int, torch.Tensor] = {}
 
+    def pending_copies(self) -> list[_Param]:
+        """Parameters whose copy into the master copy (P copy) is still due."""
+        with self.protocol.cond:
+            return [] if self._pending is None else list(self._pending[1])
+
+    def resume_pending(self, window: int) -> None:
+        """Update ``window``'s P copies are due (an asynchronous run resumed
+        from a checkpoint, whose masters hold the weights one update behind)."""
+        with self.protocol.cond:
+            self._pending = (window, list(self.host.params))
+
+    def forget(self) -> None:
+        """Drop the gradients lent to a step (the engine is closed)."""
+        self._grads.clear()
+
     # --------------------------------------------------------------- thread
     def start(self) -> None:
         self.thread = threading.Thread(target=self._main, name="roundpipe-optimizer", daemon=True)
@@ -391,14 +420,14 @@ class OptimizerWorker:
                     with self.protocol.cond:
                         self.calls_done += 1
                         self.protocol.cond.notify_all()
-                    job.handle._event.set()
+                    job.handle.finish()
                     continue
                 self._copy_ready(block=True)  # rule 5: copies before the next step
                 self.run(job)
         except EngineFailure:
             if job is not None:  # the step never ran: its handle says why
                 job.handle.error = self.store.failure
-                job.handle._event.set()
+                job.handle.finish()
         except BaseException as exc:  # every failure must reach the caller
             if isinstance(exc, HookError):
                 exc = exc.original
@@ -411,7 +440,7 @@ class OptimizerWorker:
             err.__cause__ = exc
             if job is not None:
                 job.handle.error = err
-                job.handle._event.set()
+                job.handle.finish()
             self.store.fail(err)
 
     # ----------------------------------------------------------------- work
@@ -505,7 +534,7 @@ class OptimizerWorker:
                 self._pending = (w, list(self.host.params))
             self.applied += 1
             proto.cond.notify_all()
-        job.handle._event.set()
+        job.handle.finish()
         if 5 not in proto.disabled and not proto.async_mode:
             self._copy_ready(block=True)
 
