@@ -58,9 +58,10 @@ class LayerStackNotFound(ValueError):
     """No pipeline layer stack could be found in the module."""
 
 
-class _Deferred(torch.autograd.Function):
-    """Outputs computed by the pipeline; their backward runs the pipeline's and
-    returns the gradients of the pipeline's inputs that require one."""
+class _FromPipeline(torch.autograd.Function):
+    """A value the pipeline computed (outputs, or a loss whose backward already
+    ran inside it); its backward runs ``run(grad)``, which returns the
+    gradients of the pipeline's inputs that require one (``needs``)."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run, *needs) -> torch.Tensor:
@@ -70,6 +71,37 @@ class _Deferred(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return None, None, None, *ctx.run(grad)
+
+
+def _from_pipeline(
+    value: torch.Tensor,
+    engine: RoundPipeEngine,
+    iteration: int,
+    inputs: Any,
+    backward: Callable[[RoundPipeEngine, int, torch.Tensor], float],
+) -> torch.Tensor:
+    """``value`` in the caller's graph: when autograd reaches it,
+    ``backward(engine, iteration, grad)`` runs or completes the pipeline's backward and
+    returns the factor the inputs' gradients are then taken with. The graph
+    refers to the engine weakly: a graph that outlives it (a failed batch run
+    again on a re-planned engine) does not keep it alive."""
+    engine_ref = weakref.ref(engine)
+    needs = _needing_grad(inputs)
+
+    def run(grad: torch.Tensor) -> list[torch.Tensor | None]:
+        eng = engine_ref()
+        if eng is None:
+            raise EngineClosedError(
+                "backward reached a value of a RoundPipe engine that no longer exists"
+            )
+        factor = backward(eng, iteration, grad)
+        if not needs:
+            return []
+        grads = eng.input_grads(iteration)
+        return [None if grads[i] is None else grads[i] * factor for i in needs]
+
+    flat = flatten_tensors(inputs)
+    return _FromPipeline.apply(_anchor(), value, run, *(flat[i] for i in needs))
 
 
 def _needing_grad(inputs: Any) -> list[int]:
@@ -145,33 +177,30 @@ class _Adapter(ABC):
                 f"is computed outside the model; it returned {type(out).__name__}"
             )
 
-        # the graph refers to the engine weakly: a graph that outlives it (a
-        # failed batch run again on a re-planned engine) does not keep it alive
-        engine_ref = weakref.ref(engine)
-        needs = _needing_grad(inputs)
+        wants_input_grads = bool(_needing_grad(inputs))
 
-        def run(grad: torch.Tensor) -> list[torch.Tensor | None]:
-            eng = engine_ref()
-            if eng is None:
-                raise EngineClosedError(
-                    "backward reached outputs of a RoundPipe engine that no longer exists"
-                )
+        def backward(eng: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:
             eng.forward_backward(
                 inputs,
                 labels=grad,
                 loss_fn=_dot,
-                iteration=it,
+                iteration=iteration,
                 loss_weights=_unit_weights,
-                input_grads=bool(needs),
+                input_grads=wants_input_grads,
             )
-            if not needs:
-                return []
-            grads = eng.input_grads(it)
-            return [grads[i] for i in needs]
+            return 1.0
 
-        flat = flatten_tensors(inputs)
         value = out.float() if out.is_floating_point() else out
-        return _Deferred.apply(_anchor(), value, run, *(flat[i] for i in needs))
+        return _from_pipeline(value, engine, it, inputs, backward)
+
+
+def _give_factor(engine: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:
+    """The backward of a loss computed inside the pipeline already ran: the
+    gradient autograd brings is the factor its weight gradients (and input
+    gradients) join with."""
+    factor = float(grad)
+    engine.scale_gradients(iteration, factor)
+    return factor
 
 
 def _unit_weights(labels: list[Any]) -> list[float]:
@@ -553,16 +582,15 @@ class CausalLMAdapter(_Adapter):
         if training and labels is not None:
             # the gradient factor (Lightning's accumulation division, a scaled or
             # combined loss) is whatever autograd brings to the returned loss
-            needs = _needing_grad(inputs)
             loss = engine.forward_backward(
                 inputs,
                 labels=labels,
                 loss_fn=causal_lm_loss,
                 loss_weights=self._token_weights,
                 scale="later",
-                input_grads=bool(needs),
+                input_grads=bool(_needing_grad(inputs)),
             )
-            loss = _pipeline_loss(loss, engine, engine.iteration - 1, inputs, needs)
+            loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
             return CausalLMOutputWithPast(loss=loss, logits=None)
         if training:
             logits = self._outputs_with_backward(inputs)
@@ -669,44 +697,6 @@ def _check_config(target: nn.Module, name: str) -> None:
             "would not run (it calls the embedding, decoder layers and head itself); register "
             "them on those submodules instead, or remove them"
         )
-
-
-class _PipelineLoss(torch.autograd.Function):
-    """A loss whose backward ran inside the pipeline; the gradient autograd
-    brings to it (Lightning's accumulation factor, a scaled or combined loss)
-    is the factor its weight gradients join the window with, and its input
-    gradients (``inputs_embeds`` that require one) are returned with it."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, give, *needs):
-        ctx.give = give
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, None, None, *ctx.give(float(grad))
-
-
-def _pipeline_loss(
-    loss: torch.Tensor, engine: RoundPipeEngine, iteration: int, inputs: Any, needs: list[int]
-) -> torch.Tensor:
-    # the graph refers to the engine weakly (a graph may outlive a re-planned engine)
-    engine_ref = weakref.ref(engine)
-
-    def give(factor: float) -> list[torch.Tensor | None]:
-        eng = engine_ref()
-        if eng is None:
-            raise EngineClosedError(
-                "backward reached a loss of a RoundPipe engine that no longer exists"
-            )
-        eng.scale_gradients(iteration, factor)
-        if not needs:
-            return []
-        grads = eng.input_grads(iteration)
-        return [None if grads[i] is None else grads[i] * factor for i in needs]
-
-    flat = flatten_tensors(inputs)
-    return _PipelineLoss.apply(_anchor(), loss, give, *(flat[i] for i in needs))
 
 
 # ------------------------------------------------------------------ finding

@@ -119,16 +119,21 @@ WINDOWED = {
 }
 
 
-@pytest.mark.parametrize("kind", list(WINDOWED))
-def test_sliding_window_layers_train_like_the_model(kind):
-    ref = LM(causal_lm(kind, **WINDOWED[kind]))
-    mod = LM(copy.deepcopy(ref.model))
+def trains_like_the_default_strategy(ref, **lm_kwargs):
+    """``ref`` under "auto" and a copy under roundpipe_sync on 2 CPU workers:
+    the same loss and weights."""
+    mod = LM(copy.deepcopy(ref.model), **lm_kwargs)
     t_ref = fit(ref, "auto")
     t = fit(mod, sync(), devices=2)
     torch.testing.assert_close(
         t.callback_metrics["train_loss"], t_ref.callback_metrics["train_loss"]
     )
     assert_same_weights(mod, ref)
+
+
+@pytest.mark.parametrize("kind", list(WINDOWED))
+def test_sliding_window_layers_train_like_the_model(kind):
+    trains_like_the_default_strategy(LM(causal_lm(kind, **WINDOWED[kind])))
 
 
 def test_each_decoder_gets_the_models_mask_type():
@@ -301,14 +306,7 @@ def test_inputs_embeds_evaluate_like_the_model_and_misuse_is_refused_as_by_the_m
 
 
 def test_inputs_embeds_under_the_strategy_train_like_the_default_strategy():
-    ref = LM(causal_lm("llama", layers=2), embeds=True)
-    mod = LM(copy.deepcopy(ref.model), embeds=True)
-    t_ref = fit(ref, "auto")
-    t = fit(mod, sync(), devices=2)
-    torch.testing.assert_close(
-        t.callback_metrics["train_loss"], t_ref.callback_metrics["train_loss"]
-    )
-    assert_same_weights(mod, ref)
+    trains_like_the_default_strategy(LM(causal_lm("llama", layers=2), embeds=True), embeds=True)
 
 
 def test_boundary_estimate_reads_inputs_embeds():

@@ -345,10 +345,9 @@ class RoundPipeEngine:
         # loss scale, window), by iteration
         self._wanted: dict[int, tuple[Any, list[Any], int, float, int]] = {}
         self._skip_windows: set[int] = set()  # a non-finite input gradient: skip the step
-        # factors of forward_backward(scale="later") calls not given yet
-        self._gains: dict[int, Gain] = {}  # by iteration
-        # (window, gain) of every such call whose gradients may still be held
-        self._held_gains: list[tuple[int, Gain]] = []
+        # forward_backward(scale="later") calls whose factor is not given yet or
+        # whose gradients the couriers may still hold, by iteration
+        self._gains: dict[int, Gain] = {}
         # while evaluating with the newest weights: the master copies the next
         # training window computes with (asynchronous mode), by parameter index
         self._training_masters: dict[int, torch.Tensor] | None = None
@@ -955,18 +954,15 @@ class RoundPipeEngine:
             call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
             call.input_grad = input_grads
             if later:
-                call.gain = Gain(iteration)
+                call.gain = Gain(iteration, window)
             self._submit(call, self.plan, mbs, train=True)
             # registered once submitted: nothing waits for a call that never ran
             if input_grads:
                 self._wanted[iteration] = (inputs, mbs, bsz, loss_scale, window)
             if later:
                 with self._rt.store.lock:
+                    self._forget_settled_gains()
                     self._gains[iteration] = call.gain
-                    self._held_gains = [
-                        (w, g) for w, g in self._held_gains if g.value is None or g.parked
-                    ]
-                    self._held_gains.append((window, call.gain))
         store = self._rt.store
         with named(f"RP wait losses of iteration {iteration}"):
             losses = [
@@ -1059,8 +1055,8 @@ class RoundPipeEngine:
         the window's as ``factor`` times those of its loss. Once per iteration."""
         store = self._rt.store
         with store.lock:
-            gain = self._gains.pop(iteration, None)
-            if gain is None:
+            gain = self._gains.get(iteration)
+            if gain is None or gain.value is not None:
                 raise RuntimeError(
                     f"the gradients of iteration {iteration} were already scaled, or it was not "
                     "run with scale='later': backward through a RoundPipe loss runs once (use "
@@ -1075,10 +1071,9 @@ class RoundPipeEngine:
         never reached their loss (it was not part of what was backpropagated)."""
         store = self._rt.store
         with store.lock:
-            open_ = [g for w, g in self._held_gains if w == window and g.value is None]
+            open_ = [g for g in self._gains.values() if g.window == window and g.value is None]
             for g in open_:
                 g.value, g.dropped = 0.0, True
-                self._gains.pop(g.iteration, None)
             store.lock.notify_all()
         for g in open_:  # input gradients nobody will take: out of the store
             if g.iteration in self._wanted:
@@ -1123,15 +1118,20 @@ class RoundPipeEngine:
         """Gradients whose factor is known are in the buffers (those still
         waiting for theirs are not part of the window yet)."""
         rt = self._rt
-        gains = [g for _, g in self._held_gains]
+        gains = list(self._gains.values())
         self._wait(
             lambda: rt.store.wait_until(
                 lambda: all(g.value is None or g.parked == 0 for g in gains),
                 "gradients to be added with their factor",
             )
         )
-        with rt.store.lock:  # those added are done with
-            self._held_gains = [(w, g) for w, g in self._held_gains if g.value is None]
+        with rt.store.lock:
+            self._forget_settled_gains()
+
+    def _forget_settled_gains(self) -> None:
+        """Drop calls whose factor is known and whose gradients are all added
+        (caller holds the store's lock)."""
+        self._gains = {it: g for it, g in self._gains.items() if g.value is None or g.parked}
 
     @property
     def has_pending_gradients(self) -> bool:

@@ -209,6 +209,7 @@ class _LayerInfo:
     def __init__(self, index: int, module: nn.Module, params: dict[int, int]) -> None:
         self.index = index
         self.module = module
+        self._modules = list(module.modules())  # read per call (modes): listed once
         self.param_slots = [
             _Slot(*_split_name(n), params[id(p)])
             for n, p in module.named_parameters(remove_duplicate=False)
@@ -234,7 +235,7 @@ class _LayerInfo:
         them when it is submitted, so its tasks run in the mode the caller was
         in, however late they start (the training loop may switch to ``eval()``
         for validation while backward stages are still queued)."""
-        return tuple(m.training for m in self.module.modules())
+        return tuple(m.training for m in self._modules)
 
     @property
     def has_state(self) -> bool:

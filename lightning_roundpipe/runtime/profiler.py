@@ -57,13 +57,35 @@ except ImportError:  # pragma: no cover - older torch
     _Range = torch.profiler.record_function
 
 
+class _Named:
+    """torch's fast range, tolerating a profiler that starts inside it: the
+    fast path then refuses to close a range it never opened (an internal
+    assert), which must not fail the task that happened to be running."""
+
+    __slots__ = ("_range",)
+
+    def __init__(self, name: str) -> None:
+        self._range = _Range(name)
+
+    def __enter__(self) -> _Named:
+        self._range.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._range.__exit__(*exc)
+        except RuntimeError as err:
+            if "no guard is set" not in str(err):
+                raise
+
+
 def named(name: str) -> Any:
     """A profiler range called ``name`` (what ``torch.profiler.record_function``
     records). Workers' ranges are recorded by a profiler started with
     ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``;
     there is no cheap way to ask from a worker whether one runs, so the ranges
     are always opened, with torch's C++ fast path where there is one."""
-    return _Range(name)
+    return _Named(name)
 
 
 class LayerTimer:

@@ -101,10 +101,11 @@ class Gain:
     then the call's gradients wait on the host, held by the couriers. Guarded by
     the store's lock."""
 
-    __slots__ = ("dropped", "iteration", "parked", "value")
+    __slots__ = ("dropped", "iteration", "parked", "value", "window")
 
-    def __init__(self, iteration: int) -> None:
+    def __init__(self, iteration: int, window: int) -> None:
         self.iteration = iteration
+        self.window = window
         self.value: float | None = None  # None: not known yet
         self.dropped = False  # never backpropagated: its gradients are not added at all
         self.parked = 0  # gradients held for it by the couriers

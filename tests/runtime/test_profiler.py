@@ -242,3 +242,14 @@ def test_measured_and_simulated_timelines_and_a_chrome_trace(tmp_path):
         pytest.raises(RuntimeError, match="trace=True"),
     ):
         eng.trace_operations()
+
+
+def test_a_profiler_started_inside_a_named_range_does_not_fail_the_task():
+    """A worker's range opened before a profiler starts is closed without
+    torch's fast path asserting (it failed whatever task was running)."""
+    from lightning_roundpipe.runtime.profiler import named
+
+    r = named("RP task")
+    r.__enter__()
+    with torch.profiler.profile():
+        r.__exit__(None, None, None)
