@@ -51,6 +51,7 @@ from .optimizer import (
     OptimizerStepError,
     OptimizerWorker,
     Protocol,
+    Rules,
     StepHandle,
     _Job,
 )
@@ -64,7 +65,7 @@ from .profiler import (
     named,
     write_trace,
 )
-from .store import EngineFailure, HandoffTimeout, Store
+from .store import EngineFailure, HandoffTimeout, Key, Store
 from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
 
 __all__ = ["EngineClosedError", "RoundPipeEngine", "TrafficReport", "estimate_costs"]
@@ -199,6 +200,9 @@ class RoundPipeEngine:
             ``"call"``) as it is reached, to delay or fail there (see
             :class:`~lightning_roundpipe.runtime.optimizer.Chaos`); default:
             nothing.
+        rules: tests only: the ordering rules' conditions (a
+            :class:`~lightning_roundpipe.runtime.optimizer.Rules`, the
+            default); a subclass with a rule removed shows what it prevents.
     """
 
     def __init__(
@@ -228,6 +232,7 @@ class RoundPipeEngine:
         size_limit: int | None = None,
         parameter_names: dict[nn.Parameter, str] | None = None,
         chaos: Callable[[str], None] | None = None,
+        rules: Rules | None = None,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -354,7 +359,7 @@ class RoundPipeEngine:
         self._lock = threading.Lock()
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
         store = Store(watchdog_timeout)
-        self._protocol = Protocol(self._host, store, async_optimizer)
+        self._protocol = Protocol(self._host, store, async_optimizer, rules)
         if chaos is not None:
             self._protocol.chaos = chaos
         rt = self._rt = Runtime(self._host, store, self._protocol)
@@ -405,7 +410,7 @@ class RoundPipeEngine:
     ) -> RoundPipeEngine:
         """An engine with ``options`` (validated when they were made);
         ``kwargs``: the arguments that are not options (``plan``, ``costs``,
-        ``activation_estimate``, ``parameter_names``, ``chaos``)."""
+        ``activation_estimate``, ``parameter_names``, ``chaos``, ``rules``)."""
         return cls(layers, devices, num_microbatches, **options.as_kwargs(), **kwargs)
 
     def _outside_gradient_hooks(self, names: dict[int, str]) -> list[Any]:
@@ -795,7 +800,7 @@ class RoundPipeEngine:
         )
         call.schedule = sched
         for j, x in enumerate(mbs):
-            store.put((call.iteration, "act", 0, j), self._to_host(x, cast=True), sched.readers[0])
+            store.put(Key(call.iteration, "act", 0, j), self._to_host(x, cast=True), sched.readers[0])
         self._last_schedule = (call, sched)
         if train:
             self._last_train = sched
@@ -874,7 +879,7 @@ class RoundPipeEngine:
         store, top = self._rt.store, self.plan.num_layers
         outs = [
             self._wait(
-                lambda j=j: store.take((iteration, "act", top, j), f"output of micro-batch {j}")[0]
+                lambda j=j: store.take(Key(iteration, "act", top, j), f"output of micro-batch {j}")[0]
             )
             for j in range(m)
         ]
@@ -967,7 +972,7 @@ class RoundPipeEngine:
         with named(f"RP wait losses of iteration {iteration}"):
             losses = [
                 self._wait(
-                    lambda j=j: store.take((iteration, "loss", 0, j), f"loss of micro-batch {j}")[0]
+                    lambda j=j: store.take(Key(iteration, "loss", 0, j), f"loss of micro-batch {j}")[0]
                 )
                 for j in range(m)
             ]
@@ -1010,7 +1015,7 @@ class RoundPipeEngine:
         per_mb = [
             self._wait(
                 lambda j=j: store.take(
-                    (iteration, "grad", 0, j), f"input gradient of micro-batch {j}"
+                    Key(iteration, "grad", 0, j), f"input gradient of micro-batch {j}"
                 )[0]
             )
             for j in range(len(mbs))

@@ -2,7 +2,10 @@
 
 Layer inputs and outputs may be a tensor or a (nested) tuple/list/dict of
 tensors and other values. These helpers map over the tensors, split a batch
-into micro-batches along dimension 0, and call a layer with such a value.
+into micro-batches along dimension 0, and call a layer with such a value. The
+structure is torch's own pytree (``torch.utils._pytree``, as torch's pipelining
+micro-batch splitter uses); mappings pytree does not know (a tokenizer's
+``BatchEncoding``, a ``UserDict``) are read as plain dicts.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "batch_size_of",
@@ -22,30 +26,27 @@ __all__ = [
 ]
 
 
+def _foreign_mapping(value: Any) -> bool:
+    return isinstance(value, Mapping) and type(value) not in pytree.SUPPORTED_NODES
+
+
+def _as_tree(value: Any) -> Any:
+    """``value`` with every mapping pytree does not know turned into a dict."""
+    return pytree.tree_map(
+        lambda x: _as_tree(dict(x)) if _foreign_mapping(x) else x,
+        value,
+        is_leaf=_foreign_mapping,
+    )
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """Apply ``fn`` to every tensor in ``value``, keeping the structure."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple):
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*(map_tensors(fn, v) for v in value))
-        return tuple(map_tensors(fn, v) for v in value)
-    if isinstance(value, list):
-        return [map_tensors(fn, v) for v in value]
-    if isinstance(value, Mapping):
-        out = {k: map_tensors(fn, v) for k, v in value.items()}
-        try:
-            return type(value)(out)
-        except TypeError:  # mappings that cannot be built from a dict
-            return out
-    return value
+    return pytree.tree_map_only(torch.Tensor, fn, _as_tree(value))
 
 
 def flatten_tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor in ``value``, in a deterministic order."""
-    out: list[torch.Tensor] = []
-    map_tensors(out.append, value)
-    return out
+    return [t for t in pytree.tree_leaves(_as_tree(value)) if isinstance(t, torch.Tensor)]
 
 
 def batch_size_of(value: Any) -> int | None:
@@ -63,62 +64,33 @@ def split_microbatches(value: Any, num_microbatches: int, batch_size: int) -> li
     ``torch.tensor_split`` (sizes differ by at most one); everything else
     (scalars, tensors of another size, non-tensors) is passed to every
     micro-batch unchanged."""
-
-    def pieces(t: torch.Tensor) -> Any:
-        if t.dim() > 0 and t.shape[0] == batch_size:
-            return _Split(torch.tensor_split(t, num_microbatches, dim=0))
-        return t
-
-    marked = map_tensors(pieces, value)
-    return [_take(marked, j) for j in range(num_microbatches)]
-
-
-class _Split:
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: tuple[torch.Tensor, ...]) -> None:
-        self.parts = parts
-
-
-def _take(value: Any, j: int) -> Any:
-    if isinstance(value, _Split):
-        return value.parts[j]
-    if isinstance(value, tuple):
-        if hasattr(value, "_fields"):
-            return type(value)(*(_take(v, j) for v in value))
-        return tuple(_take(v, j) for v in value)
-    if isinstance(value, list):
-        return [_take(v, j) for v in value]
-    if isinstance(value, Mapping):
-        out = {k: _take(v, j) for k, v in value.items()}
-        try:
-            return type(value)(out)
-        except TypeError:
-            return out
-    return value
+    leaves, spec = pytree.tree_flatten(_as_tree(value))
+    split = [
+        torch.tensor_split(x, num_microbatches, dim=0)
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size
+        else None
+        for x in leaves
+    ]
+    return [
+        pytree.tree_unflatten([x if s is None else s[j] for x, s in zip(leaves, split)], spec)
+        for j in range(num_microbatches)
+    ]
 
 
 def merge_microbatches(values: list[Any]) -> Any:
     """Inverse of :func:`split_microbatches` for outputs: tensors with a batch
     dimension are concatenated along it, 0-d tensors stacked; other values are
     taken from the first micro-batch."""
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            return torch.stack(values)
-        return torch.cat(values, dim=0)
-    if isinstance(first, tuple):
-        parts = [merge_microbatches([v[i] for v in values]) for i in range(len(first))]
-        return type(first)(*parts) if hasattr(first, "_fields") else tuple(parts)
-    if isinstance(first, list):
-        return [merge_microbatches([v[i] for v in values]) for i in range(len(first))]
-    if isinstance(first, Mapping):
-        out = {k: merge_microbatches([v[k] for v in values]) for k in first}
-        try:
-            return type(first)(out)
-        except TypeError:
-            return out
-    return first
+    flat = [pytree.tree_flatten(_as_tree(v)) for v in values]
+    spec = flat[0][1]
+
+    def merge(parts: list[Any]) -> Any:
+        first = parts[0]
+        if not isinstance(first, torch.Tensor):
+            return first
+        return torch.stack(parts) if first.dim() == 0 else torch.cat(parts, dim=0)
+
+    return pytree.tree_unflatten([merge(list(p)) for p in zip(*(f[0] for f in flat))], spec)
 
 
 def call_layer(layer: Callable[..., Any], value: Any) -> Any:

@@ -27,9 +27,10 @@ window start while deep layers are still being copied:
 5. the worker runs each update's G copies, step and P copies in order, and
    updates in order.
 
-Rules 1-4 are :class:`Protocol` counters and waits; rule 5 is the order of the
-:class:`OptimizerWorker` queue. ``Protocol.disabled`` turns single rules off
-for the tests that show each rule is needed.
+Rules 1-4 are :class:`Protocol` counters and waits whose conditions are the
+methods of :class:`Rules`; rule 5 is the order of the :class:`OptimizerWorker`
+queue and of its steps (``Rules.copies_after_step``). The tests that show each
+rule is needed inject a ``Rules`` with one rule removed.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "NonFiniteError",
     "OptimizerWorker",
     "Protocol",
+    "Rules",
     "StepHandle",
     "use_fused",
 ]
@@ -89,10 +91,48 @@ def _no_chaos(point: str) -> None:
     pass
 
 
-class Protocol:
-    """Per-parameter counters and waits for the ordering rules 1-4."""
+class Rules:
+    """The ordering rules' conditions, read by :class:`Protocol` and the
+    optimizer worker. This class is the protocol; tests inject a subclass that
+    removes one rule to show what breaks without it (our own: the rules are
+    this project's, see the module docstring)."""
 
-    def __init__(self, host: HostState, store: Store, async_mode: bool) -> None:
+    #: rule 5: an update's weight copies (P copies) run after its step
+    copies_after_step = True
+
+    def weights_ready(self, proto: Protocol, need: int, params: Sequence[_Param]) -> bool:
+        """Rule 2: the P copies of updates ``0 .. need - 1`` are done."""
+        return all(proto.p_done[p.index] >= need for p in params)
+
+    def buffer_free(self, proto: Protocol, window: int, p: _Param) -> bool:
+        """Rule 4: update ``window - 1`` released ``p``'s gradient buffer."""
+        return proto.g_done[p.index] >= window
+
+    def grads_complete(self, proto: Protocol, window: int, p: _Param) -> bool:
+        """Rule 3: the window is closed and every task of it added its gradient."""
+        return proto.closed >= window and proto.grads.get((p.index, window), 0) <= 0
+
+    def uses_done(self, proto: Protocol, window: int, p: _Param) -> bool:
+        """Rule 1: no task of ``window`` or ``window + 1`` reads ``p``'s master
+        copy any more and window ``window + 1`` is closed (synchronous mode:
+        nothing of the next window runs yet)."""
+        if not proto.async_mode:
+            return True
+        nxt = window + 1
+        return (
+            proto.closed >= nxt
+            and proto.uses.get((p.index, nxt), 0) <= 0
+            and proto.uses.get((p.index, window), 0) <= 0
+        )
+
+
+class Protocol:
+    """Per-parameter counters and waits for the ordering rules 1-4 (their
+    conditions: ``rules``, default :class:`Rules`)."""
+
+    def __init__(
+        self, host: HostState, store: Store, async_mode: bool, rules: Rules | None = None
+    ) -> None:
         self.host = host
         self.store = store
         self.async_mode = async_mode
@@ -103,7 +143,7 @@ class Protocol:
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # rule 1: (param, window)
         self.grads: dict[tuple[int, int], int] = defaultdict(int)  # rule 3: (param, window)
         self.closed = -1  # highest window whose step() was called
-        self.disabled: set[int] = set()
+        self.rules = rules if rules is not None else Rules()
         self.on_release: list[Callable[[], None]] = []  # couriers holding gradients
         self.chaos: Callable[[str], None] = _no_chaos
 
@@ -145,7 +185,7 @@ class Protocol:
         need = window - 1 if self.async_mode else window
 
         def ok() -> bool:
-            return 2 in self.disabled or all(self.p_done[p.index] >= need for p in params)
+            return self.rules.weights_ready(self, need, params)
 
         if not block:
             with self.cond:
@@ -169,7 +209,7 @@ class Protocol:
     def grad_ready(self, window: int, p: _Param) -> bool:
         """Rule 4: the buffer was released by the step of the previous window
         (call under ``cond``)."""
-        return 4 in self.disabled or self.g_done[p.index] >= window
+        return self.rules.buffer_free(self, window, p)
 
     def after_grad(self, window: int, p: _Param) -> None:
         """Rule 3 producer: this task's gradient of ``p`` is in the buffer."""
@@ -181,10 +221,7 @@ class Protocol:
     def wait_grads(self, window: int, p: _Param) -> None:
         """Rule 3: every gradient of ``p`` from ``window`` is in the buffer."""
         self._wait(
-            lambda: (
-                3 in self.disabled
-                or (self.closed >= window and self.grads.get((p.index, window), 0) <= 0)
-            ),
+            lambda: self.rules.grads_complete(self, window, p),
             f"gradients of parameter {p.index} from window {window}",
         )
 
@@ -203,18 +240,8 @@ class Protocol:
             wake()
 
     def uses_done(self, window: int, p: _Param) -> bool:
-        """Rule 1: no task of ``window`` or ``window + 1`` reads ``p``'s master
-        copy any more (and window ``window + 1`` is closed). Call under ``cond``.
-
-        In synchronous mode nothing of the next window runs yet."""
-        if not self.async_mode or 1 in self.disabled:
-            return True
-        nxt = window + 1
-        return (
-            self.closed >= nxt
-            and self.uses.get((p.index, nxt), 0) <= 0
-            and self.uses.get((p.index, window), 0) <= 0
-        )
+        """Rule 1 (see :meth:`Rules.uses_done`). Call under ``cond``."""
+        return self.rules.uses_done(self, window, p)
 
     def p_copied(self, window: int, p: _Param) -> None:
         with self.cond:
@@ -487,9 +514,9 @@ class OptimizerWorker:
             self._release(w, trainable)  # a failed step holds no gradients either
             raise
         norm = None
+        after = proto.rules.copies_after_step
         try:
-            if 5 in proto.disabled:
-                # rule 5 removed: the weight copies run before the step, out of order
+            if not after:  # rule 5 removed (tests): the weight copies run first
                 self._p_copies(job)
             for p in trainable:
                 g = self._grads[p.index]
@@ -530,12 +557,12 @@ class OptimizerWorker:
         job.handle.skipped = not finite
         with proto.cond:
             # the weight copies are due before anyone sees the step as applied
-            if 5 not in proto.disabled:
+            if after:
                 self._pending = (w, list(self.host.params))
             self.applied += 1
             proto.cond.notify_all()
         job.handle.finish()
-        if 5 not in proto.disabled and not proto.async_mode:
+        if after and not proto.async_mode:
             self._copy_ready(block=True)
 
     def _release(self, w: int, trainable: list[_Param]) -> None:

@@ -1,6 +1,6 @@
 """The activation store: stage-boundary values in host memory, and the hand-offs.
 
-Keys are ``(iteration, kind, layer, micro-batch)``: kind ``"act"`` is the input
+Keys are :class:`Key` ``(iteration, kind, layer, microbatch)``: kind ``"act"`` is the input
 of ``layer`` (written by the stage that produced it, read by every stage that
 starts there), ``"grad"`` the gradient with respect to that input (written by
 the backward stage that starts there, read by the backward stage below it),
@@ -16,11 +16,24 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
-__all__ = ["EngineFailure", "HandoffTimeout", "Store"]
+__all__ = ["EngineFailure", "HandoffTimeout", "Key", "Store"]
 
-Key = tuple[int, str, int, int]
+Kind = Literal["act", "grad", "loss"]
+
+
+class Key(NamedTuple):
+    """Where a stage-boundary value lives: of ``iteration``, the ``kind`` of
+    value at pipeline layer ``layer`` (0 for a loss) for ``microbatch``."""
+
+    iteration: int
+    kind: Kind
+    layer: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.layer} of micro-batch {self.microbatch} (iteration {self.iteration})"
 
 
 class EngineFailure(RuntimeError):
@@ -102,7 +115,7 @@ class Store:
                 self.check()
                 if time.monotonic() >= deadline:
                     raise HandoffTimeout(
-                        f"waited {self.timeout:g} s for {what or key} (key {key}); it never "
+                        f"waited {self.timeout:g} s for {what or key} ({key!r}); it never "
                         "arrived. A worker may be stuck; raise watchdog_timeout if stages are "
                         "this slow"
                     )

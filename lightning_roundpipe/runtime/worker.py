@@ -60,7 +60,7 @@ from .profiler import (
     saved_bytes,
 )
 from .scope import forbid_host_sync, stage_scope
-from .store import EngineFailure, HandoffTimeout, Store
+from .store import EngineFailure, HandoffTimeout, Key, Kind, Store
 
 __all__ = ["Call", "Job", "Worker", "WorkerError"]
 
@@ -144,23 +144,25 @@ class Job:
     finished: bool = False  # the courier reached the job's end
     queued: int = 0  # items handed to the courier (worker thread only)
     grads_last: bool = False  # its gradients are its last courier item (worker thread only)
-    names: dict[str, tuple[str, int]] = field(init=False)  # "act12" -> ("act", 12)
+    names: dict[str, tuple[Kind, int]] = field(init=False)  # "act12" -> ("act", 12)
 
     def __post_init__(self) -> None:
         self.key = (self.call.serial, self.index)
         self.names = {n: _parse(n) for n in (*self.task.reads, *self.task.writes)}
 
-    def store_key(self, name: str, mb: int) -> tuple:
+    def store_key(self, name: str, mb: int) -> Key:
         """Store key of one of the task's reads or writes for micro-batch ``mb``."""
         kind, layer = self.names[name]
-        return (self.call.iteration, kind, layer, mb)
+        return Key(self.call.iteration, kind, layer, mb)
 
 
-def _parse(name: str) -> tuple[str, int]:
+def _parse(name: str) -> tuple[Kind, int]:
     """A plan read/write such as ``"act12"``, ``"grad15"``, ``"loss"``."""
     if name == "loss":
         return ("loss", 0)
     kind = name.rstrip("0123456789")
+    if kind not in ("act", "grad"):
+        raise ValueError(f"a plan names the store value {name!r}; expected act<n>, grad<n> or loss")
     return (kind, int(name[len(kind) :]))
 
 
@@ -406,7 +408,7 @@ class Worker:
         self._replicas: dict[int, LayerReplica] = {}
         self._rng: dict[int, LayerRandomness] = {}
         self._prefetch: _Prefetch | None = None
-        self._ahead: dict[tuple, Any] = {}  # inputs uploaded one micro-batch ahead
+        self._ahead: dict[Key, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
         self._layer: int | None = None  # the layer running now, for error messages
         self.courier = _Courier(self)
@@ -848,7 +850,7 @@ class Worker:
         be changed in place by the layers after it, so copy it first."""
         ctx, call = self.ctx, job.call
         key = job.store_key(name, j)
-        readers = call.schedule.readers.get(key[2], 0) if key[1] == "act" else 1
+        readers = call.schedule.readers.get(key.layer, 0) if key.kind == "act" else 1
         nbytes = 0
 
         def down(t: torch.Tensor) -> torch.Tensor:
@@ -864,7 +866,7 @@ class Worker:
         ctx.act_down.wait_event(ctx.record(ctx.compute))
         host = map_tensors(down, value)
         self.rt.traffic.add(call.iteration, "acts_down", nbytes)
-        if key[1] == "act" and call.train:
+        if key.kind == "act" and call.train:
             with self.store.lock:  # host memory the round's activations take
                 self.rt.kept[call.iteration] = self.rt.kept.get(call.iteration, 0) + nbytes
 

@@ -62,9 +62,14 @@ def drive(eng, steps=3):
 def test_fault_reaches_the_caller_with_context(point, n, async_mode):
     before = threading.active_count()
     eng = RoundPipeEngine(
-        model(), ["cpu"] * n, 3, plan="2,3|1|1,2,2", async_optimizer=async_mode, watchdog_timeout=30
+        model(),
+        ["cpu"] * n,
+        3,
+        plan="2,3|1|1,2,2",
+        async_optimizer=async_mode,
+        watchdog_timeout=30,
+        chaos=Fault(point, after=2),
     )
-    eng._protocol.chaos = Fault(point, after=2)
     t0 = time.monotonic()
     try:
         with pytest.raises((WorkerError, OptimizerStepError, Injected, RuntimeError)) as info:
@@ -97,8 +102,9 @@ def test_fault_reaches_the_caller_with_context(point, n, async_mode):
 
 
 def test_out_of_memory_names_the_stage_and_what_to_change():
-    eng = RoundPipeEngine(model(), ["cpu"] * 2, 2, plan="2,3|1|1,2,2")
-    eng._protocol.chaos = Fault("upload", exc=torch.OutOfMemoryError)
+    eng = RoundPipeEngine(
+        model(), ["cpu"] * 2, 2, plan="2,3|1|1,2,2", chaos=Fault("upload", exc=torch.OutOfMemoryError)
+    )
     try:
         with pytest.raises(
             WorkerError,

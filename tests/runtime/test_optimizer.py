@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.runtime import RoundPipeEngine, WorkerError
-from lightning_roundpipe.runtime.optimizer import Chaos
+from lightning_roundpipe.runtime.optimizer import Chaos, Rules
 
 from .models import lm_batch, lm_loss, reference, transformer
 
@@ -62,6 +62,30 @@ def staleness_reference(layers, data, make_opt, *, accumulate, clip, m, seed, st
     return losses, norms
 
 
+class _Without(Rules):
+    """The ordering rules with some removed (each condition always holds)."""
+
+    def __init__(self, removed) -> None:
+        self.removed = set(removed)
+        self.copies_after_step = 5 not in self.removed
+
+    def uses_done(self, proto, window, p):
+        return 1 in self.removed or super().uses_done(proto, window, p)
+
+    def weights_ready(self, proto, need, params):
+        return 2 in self.removed or super().weights_ready(proto, need, params)
+
+    def grads_complete(self, proto, window, p):
+        return 3 in self.removed or super().grads_complete(proto, window, p)
+
+    def buffer_free(self, proto, window, p):
+        return 4 in self.removed or super().buffer_free(proto, window, p)
+
+
+def without(removed):
+    return _Without(removed) if removed else None
+
+
 def run_engine(
     layers,
     data,
@@ -94,10 +118,9 @@ def run_engine(
         seed=seed,
         async_optimizer=async_mode,
         watchdog_timeout=60,
+        chaos=chaos,
+        rules=without(disabled),
     ) as eng:
-        if chaos is not None:
-            eng._protocol.chaos = chaos
-        eng._protocol.disabled = set(disabled)
         for k in range(len(data) // accumulate):
             for ids, labels in data[k * accumulate : (k + 1) * accumulate]:
                 losses.append(eng.forward_backward(ids, labels=labels, loss_fn=lm_loss))
