@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..plan import LayerCosts, PlanError
+
 __all__ = [
     "DeviceContext",
     "LayerRandomness",
@@ -28,6 +30,7 @@ __all__ = [
     "layer_seed",
     "pin",
     "seeded",
+    "stage_memory_limit",
 ]
 
 log = logging.getLogger(__name__)
@@ -356,3 +359,29 @@ def host_to_device_bandwidth(
         end.synchronize()  # note: a CPU-GPU sync point, once, at re-planning time
         ms = start.elapsed_time(end)
     return nbytes * repeat / max(ms / 1e3, 1e-9)
+
+
+def stage_memory_limit(
+    devs: list[torch.device], costs: LayerCosts, limit: int | None
+) -> int | None:
+    """Bytes a stage may use on a device: ``limit`` if given, else half the free
+    memory of the emptiest CUDA device shared among its workers (a worker
+    holds a stage and the prefetched next one); None for CPU workers. Refused
+    when even one layer does not fit."""
+    cuda = sorted({d for d in devs if d.type == "cuda"}, key=str)
+    if not cuda and limit is None:
+        return None  # CPU workers: no limit unless one is given
+    if limit is None:
+        # each worker holds a stage and the prefetched next one; workers
+        # sharing a GPU share its free memory
+        limit = min(torch.cuda.mem_get_info(d)[0] // (2 * devs.count(d)) for d in cuda)
+    assert costs.memory is not None
+    for i, need in enumerate(costs.memory):
+        if need > limit:
+            raise PlanError(
+                f"layer {i} needs about {int(need)} bytes of device memory (weights and "
+                f"gradients) but a stage may use {limit} bytes on "
+                f"{cuda[0] if cuda else devs[0]}; even one layer "
+                "at a time does not fit. Raise device_memory_limit or free device memory"
+            )
+    return limit

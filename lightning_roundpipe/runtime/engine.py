@@ -35,11 +35,11 @@ from ..plan.decide import after_measurement, initial_plan
 from ..plan.policy import RoundChoice, choose_round, hides_uploads
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
-from .device import as_device, check_uniform, host_to_device_bandwidth, pin
+from .device import as_device, check_uniform, host_to_device_bandwidth, pin, stage_memory_limit
+from .gradients import CallerGradients
 from .host import HostState, _Param, host_available
 from .nested import (
     batch_size_of,
-    flatten_tensors,
     map_tensors,
     merge_microbatches,
     split_microbatches,
@@ -65,51 +65,12 @@ from .profiler import (
     named,
     write_trace,
 )
-from .store import EngineFailure, HandoffTimeout, Key, Store
+from .store import EngineClosedError, EngineFailure, HandoffTimeout, Key, Store
 from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
 
 __all__ = ["EngineClosedError", "RoundPipeEngine", "TrafficReport", "estimate_costs"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was closed; create a new one."""
-
-
-def _shutdown(rt: Runtime, join_timeout: float = 30.0) -> list[str]:
-    """Stop and join every thread of a runtime; returns the names of threads
-    that did not stop. (A function, not a method: the engine's finalizer must
-    not refer to the engine.)"""
-    if rt.closed:
-        return []
-    rt.closed = True
-    for handle in rt.hooks:  # the parameters outlive the engine
-        handle.remove()
-    rt.hooks.clear()
-    rt.store.fail(EngineClosedError("the RoundPipe engine was closed"))
-    threads = []
-    for w in rt.workers:
-        w.stop()
-        w.wake()
-        w.courier.stop()
-        threads.extend(w.threads)
-    if rt.optimizer is not None and rt.optimizer.thread is not None:
-        rt.optimizer.stop()
-        threads.append(rt.optimizer.thread)
-    stuck = []
-    deadline = time.monotonic() + join_timeout
-    for t in threads:
-        if t.ident is not None:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            stuck.append(t.name)
-    rt.store.clear()
-    if not stuck:  # a stuck worker may still be copying from page-locked memory
-        rt.host.free()
-        if rt.optimizer is not None:
-            rt.optimizer.forget()
-    return stuck
 
 
 class RoundPipeEngine:
@@ -297,7 +258,7 @@ class RoundPipeEngine:
                 costs = LayerCosts(costs.forward, costs.backward, est.memory, est.weight_bytes)
         else:
             costs = estimate_costs(layers, compute_dtype)
-        limit = self._memory_limit(devs, costs, device_memory_limit)
+        limit = stage_memory_limit(devs, costs, device_memory_limit)
         plan = initial_plan(
             costs,
             n,
@@ -346,13 +307,6 @@ class RoundPipeEngine:
         self._window_has_grads = False
         self._jobs = 0
         self._calls = 0  # calls queued on the optimizer thread
-        # calls whose input gradients are wanted: (inputs, micro-batches, batch size,
-        # loss scale, window), by iteration
-        self._wanted: dict[int, tuple[Any, list[Any], int, float, int]] = {}
-        self._skip_windows: set[int] = set()  # a non-finite input gradient: skip the step
-        # forward_backward(scale="later") calls whose factor is not given yet or
-        # whose gradients the couriers may still hold, by iteration
-        self._gains: dict[int, Gain] = {}
         # while evaluating with the newest weights: the master copies the next
         # training window computes with (asynchronous mode), by parameter index
         self._training_masters: dict[int, torch.Tensor] | None = None
@@ -368,6 +322,7 @@ class RoundPipeEngine:
         rt.forbid_host_sync = forbid_host_sync
         self._set_plan(plan)
         self.scaler = LossScaler(enabled=precision == "16-mixed")
+        self._caller_grads = CallerGradients(rt, self.scaler, nonfinite, self._wait)
         index = {id(hp.param): hp.index for hp in self._host.params}
         names: dict[int, str] = {}
         given = {id(p): n for p, n in (parameter_names or {}).items()}
@@ -386,7 +341,7 @@ class RoundPipeEngine:
         )
         rt.workers.extend(Worker(i, d, rt) for i, d in enumerate(devs))
         rt.hooks = self._outside_gradient_hooks(names)
-        self._finalizer = weakref.finalize(self, _shutdown, rt)
+        self._finalizer = weakref.finalize(self, rt.shutdown)
         for w in rt.workers:
             w.start()
         if async_optimizer:
@@ -535,26 +490,6 @@ class RoundPipeEngine:
             # for the report: whether a round's compute hides its weight uploads
             self._bandwidth = host_to_device_bandwidth(self.devices[0])
             log.info("RoundPipe: %.1f GB/s host to device", self._bandwidth / 1e9)
-
-    @staticmethod
-    def _memory_limit(devs: list[torch.device], costs: LayerCosts, limit: int | None) -> int | None:
-        cuda = sorted({d for d in devs if d.type == "cuda"}, key=str)
-        if not cuda and limit is None:
-            return None  # CPU workers: no limit unless one is given
-        if limit is None:
-            # each worker holds a stage and the prefetched next one; workers
-            # sharing a GPU share its free memory
-            limit = min(torch.cuda.mem_get_info(d)[0] // (2 * devs.count(d)) for d in cuda)
-        assert costs.memory is not None
-        for i, need in enumerate(costs.memory):
-            if need > limit:
-                raise PlanError(
-                    f"layer {i} needs about {int(need)} bytes of device memory (weights and "
-                    f"gradients) but a stage may use {limit} bytes on "
-                    f"{cuda[0] if cuda else devs[0]}; even one layer "
-                    "at a time does not fit. Raise device_memory_limit or free device memory"
-                )
-        return limit
 
     # ----------------------------------------------------------------- props
     @property
@@ -800,7 +735,9 @@ class RoundPipeEngine:
         )
         call.schedule = sched
         for j, x in enumerate(mbs):
-            store.put(Key(call.iteration, "act", 0, j), self._to_host(x, cast=True), sched.readers[0])
+            store.put(
+                Key(call.iteration, "act", 0, j), self._to_host(x, cast=True), sched.readers[0]
+            )
         self._last_schedule = (call, sched)
         if train:
             self._last_train = sched
@@ -879,7 +816,9 @@ class RoundPipeEngine:
         store, top = self._rt.store, self.plan.num_layers
         outs = [
             self._wait(
-                lambda j=j: store.take(Key(iteration, "act", top, j), f"output of micro-batch {j}")[0]
+                lambda j=j: store.take(Key(iteration, "act", top, j), f"output of micro-batch {j}")[
+                    0
+                ]
             )
             for j in range(m)
         ]
@@ -963,16 +902,16 @@ class RoundPipeEngine:
             self._submit(call, self.plan, mbs, train=True)
             # registered once submitted: nothing waits for a call that never ran
             if input_grads:
-                self._wanted[iteration] = (inputs, mbs, bsz, loss_scale, window)
+                self._caller_grads.want_inputs(iteration, inputs, m, bsz, loss_scale, window)
             if later:
-                with self._rt.store.lock:
-                    self._forget_settled_gains()
-                    self._gains[iteration] = call.gain
+                self._caller_grads.track(call.gain)
         store = self._rt.store
         with named(f"RP wait losses of iteration {iteration}"):
             losses = [
                 self._wait(
-                    lambda j=j: store.take(Key(iteration, "loss", 0, j), f"loss of micro-batch {j}")[0]
+                    lambda j=j: store.take(
+                        Key(iteration, "loss", 0, j), f"loss of micro-batch {j}"
+                    )[0]
                 )
                 for j in range(m)
             ]
@@ -989,7 +928,7 @@ class RoundPipeEngine:
             and not bool(torch.isfinite(per_mb).all())
         ):
             bad = [j for j in range(m) if not bool(torch.isfinite(per_mb[j]))]
-            self._wanted.pop(iteration, None)
+            self._caller_grads.forget_inputs(iteration)
             raise NonFiniteError(
                 f"the loss of micro-batch(es) {bad} in iteration {iteration} is not finite "
                 f"({per_mb[bad[0]].item()}); the weights were not updated by it. Set "
@@ -1003,98 +942,15 @@ class RoundPipeEngine:
         loss (times its ``scale``, unless that was ``"later"``) with respect to
         each tensor of its ``inputs``, in ``flatten_tensors(inputs)`` order (None
         for tensors that are not floating point). Waits for the
-        first layer's backward of every micro-batch; once per iteration."""
-        wanted = self._wanted.pop(iteration, None)
-        if wanted is None:
-            raise RuntimeError(
-                f"iteration {iteration} computed no input gradients, or they were taken "
-                "already: run it with forward_backward(..., input_grads=True)"
-            )
-        inputs, mbs, bsz, loss_scale, window = wanted
-        store = self._rt.store
-        per_mb = [
-            self._wait(
-                lambda j=j: store.take(
-                    Key(iteration, "grad", 0, j), f"input gradient of micro-batch {j}"
-                )[0]
-            )
-            for j in range(len(mbs))
-        ]
-        out: list[torch.Tensor | None] = []
-        for i, t in enumerate(flatten_tensors(inputs)):
-            grads = [g[i] for g in per_mb]
-            if any(g is None for g in grads):
-                out.append(None)
-                continue
-            grads = [g.to("cpu", torch.float32) for g in grads]
-            # split tensors were cut along dim 0; the others went to every micro-batch
-            split = t.dim() > 0 and t.shape[0] == bsz
-            g = torch.cat(grads) if split else torch.stack(grads).sum(0)
-            if loss_scale != 1.0:
-                g = g / loss_scale
-            out.append(g.to(t.dtype))
-        self._check_input_grads(out, iteration, window)
-        return out
-
-    def _check_input_grads(
-        self, grads: list[torch.Tensor | None], iteration: int, window: int
-    ) -> None:
-        """Input gradients go to modules outside the pipeline, which the
-        window's step updates too: a non-finite one skips that step (fp16: an
-        overflow, the loss scale backs off) or raises, as a weight gradient would."""
-        if not self.scaler.enabled and self.nonfinite == "ignore":
-            return
-        if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
-            return
-        if not self.scaler.enabled and self.nonfinite == "raise":
-            raise NonFiniteError(
-                f"the gradient of the pipeline's inputs in iteration {iteration} is not finite "
-                "(inf or NaN); the weights were not updated by it. Set nonfinite='skip' to skip "
-                "such steps, or look for the cause (learning rate, data, precision)"
-            )
-        self._skip_windows.add(window)
+        first layer's backward of every micro-batch; once per iteration. A
+        non-finite one skips the window's step or raises, per ``nonfinite``."""
+        return self._caller_grads.input_grads(iteration)
 
     def scale_gradients(self, iteration: int, factor: float) -> None:
         """The factor for the weight gradients of ``iteration``, a
         ``forward_backward(..., scale="later")``: its gradients are added into
         the window's as ``factor`` times those of its loss. Once per iteration."""
-        store = self._rt.store
-        with store.lock:
-            gain = self._gains.get(iteration)
-            if gain is None or gain.value is not None:
-                raise RuntimeError(
-                    f"the gradients of iteration {iteration} were already scaled, or it was not "
-                    "run with scale='later': backward through a RoundPipe loss runs once (use "
-                    "the loss once per backward, without retain_graph)"
-                )
-            gain.value = float(factor)
-            store.lock.notify_all()
-        self._wake_couriers()
-
-    def _settle_gains(self, window: int) -> None:
-        """Gradients of ``window`` still waiting for a factor get 0: autograd
-        never reached their loss (it was not part of what was backpropagated)."""
-        store = self._rt.store
-        with store.lock:
-            open_ = [g for g in self._gains.values() if g.window == window and g.value is None]
-            for g in open_:
-                g.value, g.dropped = 0.0, True
-            store.lock.notify_all()
-        for g in open_:  # input gradients nobody will take: out of the store
-            if g.iteration in self._wanted:
-                self.input_grads(g.iteration)
-        if open_:
-            log.debug(
-                "RoundPipe: iterations %s of window %d were never backpropagated: their "
-                "gradients are dropped",
-                [g.iteration for g in open_],
-                window,
-            )
-            self._wake_couriers()
-
-    def _wake_couriers(self) -> None:
-        for w in self._rt.workers:
-            w.courier.wake()
+        self._caller_grads.scale(iteration, factor)
 
     def call(self, fn: Callable[[], Any]) -> StepHandle:
         """Run ``fn`` on the host in order with the optimizer steps (after the
@@ -1118,25 +974,6 @@ class RoundPipeEngine:
             self._calls += 1
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
-
-    def _wait_settled(self) -> None:
-        """Gradients whose factor is known are in the buffers (those still
-        waiting for theirs are not part of the window yet)."""
-        rt = self._rt
-        gains = list(self._gains.values())
-        self._wait(
-            lambda: rt.store.wait_until(
-                lambda: all(g.value is None or g.parked == 0 for g in gains),
-                "gradients to be added with their factor",
-            )
-        )
-        with rt.store.lock:
-            self._forget_settled_gains()
-
-    def _forget_settled_gains(self) -> None:
-        """Drop calls whose factor is known and whose gradients are all added
-        (caller holds the store's lock)."""
-        self._gains = {it: g for it, g in self._gains.items() if g.value is None or g.parked}
 
     @property
     def has_pending_gradients(self) -> bool:
@@ -1172,7 +1009,7 @@ class RoundPipeEngine:
         ``None`` where nothing reached the parameter)."""
         self._check()
         self._wait_tasks()
-        self._wait_settled()
+        self._caller_grads.wait_settled()
         opt = self._optimizer
         self._wait(
             lambda: self._rt.store.wait_until(
@@ -1217,15 +1054,14 @@ class RoundPipeEngine:
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         self.use_training_weights()
-        self._settle_gains(self._window)
+        self._caller_grads.settle(self._window)
         with self._lock:
             window = self._window
             self._window += 1
             scale = self._window_scale.pop(window, self.scaler.scale)
             handle = StepHandle(window, _store=self._rt.store)
             job = _Job(window, fn, scale, clip_grad_norm, clip_grad_value, handle, prepare)
-            job.skip = window in self._skip_windows
-            self._skip_windows.discard(window)
+            job.skip = self._caller_grads.take_skip(window)
             self._jobs += 1
             self._window_has_grads = False
             self._protocol.close_window(window)
@@ -1350,7 +1186,7 @@ class RoundPipeEngine:
         """Drop the gradients accumulated in the current window (after waiting
         for every dispatched stage and queued step); ``.grad`` is ``None``
         afterwards, as between steps."""
-        self._settle_gains(self._window)
+        self._caller_grads.settle(self._window)
         self.synchronize()
         self._host.zero_grads()
         self._host.detach_grads()

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["EngineFailure", "HandoffTimeout", "Key", "Store"]
+__all__ = ["EngineClosedError", "EngineFailure", "HandoffTimeout", "Key", "Store"]
 
 Kind = Literal["act", "grad", "loss"]
 
@@ -33,11 +33,17 @@ class Key(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.layer} of micro-batch {self.microbatch} (iteration {self.iteration})"
+        return (
+            f"{self.kind}{self.layer} of micro-batch {self.microbatch} (iteration {self.iteration})"
+        )
 
 
 class EngineFailure(RuntimeError):
     """Raised by every wait once a worker has failed; carries the first failure."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed; create a new one."""
 
 
 class HandoffTimeout(TimeoutError):

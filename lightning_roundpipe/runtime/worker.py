@@ -39,30 +39,28 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..plan.schedule import Schedule, Task
+from ..plan.schedule import Task
+from .calls import Call, Gain, Job, Runtime
+from .courier import Courier
 from .device import DeviceContext, LayerRandomness, layer_seed
-from .host import HostState, LayerReplica, _Param
+from .host import LayerReplica, _Param
 from .nested import call_layer, flatten_tensors, map_tensors
-from .optimizer import Protocol
 from .profiler import (
     LayerTimer,
-    Profiler,
     Stopwatch,
-    TraceRecorder,
-    Traffic,
     named,
     saved_bytes,
 )
 from .scope import forbid_host_sync, stage_scope
-from .store import EngineFailure, HandoffTimeout, Key, Kind, Store
+from .store import EngineFailure, HandoffTimeout, Key
 
-__all__ = ["Call", "Job", "Worker", "WorkerError"]
+__all__ = ["Call", "Gain", "Job", "Runtime", "Worker", "WorkerError"]
 
 log = logging.getLogger(__name__)
 
@@ -94,132 +92,6 @@ class WorkerError(RuntimeError):
         self.iteration = iteration
 
 
-class Gain:
-    """The factor a call's weight gradients are added into the host buffers
-    with, when it is known only after the call returned: autograd reaching the
-    returned loss gives it (``0.5 * loss``, Lightning's accumulation factor). Until
-    then the call's gradients wait on the host, held by the couriers. Guarded by
-    the store's lock."""
-
-    __slots__ = ("dropped", "iteration", "parked", "value", "window")
-
-    def __init__(self, iteration: int, window: int) -> None:
-        self.iteration = iteration
-        self.window = window
-        self.value: float | None = None  # None: not known yet
-        self.dropped = False  # never backpropagated: its gradients are not added at all
-        self.parked = 0  # gradients held for it by the couriers
-
-
-@dataclass
-class Call:
-    """What one ``forward`` / ``forward_backward`` call asks of its tasks."""
-
-    iteration: int
-    window: int
-    serial: int  # unique per call: keys of its jobs
-    labels: list[Any]
-    weights: list[float]
-    loss_fn: Callable[..., torch.Tensor] | None
-    scale: float
-    seed: int
-    schedule: Schedule
-    train: bool  # a training pass: gradients, running statistics written back
-    modes: list[tuple[bool, ...]]  # train/eval flags of each layer's modules at submission
-    profiler: Profiler | None = None  # set while this iteration is being profiled
-    gain: Gain | None = None  # a factor for the weight gradients given later; None: 1
-    input_grad: bool = False  # the first layer's input gradient is wanted too
-
-
-@dataclass(eq=False)
-class Job:
-    """One lowered task of one call, as a worker runs it."""
-
-    call: Call
-    task: Task
-    index: int  # position in the call's schedule
-    after: tuple | None = None  # job whose running statistics must be written first
-    key: tuple = field(init=False)
-    outstanding: int = 0  # gradients the courier still holds (guarded by the store lock)
-    finished: bool = False  # the courier reached the job's end
-    queued: int = 0  # items handed to the courier (worker thread only)
-    grads_last: bool = False  # its gradients are its last courier item (worker thread only)
-    names: dict[str, tuple[Kind, int]] = field(init=False)  # "act12" -> ("act", 12)
-
-    def __post_init__(self) -> None:
-        self.key = (self.call.serial, self.index)
-        self.names = {n: _parse(n) for n in (*self.task.reads, *self.task.writes)}
-
-    def store_key(self, name: str, mb: int) -> Key:
-        """Store key of one of the task's reads or writes for micro-batch ``mb``."""
-        kind, layer = self.names[name]
-        return Key(self.call.iteration, kind, layer, mb)
-
-
-def _parse(name: str) -> tuple[Kind, int]:
-    """A plan read/write such as ``"act12"``, ``"grad15"``, ``"loss"``."""
-    if name == "loss":
-        return ("loss", 0)
-    kind = name.rstrip("0123456789")
-    if kind not in ("act", "grad"):
-        raise ValueError(f"a plan names the store value {name!r}; expected act<n>, grad<n> or loss")
-    return (kind, int(name[len(kind) :]))
-
-
-class Runtime:
-    """What the controller and the workers share (no reference to the engine,
-    so a dropped engine is garbage collected and its finalizer stops the
-    threads)."""
-
-    def __init__(self, host: HostState, store: Store, protocol: Protocol) -> None:
-        self.host = host
-        self.store = store
-        self.protocol = protocol
-        self.traffic = Traffic()
-        self.trace: TraceRecorder | None = None
-        self.workers: list[Worker] = []
-        self.optimizer: Any = None
-        self.submitted = 0
-        self.done = 0
-        self.done_keys: set[tuple] = set()
-        self.written: set[tuple] = set()  # jobs whose running statistics are on the host
-        self.kept: dict[int, int] = {}  # iteration -> bytes of boundary values written
-        self.forbid_host_sync = False
-        self.hooks: list[Any] = []  # on the user's parameters; removed at close
-        self.closed = False
-
-    def job_done(self, job: Job) -> None:
-        with self.store.lock:
-            self.done += 1
-            self.done_keys.add(job.key)
-            self.store.lock.notify_all()
-
-    def mark_written(self, job: Job) -> None:
-        with self.store.lock:
-            self.written.add(job.key)
-            self.store.lock.notify_all()
-
-    def forget(self, before_serial: int, before_iteration: int, keep: set[tuple]) -> None:
-        """Drop bookkeeping of calls older than ``before_serial`` and of
-        iterations before ``before_iteration``, except the jobs in ``keep``
-        (the last task of each ordered slot: the next one waits for it, however
-        many evaluation calls ran in between)."""
-        with self.store.lock:
-            self.done_keys = {k for k in self.done_keys if k[0] >= before_serial}
-            self.written = {k for k in self.written if k[0] >= before_serial or k in keep}
-            self.kept = {k: v for k, v in self.kept.items() if k >= before_iteration}
-
-
-@dataclass(eq=False)
-class _Held:
-    """A downloaded gradient the courier has not added yet."""
-
-    job: Job
-    param: _Param
-    grad: torch.Tensor
-    parked: bool = False  # waiting for its call's gain; no longer counted by its job
-
-
 @dataclass
 class _Staged:
     """A stage's weights on the device and the event that says they are there."""
@@ -242,157 +114,6 @@ class _Prefetch:
     issued: int = 0  # windows copied so far
 
 
-class _Courier:
-    """Completes one worker's transfers off its thread, in order.
-
-    Items are ``(event, fn, job)``: wait for the copy's event, then run ``fn``
-    (publish a value, signal rule 1, write running statistics back, finish a
-    job). Gradients wait, in addition, until the previous step has released
-    the host buffer (rule 4) and until their call's :class:`Gain` is known;
-    they are held meanwhile, and nothing behind them waits. A job is done once
-    its gradients are added or held for an unknown gain (its compute and copies
-    are over; the window's step waits for those gradients by rule 3). The
-    courier sleeps on its own condition, woken by its worker, by a release of
-    gradient buffers, by a gain becoming known and by a failure, never by
-    unrelated hand-offs."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.store = worker.rt.store
-        self._cond = threading.Condition()
-        self._items: deque[tuple[Any, Callable[[], None] | None, Job | None]] = deque()
-        self._grads: list[_Held] = []  # held by rule 4 or for their call's gain
-        self._stop = False
-        self._poke = False  # a buffer was released: look at the held gradients again
-        worker.rt.protocol.on_release.append(self.wake)
-        self.store.on_fail.append(self.wake)
-        self.thread = threading.Thread(
-            target=self._main, name=f"roundpipe-courier-{worker.index}", daemon=True
-        )
-
-    def wake(self) -> None:
-        with self._cond:
-            self._poke = True
-            self._cond.notify()
-
-    def put(self, event: Any, fn: Callable[[], None] | None, job: Job | None) -> None:
-        if job is not None:
-            job.queued += 1
-        with self._cond:
-            self._items.append((event, fn, job))
-            self._cond.notify()
-
-    def grads(self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor]]) -> None:
-        """Add ``items`` (parameter, fp32 host gradient) once ``event`` is done;
-        the job's last item: it is done once they are all in."""
-
-        def hold() -> None:
-            with self.store.lock:
-                job.outstanding += len(items)
-                job.finished = True
-            self._grads.extend(_Held(job, p, g) for p, g in items)
-            self._poke = True
-
-        job.grads_last = True
-        self.put(event, hold, job)
-
-    def finish(self, job: Job) -> None:
-        """The job's work is all queued: done at once when nothing of it is with
-        the courier, else once the courier reaches this point."""
-        if job.grads_last:  # its gradients carry the end
-            return
-        if job.queued == 0:
-            self.worker.rt.job_done(job)
-            return
-
-        def end() -> None:
-            self.worker.rt.job_done(job)
-
-        self.put(None, end, job)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-
-    def _ready_grads(self) -> list[_Held]:
-        """Held gradients whose buffer is free and whose gain is known now
-        (this thread only). Those waiting for their gain no longer keep their
-        job from being done."""
-        if not self._grads:
-            return []
-        rt = self.worker.rt
-        proto = rt.protocol
-        ready, waiting, finished = [], [], []
-        with proto.cond:
-            for h in self._grads:
-                gain = h.job.call.gain
-                if gain is not None and gain.value is None:
-                    if not h.parked:
-                        h.parked = True
-                        gain.parked += 1
-                        h.job.outstanding -= 1
-                        if h.job.outstanding == 0:
-                            finished.append(h.job)
-                    waiting.append(h)
-                elif proto.grad_ready(h.job.call.window, h.param):
-                    ready.append(h)
-                else:
-                    waiting.append(h)
-        self._grads = waiting
-        for job in finished:
-            rt.job_done(job)
-        return ready
-
-    def _main(self) -> None:
-        job: Job | None = None
-        rt = self.worker.rt
-        try:
-            while True:
-                with self._cond:
-                    while not self._items and not self._poke:
-                        if self.store.failure is not None or self._stop:
-                            break
-                        self._cond.wait(1.0)
-                    if self.store.failure is not None:
-                        return
-                    poke, self._poke = self._poke, False
-                    item = self._items.popleft() if self._items else None
-                    if item is None and not poke and self._stop:
-                        return
-                for h in self._ready_grads() if poke else ():
-                    job, window, p = h.job, h.job.call.window, h.param
-                    gain = job.call.gain
-                    factor = 1.0 if gain is None else gain.value
-                    rt.protocol.before_add(window, p)
-                    # dropped: autograd never reached the call's loss (an explicit
-                    # factor of 0 adds zeros, as autograd would)
-                    if gain is None or not gain.dropped:
-                        rt.host.accumulate(p, h.grad, factor)
-                    rt.protocol.after_grad(window, p)  # rule 3 producer
-                    with self.store.lock:
-                        if h.parked:
-                            gain.parked -= 1
-                            last = False
-                            self.store.lock.notify_all()
-                        else:
-                            job.outstanding -= 1
-                            last = job.finished and job.outstanding == 0
-                    if last:
-                        rt.job_done(job)
-                if item is not None:
-                    event, fn, job = item
-                    if event is not None:
-                        event.synchronize()  # the copy is complete (this thread only)
-                    if fn is not None:
-                        fn()
-                job = None
-        except EngineFailure:
-            pass
-        except BaseException as exc:  # every failure must reach the caller
-            self.store.fail(self.worker._wrap(exc, job, None, courier=True))
-
-
 class Worker:
     """One device worker thread (and its courier)."""
 
@@ -411,7 +132,7 @@ class Worker:
         self._ahead: dict[Key, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
         self._layer: int | None = None  # the layer running now, for error messages
-        self.courier = _Courier(self)
+        self.courier = Courier(self)
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
         )
@@ -464,9 +185,9 @@ class Worker:
                 job = None
         except (EngineFailure, HandoffTimeout) as exc:
             if isinstance(exc, HandoffTimeout):
-                self.store.fail(self._wrap(exc, job, mb[0]))
+                self.store.fail(self.wrap_failure(exc, job, mb[0]))
         except BaseException as exc:  # every failure must reach the caller
-            self.store.fail(self._wrap(exc, job, mb[0]))
+            self.store.fail(self.wrap_failure(exc, job, mb[0]))
         finally:
             if self.ctx is not None:
                 try:  # no copy may still read host memory once the engine frees it
@@ -480,7 +201,7 @@ class Worker:
             self._prefetch = None
             self._ahead.clear()
 
-    def _wrap(
+    def wrap_failure(
         self, exc: BaseException, job: Job | None, mb: int | None, courier: bool = False
     ) -> WorkerError:
         if job is None:

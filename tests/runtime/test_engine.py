@@ -495,6 +495,7 @@ def test_a_closed_engine_kept_alive_holds_no_copy_of_the_model():
 
 def test_memory_guard_names_the_layer_that_cannot_fit():
     from lightning_roundpipe.runtime import estimate_costs
+    from lightning_roundpipe.runtime.device import stage_memory_limit
 
     layers = mlp()
     costs = estimate_costs(layers, torch.float32)
@@ -504,9 +505,9 @@ def test_memory_guard_names_the_layer_that_cannot_fit():
         r"\(weights and gradients\) but a stage may use 1000 bytes on cuda:0; "
         "even one layer at a time does not fit. Raise device_memory_limit",
     ):
-        RoundPipeEngine._memory_limit([torch.device("cuda", 0)], costs, 1000)
-    assert RoundPipeEngine._memory_limit([CPU], costs, None) is None
-    assert RoundPipeEngine._memory_limit([torch.device("cuda", 0)], costs, 10**6) == 10**6
+        stage_memory_limit([torch.device("cuda", 0)], costs, 1000)
+    assert stage_memory_limit([CPU], costs, None) is None
+    assert stage_memory_limit([torch.device("cuda", 0)], costs, 10**6) == 10**6
 
 
 def test_mixed_device_types_are_refused():

@@ -1,0 +1,187 @@
+"""A device worker's courier: the thread that completes its transfers.
+
+The worker thread never waits for the host; its courier waits for each copy
+to complete and then publishes the value, adds gradients into the host
+buffers (holding them while ordering rule 4 or an unknown gradient factor
+says so), signals rule 1 and finishes jobs. See :class:`Courier`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .calls import Job
+from .host import _Param
+from .store import EngineFailure
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+__all__ = ["Courier"]
+
+
+@dataclass(eq=False)
+class _Held:
+    """A downloaded gradient the courier has not added yet."""
+
+    job: Job
+    param: _Param
+    grad: torch.Tensor
+    parked: bool = False  # waiting for its call's gain; no longer counted by its job
+
+
+class Courier:
+    """Completes one worker's transfers off its thread, in order.
+
+    Items are ``(event, fn, job)``: wait for the copy's event, then run ``fn``
+    (publish a value, signal rule 1, write running statistics back, finish a
+    job). Gradients wait, in addition, until the previous step has released
+    the host buffer (rule 4) and until their call's :class:`Gain` is known;
+    they are held meanwhile, and nothing behind them waits. A job is done once
+    its gradients are added or held for an unknown gain (its compute and copies
+    are over; the window's step waits for those gradients by rule 3). The
+    courier sleeps on its own condition, woken by its worker, by a release of
+    gradient buffers, by a gain becoming known and by a failure, never by
+    unrelated hand-offs."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.store = worker.rt.store
+        self._cond = threading.Condition()
+        self._items: deque[tuple[Any, Callable[[], None] | None, Job | None]] = deque()
+        self._grads: list[_Held] = []  # held by rule 4 or for their call's gain
+        self._stop = False
+        self._poke = False  # a buffer was released: look at the held gradients again
+        worker.rt.protocol.on_release.append(self.wake)
+        self.store.on_fail.append(self.wake)
+        self.thread = threading.Thread(
+            target=self._main, name=f"roundpipe-courier-{worker.index}", daemon=True
+        )
+
+    def wake(self) -> None:
+        with self._cond:
+            self._poke = True
+            self._cond.notify()
+
+    def put(self, event: Any, fn: Callable[[], None] | None, job: Job | None) -> None:
+        if job is not None:
+            job.queued += 1
+        with self._cond:
+            self._items.append((event, fn, job))
+            self._cond.notify()
+
+    def grads(self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor]]) -> None:
+        """Add ``items`` (parameter, fp32 host gradient) once ``event`` is done;
+        the job's last item: it is done once they are all in."""
+
+        def hold() -> None:
+            with self.store.lock:
+                job.outstanding += len(items)
+                job.finished = True
+            self._grads.extend(_Held(job, p, g) for p, g in items)
+            self._poke = True
+
+        job.grads_last = True
+        self.put(event, hold, job)
+
+    def finish(self, job: Job) -> None:
+        """The job's work is all queued: done at once when nothing of it is with
+        the courier, else once the courier reaches this point."""
+        if job.grads_last:  # its gradients carry the end
+            return
+        if job.queued == 0:
+            self.worker.rt.job_done(job)
+            return
+
+        def end() -> None:
+            self.worker.rt.job_done(job)
+
+        self.put(None, end, job)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def _ready_grads(self) -> list[_Held]:
+        """Held gradients whose buffer is free and whose gain is known now
+        (this thread only). Those waiting for their gain no longer keep their
+        job from being done."""
+        if not self._grads:
+            return []
+        rt = self.worker.rt
+        proto = rt.protocol
+        ready, waiting, finished = [], [], []
+        with proto.cond:
+            for h in self._grads:
+                gain = h.job.call.gain
+                if gain is not None and gain.value is None:
+                    if not h.parked:
+                        h.parked = True
+                        gain.parked += 1
+                        h.job.outstanding -= 1
+                        if h.job.outstanding == 0:
+                            finished.append(h.job)
+                    waiting.append(h)
+                elif proto.grad_ready(h.job.call.window, h.param):
+                    ready.append(h)
+                else:
+                    waiting.append(h)
+        self._grads = waiting
+        for job in finished:
+            rt.job_done(job)
+        return ready
+
+    def _main(self) -> None:
+        job: Job | None = None
+        rt = self.worker.rt
+        try:
+            while True:
+                with self._cond:
+                    while not self._items and not self._poke:
+                        if self.store.failure is not None or self._stop:
+                            break
+                        self._cond.wait(1.0)
+                    if self.store.failure is not None:
+                        return
+                    poke, self._poke = self._poke, False
+                    item = self._items.popleft() if self._items else None
+                    if item is None and not poke and self._stop:
+                        return
+                for h in self._ready_grads() if poke else ():
+                    job, window, p = h.job, h.job.call.window, h.param
+                    gain = job.call.gain
+                    factor = 1.0 if gain is None else gain.value
+                    rt.protocol.before_add(window, p)
+                    # dropped: autograd never reached the call's loss (an explicit
+                    # factor of 0 adds zeros, as autograd would)
+                    if gain is None or not gain.dropped:
+                        rt.host.accumulate(p, h.grad, factor)
+                    rt.protocol.after_grad(window, p)  # rule 3 producer
+                    with self.store.lock:
+                        if h.parked:
+                            gain.parked -= 1
+                            last = False
+                            self.store.lock.notify_all()
+                        else:
+                            job.outstanding -= 1
+                            last = job.finished and job.outstanding == 0
+                    if last:
+                        rt.job_done(job)
+                if item is not None:
+                    event, fn, job = item
+                    if event is not None:
+                        event.synchronize()  # the copy is complete (this thread only)
+                    if fn is not None:
+                        fn()
+                job = None
+        except EngineFailure:
+            pass
+        except BaseException as exc:  # every failure must reach the caller
+            self.store.fail(self.worker.wrap_failure(exc, job, None, courier=True))
