@@ -103,7 +103,11 @@ def test_fault_reaches_the_caller_with_context(point, n, async_mode):
 
 def test_out_of_memory_names_the_stage_and_what_to_change():
     eng = RoundPipeEngine(
-        model(), ["cpu"] * 2, 2, plan="2,3|1|1,2,2", chaos=Fault("upload", exc=torch.OutOfMemoryError)
+        model(),
+        ["cpu"] * 2,
+        2,
+        plan="2,3|1|1,2,2",
+        chaos=Fault("upload", exc=torch.OutOfMemoryError),
     )
     try:
         with pytest.raises(
