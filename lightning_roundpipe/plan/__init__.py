@@ -12,7 +12,15 @@ the baselines RoundPipe is compared against.
 from .costs import LayerCosts, PlanError, decoder_costs
 from .partition import balanced_partition, frontier, partition, partition_exhaustive
 from .plot import plot_timeline
-from .policy import RoundChoice, choose_plan, choose_round, hides_uploads, simulated_period
+from .policy import (
+    ExposedUpload,
+    RoundChoice,
+    choose_plan,
+    choose_round,
+    exposed_uploads,
+    hides_uploads,
+    simulated_period,
+)
 from .schedule import Clock, Schedule, Task, lower
 from .simulate import SCHEDULES, Segment, SimulationResult, choose_microbatches, simulate
 from .stages import Stage, StagePlan
@@ -21,6 +29,7 @@ from .windows import TransferPiece, TransferWindow, transfer_windows
 __all__ = [
     "SCHEDULES",
     "Clock",
+    "ExposedUpload",
     "LayerCosts",
     "PlanError",
     "RoundChoice",
@@ -37,6 +46,7 @@ __all__ = [
     "choose_plan",
     "choose_round",
     "decoder_costs",
+    "exposed_uploads",
     "frontier",
     "hides_uploads",
     "lower",

@@ -216,6 +216,11 @@ def decoder_costs(
     vocab: int,
     flops_per_second: float = 1e12,
     bytes_per_element: int = 2,
+    experts: int = 0,
+    experts_per_token: int = 0,
+    shared_mlp: int = 0,
+    dense_blocks: int = 0,
+    dense_mlp: int | None = None,
 ) -> LayerCosts:
     """Size-based costs of a decoder-only LM (embedding, GQA blocks, head + loss).
 
@@ -227,25 +232,54 @@ def decoder_costs(
     forward and keeps its logits (``sbV`` elements, in fp32 for the loss).
     Times are FLOPs / ``flops_per_second``; weight bytes use
     ``bytes_per_element``.
+
+    Mixture of Experts (``experts`` > 0): ``mlp`` is one expert's width; each
+    token computes with ``experts_per_token`` experts (and a shared MLP of
+    width ``shared_mlp``, 0 for none) plus the router (``2sbh x experts``
+    FLOPs), while a block's weights hold every expert, so such a block is
+    heavy in weights and light in compute. The first ``dense_blocks`` blocks
+    have a dense MLP of width ``dense_mlp`` instead (DeepSeek-V3's
+    ``first_k_dense_replace``).
     """
-    s, b, h, m, a, k, v = seq, micro_batch, hidden, mlp, heads, kv_heads, vocab
-    block_flops = (
-        4 * s * b * h * h + 4 * s * b * h * h * k / a + 4 * s * s * b * h + 6 * s * b * h * m
-    )
-    block_act = (12 + 4 * k / a) * s * b * h + 6 * s * b * m
-    block_weights = (2 * h * h + 2 * h * h * k / a + 3 * h * m) * bytes_per_element
+    if experts < 0 or not 0 <= experts_per_token <= experts:
+        raise PlanError(
+            f"experts_per_token must be between 0 and experts ({experts}), got {experts_per_token}"
+        )
+    if experts and not experts_per_token:
+        raise PlanError("a Mixture-of-Experts model needs experts_per_token >= 1")
+    if not 0 <= dense_blocks <= num_blocks:
+        raise PlanError(f"dense_blocks must be between 0 and {num_blocks}, got {dense_blocks}")
+    s, b, h, a, k, v = seq, micro_batch, hidden, heads, kv_heads, vocab
+    attn_flops = 4 * s * b * h * h + 4 * s * b * h * h * k / a + 4 * s * s * b * h
+    attn_act = (12 + 4 * k / a) * s * b * h
+    attn_weights = (2 * h * h + 2 * h * h * k / a) * bytes_per_element
+
+    def block(width: int, visited: int, held: int, router: int) -> tuple[float, float, float]:
+        """FLOPs, activation bytes and weight bytes of a block whose tokens each
+        compute with ``visited`` MLP columns of the ``held`` it stores."""
+        flops = attn_flops + 6 * s * b * h * visited + 2 * s * b * h * router
+        act = attn_act + 6 * s * b * visited
+        return flops, act, attn_weights + (3 * h * held + h * router) * bytes_per_element
+
+    if experts:
+        moe = block(mlp, mlp * experts_per_token + shared_mlp, mlp * experts + shared_mlp, experts)
+        width = dense_mlp if dense_mlp is not None else mlp
+        dense = block(width, width, width, 0)
+        blocks = [dense] * dense_blocks + [moe] * (num_blocks - dense_blocks)
+    else:
+        blocks = [block(mlp, mlp, mlp, 0)] * num_blocks
     head_flops = 2 * s * b * h * v
     head_act = s * b * v * 4 + s * b * h * bytes_per_element
     emb_weights = v * h * bytes_per_element
     fwd = (
         [s * b * h / flops_per_second]
-        + [block_flops / flops_per_second] * num_blocks
+        + [f / flops_per_second for f, _, _ in blocks]
         + [head_flops / flops_per_second]
     )
-    weights = [emb_weights] + [block_weights] * num_blocks + [emb_weights]
+    weights = [emb_weights] + [w for _, _, w in blocks] + [emb_weights]
     memory = (
         [emb_weights + s * b * h * bytes_per_element]
-        + [2 * block_weights + block_act] * num_blocks
+        + [2 * w + act for _, act, w in blocks]
         + [2 * emb_weights + head_act]
     )
     return LayerCosts(fwd, [2 * f for f in fwd], memory=memory, weight_bytes=weights)

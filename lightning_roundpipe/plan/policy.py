@@ -30,9 +30,11 @@ from .simulate import simulate, steady_async_bubble
 from .stages import Stage, StagePlan
 
 __all__ = [
+    "ExposedUpload",
     "RoundChoice",
     "choose_plan",
     "choose_round",
+    "exposed_uploads",
     "hides_uploads",
     "simulated_period",
 ]
@@ -182,21 +184,51 @@ def choose_round(
     )
 
 
-def hides_uploads(
+@dataclass(frozen=True)
+class ExposedUpload:
+    """A stage whose weight upload a round's compute does not hide."""
+
+    stage: Stage
+    weight_bytes: float
+    upload_time: float  # weight_bytes / bandwidth, in the unit of the costs' times
+    round_time: float  # round_size x the stage's time per micro-batch
+
+    def __str__(self) -> str:
+        st = self.stage
+        return (
+            f"{st.label} (layers {st.start}-{st.stop - 1}): {self.weight_bytes / 2**30:.2f} GiB "
+            f"of weights take {self.upload_time:.3g} to upload, its round computes "
+            f"{self.round_time:.3g}"
+        )
+
+
+def exposed_uploads(
     plan: StagePlan | Sequence[Stage], costs: LayerCosts, round_size: int, bandwidth: float
-) -> bool:
-    """Whether a round's compute hides its weight uploads: a device runs a stage
-    for the ``round_size`` micro-batches of a round while the next stage's
-    weights stream in, so every stage needs ``round_size * t_stage >=
+) -> list[ExposedUpload]:
+    """The stages whose weight upload a round's compute does not hide: a device
+    runs a stage for the ``round_size`` micro-batches of a round while the next
+    stage's weights stream in, so every stage needs ``round_size * t_stage >=
     weight_bytes / bandwidth`` (stage time per micro-batch from ``costs``,
     weights from ``costs.weight_bytes``; ``bandwidth`` in bytes per unit of
-    ``costs`` time)."""
+    ``costs`` time). Mixture-of-Experts stages are the usual ones: all their
+    experts go up, while each token computes with only a few."""
     if not bandwidth > 0:
         raise PlanError(f"bandwidth must be > 0, got {bandwidth!r}")
     if costs.weight_bytes is None:
-        raise PlanError("hides_uploads needs costs with weight_bytes")
+        raise PlanError("exposed_uploads needs costs with weight_bytes")
     stages = plan.stages if isinstance(plan, StagePlan) else plan
-    return all(
-        round_size * st.time(costs) >= costs.stage_weight_bytes(st.start, st.stop) / bandwidth
-        for st in stages
-    )
+    out = []
+    for st in stages:
+        nbytes = costs.stage_weight_bytes(st.start, st.stop)
+        upload, compute = nbytes / bandwidth, round_size * st.time(costs)
+        if compute < upload:
+            out.append(ExposedUpload(st, nbytes, upload, compute))
+    return out
+
+
+def hides_uploads(
+    plan: StagePlan | Sequence[Stage], costs: LayerCosts, round_size: int, bandwidth: float
+) -> bool:
+    """Whether a round's compute hides every stage's weight upload (see
+    :func:`exposed_uploads`)."""
+    return not exposed_uploads(plan, costs, round_size, bandwidth)

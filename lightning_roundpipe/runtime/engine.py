@@ -32,7 +32,7 @@ from torch import nn
 
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
 from ..plan.decide import after_measurement, initial_plan
-from ..plan.policy import RoundChoice, choose_round, hides_uploads
+from ..plan.policy import RoundChoice, choose_round, exposed_uploads
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
 from .device import as_device, check_uniform, host_to_device_bandwidth, pin, stage_memory_limit
@@ -535,10 +535,11 @@ class RoundPipeEngine:
                 grads += 4 * sum(
                     p.master.numel() for p in host.stage_params(st.start, st.stop) if p.trainable
                 )
-        hidden = None
+        hidden, exposed = None, []
         costs = self.measured_costs()
         if self._bandwidth and costs is not None:
-            hidden = hides_uploads(sched.stages, costs, sched.round_size, self._bandwidth)
+            exposed = exposed_uploads(sched.stages, costs, sched.round_size, self._bandwidth)
+            hidden = not exposed
         return TrafficReport(
             sched.iteration,
             self.traffic(sched.iteration),
@@ -547,6 +548,7 @@ class RoundPipeEngine:
             sched.num_rounds,
             self.round,
             hidden,
+            tuple(exposed),
         )
 
     # ---------------------------------------------------------------- trace

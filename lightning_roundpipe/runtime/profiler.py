@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..plan import LayerCosts
-from ..plan.policy import RoundChoice
+from ..plan.policy import ExposedUpload, RoundChoice
 
 __all__ = [
     "LayerTimer",
@@ -466,21 +466,57 @@ def write_trace(
     return written
 
 
+def _experts(module: nn.Module) -> list[tuple[nn.Module, int]]:
+    """Mixture-of-Experts containers in ``module`` and how many experts each
+    token visits: a module with ``num_experts`` whose own parameters are
+    stacked per expert (transformers' fused experts), next to a router with
+    ``top_k`` (the router's own weight is not an expert's)."""
+    found = []
+    for parent in module.modules():
+        children = list(parent.children())
+        top_k = [c.top_k for c in children if isinstance(getattr(c, "top_k", None), int)]
+        if isinstance(getattr(parent, "top_k", None), int):
+            top_k.append(parent.top_k)
+        for child in children:
+            e = getattr(child, "num_experts", None)
+            if not isinstance(e, int) or isinstance(getattr(child, "top_k", None), int):
+                continue
+            own = list(child.parameters(recurse=False))
+            if top_k and own and all(p.dim() >= 2 and p.shape[0] == e for p in own):
+                found.append((child, min(top_k[0], e)))
+    return found
+
+
+def active_parameters(layer: nn.Module) -> float:
+    """Parameters one token's forward multiplies with: every parameter, except
+    that each token visits only ``top_k`` of a Mixture-of-Experts layer's
+    ``num_experts`` experts (our own count: torch has no per-token FLOP
+    estimate that knows routing)."""
+    total = float(sum(p.numel() for p in layer.parameters()))
+    for experts, top_k in _experts(layer):
+        n = sum(p.numel() for p in experts.parameters(recurse=False))
+        total -= n * (1 - top_k / experts.num_experts)
+    return total
+
+
 def estimate_costs(layers: Sequence[nn.Module], compute_dtype: torch.dtype) -> LayerCosts:
     """Size-based layer costs used until measurements exist.
 
-    Forward time is taken proportional to a layer's parameter count (matmul
-    FLOPs per token are ~2 x parameters) with a small floor so parameter-free
-    layers still cost something; backward is twice the forward for layers with
-    trainable weights (input and weight gradients) and equal to it otherwise.
-    Memory is the weights in the compute dtype plus, for trainable weights, the
-    fp32 gradient accumulator."""
+    Forward time is taken proportional to the parameters a token computes
+    with (matmul FLOPs per token are ~2 x those; a Mixture-of-Experts layer
+    counts ``top_k / num_experts`` of its experts, see :func:`active_parameters`)
+    with a small floor so parameter-free layers still cost something; backward
+    is twice the forward for layers with trainable weights (input and weight
+    gradients) and equal to it otherwise. Memory is all the weights in the
+    compute dtype plus, for trainable weights, the fp32 gradient accumulator;
+    ``weight_bytes`` all the weights (every expert goes up)."""
     size = torch.empty(0, dtype=compute_dtype).element_size()
     counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    floor = max(1.0, 1e-3 * max(counts, default=1))
+    active = [active_parameters(layer) for layer in layers]
+    floor = max(1.0, 1e-3 * max(active, default=1))
     fwd, bwd, mem = [], [], []
-    for layer, n in zip(layers, counts, strict=True):
-        f = n + floor
+    for layer, n, a in zip(layers, counts, active, strict=True):
+        f = a + floor
         trainable = any(p.requires_grad for p in layer.parameters())
         fwd.append(f)
         bwd.append(2 * f if trainable else f)
@@ -507,6 +543,7 @@ class TrafficReport:
         uploads_hidden: whether each round's compute hides its weight uploads
             at the measured host-to-device bandwidth (None: not known, e.g. on
             CPU workers or before per-layer times are measured).
+        exposed: the stages whose uploads it does not hide (times in seconds).
     """
 
     iteration: int
@@ -516,6 +553,7 @@ class TrafficReport:
     rounds: int
     round: RoundChoice
     uploads_hidden: bool | None
+    exposed: tuple[ExposedUpload, ...] = ()
 
     @property
     def weights_ratio(self) -> float:
@@ -532,7 +570,19 @@ class TrafficReport:
             f"{_size(m['grads_down'])} ({g:.2f}x), activations up {_size(m['acts_up'])}, "
             f"down {_size(m['acts_down'])}, buffers {_size(m['buffers'])}; {self.rounds} "
             f"round(s): {self.round.reason}; uploads hidden behind compute: {hidden}"
+            + _exposed(self.exposed)
         )
+
+
+def _exposed(exposed: Sequence[ExposedUpload]) -> str:
+    if not exposed:
+        return ""
+    shown = "; ".join(f"{e} (seconds)" for e in exposed[:3])
+    more = f"; and {len(exposed) - 3} more" if len(exposed) > 3 else ""
+    return (
+        f" (not hidden: {shown}{more}. Raise microbatches_per_round or num_microbatches so a "
+        "round computes longer)"
+    )
 
 
 def _size(nbytes: float) -> str:

@@ -97,3 +97,50 @@ def test_decoder_costs_follow_the_gqa_formula():
     assert c.memory[1] - 2 * c.weight_bytes[1] == act
     # a heavy LM head relative to a block: the reason RoundPipe exists
     assert 2 < c.forward[-1] / c.forward[1] < 10  # ~5x for Qwen3-1.7B shapes
+
+
+def test_decoder_costs_of_a_mixture_of_experts_are_heavy_in_weights_light_in_compute():
+    from lightning_roundpipe.plan import decoder_costs
+
+    shape = dict(seq=2048, micro_batch=1, hidden=2048, heads=32, kv_heads=4, vocab=151936)
+    # Qwen3-30B-A3B-like: 128 experts of width 768, 8 per token
+    moe = decoder_costs(4, mlp=768, experts=128, experts_per_token=8, **shape)
+    dense = decoder_costs(4, mlp=768 * 8, **shape)  # the same compute per token, dense
+    s, b, h = 2048, 1, 2048
+    # compute: 8 experts' MLP plus the router, the same attention
+    assert moe.forward[1] - dense.forward[1] == pytest.approx(2 * s * b * h * 128 / 1e12)
+    # weights: all 128 experts (and the router) go up
+    attn = (2 * h * h + 2 * h * h * 4 / 32) * 2
+    assert moe.weight_bytes[1] == attn + (3 * h * 768 * 128 + h * 128) * 2
+    assert moe.weight_bytes[1] > 10 * dense.weight_bytes[1]
+    # DeepSeek-V3-like mix: one dense block first, a shared expert in the others
+    mix = decoder_costs(
+        3,
+        mlp=256,
+        experts=8,
+        experts_per_token=2,
+        shared_mlp=256,
+        dense_blocks=1,
+        dense_mlp=1024,
+        **shape,
+    )
+    assert mix.weight_bytes[1] == attn + 3 * h * 1024 * 2
+    assert mix.weight_bytes[2] == attn + (3 * h * (256 * 8 + 256) + h * 8) * 2
+    assert mix.forward[2] < mix.forward[1]  # 3 x 256 visited columns against 1024
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(experts=4, experts_per_token=5), "experts_per_token must be between 0 and experts"),
+        (dict(experts=4), "needs experts_per_token >= 1"),
+        (dict(experts=4, experts_per_token=1, dense_blocks=3), "dense_blocks must be between"),
+    ],
+)
+def test_decoder_costs_refuse_impossible_experts(kwargs, message):
+    from lightning_roundpipe.plan import decoder_costs
+
+    with pytest.raises(PlanError, match=message):
+        decoder_costs(
+            2, seq=8, micro_batch=1, hidden=8, mlp=8, heads=2, kv_heads=2, vocab=16, **kwargs
+        )

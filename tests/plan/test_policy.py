@@ -11,6 +11,7 @@ from lightning_roundpipe.plan import (
     StagePlan,
     choose_plan,
     choose_round,
+    exposed_uploads,
     frontier,
     hides_uploads,
     partition,
@@ -93,3 +94,20 @@ def test_a_round_hides_its_uploads_when_its_compute_is_long_enough():
         hides_uploads(plan, costs, 2, bandwidth=0)
     with pytest.raises(PlanError, match="needs costs with weight_bytes"):
         hides_uploads(plan, LayerCosts([1] * 4, [2] * 4), 2, bandwidth=1.0)
+
+
+def test_exposed_uploads_name_the_stages_a_round_does_not_hide():
+    # layer 2 is a Mixture-of-Experts block: 10x the weights, the same compute
+    costs = LayerCosts([1] * 4, [2] * 4, weight_bytes=[100, 100, 1000, 100])
+    plan = StagePlan.parse("1,1,1|1|1,1,1")  # F0 F1 F2 | fused 3 | backward 2, 1, 0
+    exposed = exposed_uploads(plan, costs, 3, bandwidth=100.0)
+    # F2 computes 3 x 1 against 10 to upload; the backward stage of layer 2
+    # computes 3 x (1 + 2) (recompute and backward) against 10
+    assert [(e.stage.kind, e.stage.start) for e in exposed] == [("forward", 2), ("backward", 2)]
+    e = exposed[0]
+    assert (e.weight_bytes, e.upload_time, e.round_time) == (1000, 10.0, 3.0)
+    assert str(e) == (
+        f"{e.stage.label} (layers 2-2): 0.00 GiB of weights take 10 to upload, its round computes 3"
+    )
+    assert [e.stage.kind for e in exposed_uploads(plan, costs, 4, 100.0)] == ["forward"]
+    assert exposed_uploads(plan, costs, 10, bandwidth=100.0) == []

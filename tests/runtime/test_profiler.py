@@ -253,3 +253,36 @@ def test_a_profiler_started_inside_a_named_range_does_not_fail_the_task():
     r.__enter__()
     with torch.profiler.profile():
         r.__exit__(None, None, None)
+
+
+def test_size_based_costs_count_the_experts_a_token_visits():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lightning_roundpipe.runtime import estimate_costs
+    from lightning_roundpipe.runtime.profiler import active_parameters
+
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+    )
+    model = Qwen3MoeForCausalLM(config)
+    dense, moe = model.model.layers
+    experts = moe.mlp.experts
+    expert_params = experts.gate_up_proj.numel() + experts.down_proj.numel()
+    total = sum(p.numel() for p in moe.parameters())
+    # 2 of 8 experts per token; the router and attention count in full
+    assert active_parameters(moe) == total - expert_params * 6 / 8
+    assert active_parameters(dense) == sum(p.numel() for p in dense.parameters())
+    costs = estimate_costs([dense, moe], torch.float32)
+    floor = 1e-3 * max(active_parameters(dense), active_parameters(moe))
+    assert costs.forward[1] == pytest.approx(total - expert_params * 6 / 8 + floor)
+    assert costs.weight_bytes[1] == 4 * total  # every expert goes up
