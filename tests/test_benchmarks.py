@@ -132,3 +132,18 @@ def test_a_trial_that_runs_out_of_time_is_reported(monkeypatch):
     mod = load("lm_runner")
     monkeypatch.setenv("ROUNDPIPE_TRIAL_TIMEOUT", "0.01")
     assert mod.trial("roundpipe", "tiny", 64, 8, 2, 1, 1) == {"error": "timed out after 0 s"}
+
+
+def test_experts_benchmark_table():
+    table = load("experts").run(
+        hidden=64,
+        experts=4,
+        top_k=2,
+        tokens=32,
+        vocab=64,
+        iters=1,
+        implementations=("eager", "grouped_mm"),
+    )
+    lines = table.splitlines()
+    assert lines[0].startswith("| experts implementation | own fwd+bwd (ms)")
+    assert [ln.split("|")[1].strip() for ln in lines[2:]] == ["eager", "grouped_mm"]

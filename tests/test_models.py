@@ -1,6 +1,8 @@
-"""The Hugging Face adapter: decoder stages never wait for the device, build the
-mask and rotary tables once per stage and micro-batch, and train exactly like
-the unsplit model (padding and packed sequences included)."""
+"""The Hugging Face adapter on an engine: decoder stages never wait for the
+device, build the mask and rotary tables once per stage, micro-batch and kind,
+and train exactly like the unsplit model (padding and packed sequences
+included); call arguments it does not implement are refused;
+``logits_to_keep`` and ``inputs_embeds`` behave as in the model."""
 
 import copy
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_roundpipe.models import CausalLMAdapter, _Decoder
+from lightning_roundpipe.models import CausalLMAdapter
+from lightning_roundpipe.models.layers import _Decoder
 from lightning_roundpipe.runtime import RoundPipeEngine, WorkerError
 from lightning_roundpipe.runtime.scope import HostSyncError, forbid_host_sync
 
@@ -17,17 +20,22 @@ transformers = pytest.importorskip("transformers")
 PLAN = "2,3|1|3,2"  # F1 = embed + decoder 0, F2 = decoders 1-3, B2 = 1-3, B3 = embed + 0
 
 
-def qwen3():
+VOCAB = 64
+SEQ = 12
+
+
+def qwen3(layers=4, **config):
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(
-        vocab_size=64,
+        vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
         attention_dropout=0.0,
+        **config,
     )
     return transformers.Qwen3ForCausalLM(cfg)
 
@@ -145,3 +153,142 @@ def test_the_guard_names_a_host_sync_inside_a_stage():
         bool(torch.ones(()) > 0)
     with forbid_host_sync(), pytest.raises(HostSyncError, match="__getitem__"):
         torch.ones(3)[torch.ones(3) > 0]
+
+
+# ------------------------------------------------------------ calls
+def attached(model, fn, devices=2):
+    adapter = CausalLMAdapter(model, "model")
+    with RoundPipeEngine(adapter.layers(), ["cpu"] * devices, 2) as eng:
+        adapter.attach(eng)
+        try:
+            out = fn()
+            eng.synchronize()
+        finally:
+            adapter.detach()
+    return out
+
+
+def test_call_arguments_the_pipeline_does_not_implement_are_refused():
+    model = qwen3(layers=2)
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+
+    def check(kwargs, error, match):
+        with pytest.raises(error, match=match):
+            attached(model, lambda: model(**kwargs))
+
+    check({"input_ids": ids, "past_key_values": object()}, TypeError, "past_key_values is not")
+    check(
+        {"input_ids": ids, "output_hidden_states": True},
+        TypeError,
+        "output_hidden_states=True is not supported",
+    )
+    check(
+        {"input_ids": ids, "attention_mask": torch.ones(4, 1, SEQ, SEQ)},
+        TypeError,
+        r"attention_mask must be a 2-D \(batch, sequence\) padding mask, got \(4, 1, 12, 12\)",
+    )
+    check(
+        {"input_ids": ids, "labels": ids, "logits_to_keep": 1},
+        TypeError,
+        "logits_to_keep=1 with labels= is not supported",
+    )
+    model.loss_function = lambda **kw: 0
+    check({"input_ids": ids, "labels": ids}, ValueError, "the model's loss_function is")
+
+
+def test_logits_to_keep_selects_the_models_logits():
+    model = qwen3(layers=2).eval()
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    with torch.no_grad():
+        for keep in (1, torch.tensor([0, 5])):
+            expected = model(input_ids=ids, logits_to_keep=keep).logits
+            got = attached(model, lambda keep=keep: model(input_ids=ids, logits_to_keep=keep))
+            torch.testing.assert_close(got.logits, expected)
+
+
+# ------------------------------------------------------------ inputs_embeds
+def embed_case(padded: bool = True):
+    g = torch.Generator().manual_seed(3)
+    embeds = torch.randn(4, SEQ, 32, generator=g)
+    labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    if padded:
+        mask[1, 8:] = 0
+        labels[1, 8:] = -100
+    return embeds, mask, labels
+
+
+def grads(model):
+    return [
+        torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()
+    ]  # the pipeline gives an unused weight (the embedding) a zero gradient
+
+
+@pytest.mark.parametrize("loss_outside", [False, True])
+def test_inputs_embeds_train_like_the_model(loss_outside):
+    embeds, mask, labels = embed_case()
+    positions = torch.arange(SEQ).expand(4, -1) + 2
+    # sliding windows on every other layer
+    model = qwen3(
+        layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        use_sliding_window=True,
+        sliding_window=5,
+    )
+    ref = copy.deepcopy(model)
+
+    # a trainable soft prompt: the gradient flows back out of the pipeline
+    soft_ref, soft = embeds.clone().requires_grad_(), embeds.clone().requires_grad_()
+
+    def loss_of(m, e):
+        if loss_outside:
+            logits = m(inputs_embeds=e, attention_mask=mask, position_ids=positions).logits
+            target = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+            return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        return m(inputs_embeds=e, attention_mask=mask, position_ids=positions, labels=labels).loss
+
+    expected = 0.5 * loss_of(ref, soft_ref)
+    expected.backward()
+
+    def step():
+        loss = 0.5 * loss_of(model, soft)
+        loss.backward()
+        return loss.detach()
+
+    torch.testing.assert_close(attached(model, step), expected.detach())
+    for a, b in zip(grads(model), grads(ref), strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(soft.grad, soft_ref.grad)
+
+
+def test_inputs_embeds_evaluate_like_the_model_and_misuse_is_refused_as_by_the_model():
+    embeds, mask, labels = embed_case()
+    model = qwen3(layers=2).eval()
+    with torch.no_grad():
+        expected = model(inputs_embeds=embeds, attention_mask=mask, labels=labels)
+        got = attached(
+            model, lambda: model(inputs_embeds=embeds, attention_mask=mask, labels=labels)
+        )
+    torch.testing.assert_close(got.loss, expected.loss)
+    torch.testing.assert_close(got.logits, expected.logits)
+
+    model.train()
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    for kwargs in ({"input_ids": ids, "inputs_embeds": embeds}, {"attention_mask": mask}):
+        with pytest.raises(ValueError) as theirs:
+            model(**kwargs)
+        with pytest.raises(ValueError) as ours:
+            attached(model, lambda kwargs=kwargs: model(**kwargs))
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_boundary_estimate_reads_inputs_embeds():
+    adapter = CausalLMAdapter(qwen3(layers=2), "m")
+    estimate = adapter.boundary_estimate(torch.bfloat16)
+    embeds, mask, _ = embed_case()
+    ids = torch.zeros(4, SEQ, dtype=torch.long)
+    tokens = 4 * SEQ
+    assert estimate({"input_ids": ids}) == tokens * 32 * 2 + tokens * 8
+    assert estimate({"inputs_embeds": embeds, "attention_mask": mask}) == (
+        tokens * 32 * 2 + tokens * 8 + mask.numel() * 8
+    )

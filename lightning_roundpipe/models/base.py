@@ -1,0 +1,204 @@
+"""What every adapter shares: the interception of the module's ``forward``, the
+autograd node for values the pipeline computed, and the ``nn.Sequential`` adapter."""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..runtime.engine import EngineClosedError
+from ..runtime.nested import flatten_tensors
+
+if TYPE_CHECKING:
+    from ..runtime import RoundPipeEngine
+
+__all__ = ["LayerStackNotFound", "SequentialAdapter"]
+
+
+class LayerStackNotFound(ValueError):
+    """No pipeline layer stack could be found in the module."""
+
+
+class _FromPipeline(torch.autograd.Function):
+    """A value the pipeline computed (outputs, or a loss whose backward already
+    ran inside it); its backward runs ``run(grad)``, which returns the
+    gradients of the pipeline's inputs that require one (``needs``)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run, *needs) -> torch.Tensor:
+        ctx.run = run
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None, None, *ctx.run(grad)
+
+
+def _from_pipeline(
+    value: torch.Tensor,
+    engine: RoundPipeEngine,
+    iteration: int,
+    inputs: Any,
+    backward: Callable[[RoundPipeEngine, int, torch.Tensor], float],
+) -> torch.Tensor:
+    """``value`` in the caller's graph: when autograd reaches it,
+    ``backward(engine, iteration, grad)`` runs or completes the pipeline's backward and
+    returns the factor the inputs' gradients are then taken with. The graph
+    refers to the engine weakly: a graph that outlives it (a failed batch run
+    again on a re-planned engine) does not keep it alive."""
+    engine_ref = weakref.ref(engine)
+    needs = _needing_grad(inputs)
+
+    def run(grad: torch.Tensor) -> list[torch.Tensor | None]:
+        eng = engine_ref()
+        if eng is None:
+            raise EngineClosedError(
+                "backward reached a value of a RoundPipe engine that no longer exists"
+            )
+        factor = backward(eng, iteration, grad)
+        if not needs:
+            return []
+        grads = eng.input_grads(iteration)
+        return [None if grads[i] is None else grads[i] * factor for i in needs]
+
+    flat = flatten_tensors(inputs)
+    return _FromPipeline.apply(_anchor(), value, run, *(flat[i] for i in needs))
+
+
+def _needing_grad(inputs: Any) -> list[int]:
+    """Positions (in ``flatten_tensors`` order) of input tensors that require a
+    gradient: embeddings from a trainable module outside the pipeline."""
+    if not torch.is_grad_enabled():
+        return []
+    return [i for i, t in enumerate(flatten_tensors(inputs)) if t.requires_grad]
+
+
+def _anchor() -> torch.Tensor:
+    return torch.zeros((), requires_grad=True)
+
+
+class _Adapter(ABC):
+    """Common interception: patch ``target.forward``, restore on ``detach``."""
+
+    target: nn.Module
+
+    @abstractmethod
+    def layers(self) -> list[nn.Module]:
+        """The pipeline layers, in order."""
+
+    @abstractmethod
+    def _layer_names(self) -> list[tuple[str, str]]:
+        """Each pipeline layer's kind: (name, plural name)."""
+
+    def describe_layers(self) -> str:
+        """The pipeline layers by index, as plan strings count them, runs of one
+        kind collapsed: ``"0 embed, 1-28 blocks, 29 head"`` for a causal LM,
+        ``"0 Linear, 1 ReLU, 2-5 Block, 6 Linear"`` for an ``nn.Sequential``."""
+        names = self._layer_names()
+        parts, start = [], 0
+        for i in range(1, len(names) + 1):
+            if i < len(names) and names[i] == names[start]:
+                continue
+            one, many = names[start]
+            parts.append(f"{start} {one}" if i - start == 1 else f"{start}-{i - 1} {many}")
+            start = i
+        return ", ".join(parts)
+
+    def attach(self, engine: RoundPipeEngine) -> None:
+        self.engine = engine
+        adapter = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return adapter.call(*args, **kwargs)
+
+        self.target.forward = forward  # instance attribute shadows the class method
+
+    def detach(self) -> None:
+        self.target.__dict__.pop("forward", None)
+        self.engine = None
+
+    def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int] | None:
+        """Bytes of one stage-boundary value of a micro-batch, from its input,
+        before anything ran (None: the engine measures it in the first step)."""
+        return None
+
+    @abstractmethod
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """What a call to the intercepted module does."""
+
+    def _outputs_with_backward(self, inputs: Any) -> torch.Tensor:
+        """Forward now; when autograd reaches the outputs, run the pipelined
+        backward with their gradient (same iteration: same dropout masks)."""
+        engine = self.engine
+        it = engine.reserve_iteration()
+        out = engine.forward(inputs, iteration=it)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                "with autograd on, the pipeline's last layer must return a tensor when the loss "
+                f"is computed outside the model; it returned {type(out).__name__}"
+            )
+
+        wants_input_grads = bool(_needing_grad(inputs))
+
+        def backward(eng: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:
+            eng.forward_backward(
+                inputs,
+                labels=grad,
+                loss_fn=_dot,
+                iteration=iteration,
+                loss_weights=_unit_weights,
+                input_grads=wants_input_grads,
+            )
+            return 1.0
+
+        value = out.float() if out.is_floating_point() else out
+        return _from_pipeline(value, engine, it, inputs, backward)
+
+
+def _give_factor(engine: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:
+    """The backward of a loss computed inside the pipeline already ran: the
+    gradient autograd brings is the factor its weight gradients (and input
+    gradients) join with."""
+    factor = float(grad)
+    engine.scale_gradients(iteration, factor)
+    return factor
+
+
+def _unit_weights(labels: list[Any]) -> list[float]:
+    """Every micro-batch's output gradient counts once."""
+    return [1.0] * len(labels)
+
+
+def _dot(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient with respect to ``out`` is ``grad``."""
+    return (out.float() * grad.to(out.device, torch.float32)).sum()
+
+
+# --------------------------------------------------------------- Sequential
+class SequentialAdapter(_Adapter):
+    """An ``nn.Sequential``: its children are the pipeline layers."""
+
+    kind = "nn.Sequential"
+
+    def __init__(self, target: nn.Sequential, name: str) -> None:
+        self.target = target
+        self.name = name
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.target)
+
+    def _layer_names(self) -> list[tuple[str, str]]:
+        return [(type(c).__name__, type(c).__name__) for c in self.target]
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != 1:
+            raise TypeError(f"{self.name} (nn.Sequential) takes one input")
+        (x,) = args
+        if torch.is_grad_enabled() and self.target.training:
+            return self._outputs_with_backward(x)
+        return self.engine.forward(x)

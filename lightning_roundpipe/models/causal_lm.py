@@ -1,0 +1,428 @@
+"""The adapter for Hugging Face decoder-only causal LMs (every family in
+:mod:`.families`, also wrapped by PEFT).
+
+Layers: the embedding stage, one layer per decoder block, the head (see
+:mod:`.layers`). Whether a batch has padding or packed sequences is decided on
+the host before anything is uploaded, so no layer waits for the device to
+answer it. Called with ``labels=`` while training, the loss is computed inside
+the pipeline (the fused stage) per micro-batch and weighted by its share of the
+batch's labelled tokens, so it equals the unsplit model's loss and full-batch
+logits never exist. Config settings and call arguments the pipeline layers do
+not implement are refused, never ignored.
+
+Mixture-of-Experts router loss (``output_router_logits=True`` on a family with a
+:class:`~.families.RouterAux`): the model adds ``coef *
+load_balancing_loss_func(...)``, a function of every layer's routing of the
+whole batch. The statistics it needs (per expert: how often it is chosen,
+without gradient, and the summed routing probabilities, with gradient; the
+number of real tokens) travel as running sums with the hidden states, each
+MoE block adding its own, and the loss function adds the term from the sums.
+Within one micro-batch this is exact. A micro-batch's backward runs before the
+next micro-batch's routing exists, so across micro-batches each micro-batch's
+term is the model's aux loss *of that micro-batch*, weighted like its
+cross-entropy (its share of the labelled tokens): with ``num_microbatches=1``
+the loss equals the unsplit model's exactly. Evaluation (no backward) sums the
+statistics of all micro-batches first, so ``aux_loss`` and the loss are the
+whole batch's, as the model's. The output's ``router_logits`` stay None.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..runtime.optimizer import NonFiniteError
+from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
+from .layers import ROUTER_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
+from .layout import check_config, layer_kinds, layout_of, layout_problem, router_recorder
+
+__all__ = ["CausalLMAdapter", "causal_lm_loss"]
+
+# call arguments the adapter reads; any other with a value is refused
+_HANDLED = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "past_key_values",
+    "inputs_embeds",
+    "labels",
+    "use_cache",
+    "logits_to_keep",
+    "output_router_logits",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+)
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets, as Hugging Face's causal LM loss builds them."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, empty: float | None = 0.0
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the real tokens (labels ``-100`` are
+    ignored). With none: ``empty`` (0 for a micro-batch, whose weight is then
+    0), or, with ``empty=None``, NaN as the model's own loss is."""
+    target = _shifted(labels).reshape(-1).to(logits.device)
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    count = (target != -100).sum()
+    total = nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
+    return total / (count if empty is None else count.clamp(min=1))
+
+
+class _LMLoss:
+    """The pipeline's loss function: :func:`causal_lm_loss` of the head's
+    logits, plus ``coef`` times the router load-balancing loss of the
+    micro-batch when the head returns router statistics."""
+
+    def __init__(self, coef: float, experts: int) -> None:
+        self.coef = coef
+        self.experts = experts
+
+    def __call__(self, out: Any, labels: torch.Tensor) -> torch.Tensor:
+        if not isinstance(out, dict):
+            return causal_lm_loss(out, labels)
+        loss = causal_lm_loss(out["logits"], labels)
+        aux = balance_loss(*(out[k] for k in ROUTER_KEYS), self.experts)
+        return loss + self.coef * aux.to(loss.device)
+
+
+def _scalar(target: nn.Module, path: str | None) -> float | None:
+    """A number the model reads at ``path`` (``"config.logits_scaling"``)."""
+    if path is None:
+        return None
+    value: Any = target
+    for part in path.split("."):
+        value = getattr(value, part)
+    return None if value is None else float(value)
+
+
+class CausalLMAdapter(_Adapter):
+    """A Hugging Face decoder-only causal LM of a supported family (optionally
+    inside PEFT).
+
+    Construction refuses a model whose layout its family entry does not
+    describe, or whose config asks for something the pipeline layers do not do
+    the way the model does (:func:`~.layout.check_config`)."""
+
+    kind = "Hugging Face causal LM"
+
+    def __init__(self, target: nn.Module, name: str) -> None:
+        layout = layout_of(target)
+        if layout is None:
+            why = layout_problem(target) or f"a {type(target).__name__}, not a Hugging Face model"
+            raise ValueError(f"{name}: cannot pipeline {why}")
+        check_config(target, layout, name)
+        self.target = target
+        self.name = name
+        self.layout = layout
+        self.engine = None
+        family = layout.family
+        config = target.config
+        self._signature = inspect.signature(type(target).forward)
+        aux = family.router_aux
+        self._experts = int(getattr(target, aux.experts)) if aux else 0
+        self._aux_coef = float(getattr(target, aux.coef)) if aux else 0.0
+        recorder = router_recorder(layout.base) if aux else None
+        self._recorder = recorder
+        top_k = int(getattr(target, aux.top_k)) if aux else 0
+        self._layers: list[nn.Module] = [
+            _Embed(
+                layout.embed,
+                positions=layout.positions,
+                multiplier=_scalar(target, family.embed_multiplier),
+                dropout=layout.dropout,
+                experts=self._experts,
+            )
+        ]
+        kinds = layer_kinds(config, family, len(layout.layers))
+        for layer, kind in zip(layout.layers, kinds, strict=True):
+            routers: tuple[str, ...] = ()
+            if recorder is not None:
+                routers = tuple(p for p, m in layer.named_modules() if isinstance(m, recorder[0]))
+            self._layers.append(
+                _Decoder(
+                    layer,
+                    layout.rotary,
+                    config,
+                    kind,
+                    rotary_per_kind=family.rotary_per_layer_type,
+                    always_mask=family.always_mask,
+                    block_kwargs=dict(family.block_kwargs),
+                    routers=routers,
+                    router_index=recorder[1] if recorder else 0,
+                    top_k=top_k,
+                    experts=self._experts,
+                )
+            )
+        self._layers.append(
+            _Head(
+                layout.norm,
+                layout.lm_head,
+                scale=_scalar(target, family.logit_scale),
+                divisor=_scalar(target, family.logit_divisor),
+                softcap=_scalar(target, family.logit_softcap),
+            )
+        )
+        self._moe_output = "router_logits" in (
+            getattr(type(layout.base), "_can_record_outputs", None) or {}
+        )
+
+    def layers(self) -> list[nn.Module]:
+        return self._layers
+
+    def _layer_names(self) -> list[tuple[str, str]]:
+        blocks = [("block", "blocks")] * (len(self._layers) - 2)
+        return [("embed", "embed"), *blocks, ("head", "head")]
+
+    def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int]:
+        """Hidden states in the compute dtype plus the positions, mask and
+        router statistics that travel with them."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        hidden = int(self.target.config.hidden_size)
+        router = self._experts * 16 + 8
+
+        def estimate(inputs: Any) -> int:
+            ids = inputs.get("input_ids")
+            tokens = ids.numel() if ids is not None else inputs["inputs_embeds"].shape[:-1].numel()
+            out = tokens * hidden * size + tokens * 8  # hidden states, positions
+            mask = inputs.get("attention_mask")
+            if mask is not None:
+                out += mask.numel() * mask.element_size()
+            if inputs.get("router"):
+                out += router
+            return out
+
+        return estimate
+
+    def _cache(self, past_key_values: Any, use_cache: bool | None) -> bool:
+        """Whether the model would run with a key-value cache (it then never
+        treats ``position_ids`` as packed sequences): given, or ``use_cache``
+        defaulting to the config's, off under gradient checkpointing in training."""
+        if past_key_values is not None:
+            return True
+        if use_cache is None:
+            use_cache = bool(getattr(self.target.config, "use_cache", False))
+        base = self.layout.base
+        if use_cache and getattr(base, "gradient_checkpointing", False) and base.training:
+            return False
+        return bool(use_cache)
+
+    def _token_weights(self, labels: list[torch.Tensor]) -> list[float]:
+        """Each micro-batch's share of the batch's labelled tokens, so the sum
+        of the weighted micro-batch losses is the model's loss (the one place
+        the loss weighting is decided; a micro-batch's router loss, when on,
+        gets the same weight). No labelled token: NaN, as the model's own loss
+        is (0 / 0); refused first with ``nonfinite="raise"``."""
+        counts = [int((_shifted(y) != -100).sum()) for y in labels]
+        total = sum(counts)
+        if total:
+            return [c / total for c in counts]
+        if self.engine is not None and self.engine.nonfinite == "raise":
+            raise NonFiniteError(
+                f"{self.name}: the batch has no labelled token (every label is -100), so its "
+                "loss is NaN, as the model itself returns it; the weights were not updated. "
+                "Filter such batches out, or set nonfinite='skip' to skip their steps"
+            )
+        return [math.nan] * len(counts)
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, bound as the model's own ``forward``
+        binds them (families order their positional arguments differently);
+        arguments the pipeline does not implement are refused."""
+        try:
+            bound = self._signature.bind(self.target, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
+        values: dict[str, Any] = {}
+        for i, (key, value) in enumerate(bound.arguments.items()):
+            if i == 0:
+                continue  # self
+            kind = self._signature.parameters[key].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise TypeError(f"{self.name}: unexpected positional arguments {value!r}")
+            else:
+                values[key] = value
+        unknown = sorted(k for k, v in values.items() if k not in _HANDLED and v is not None)
+        if unknown:
+            raise TypeError(
+                f"{self.name}: arguments {unknown} are not supported by the RoundPipe pipeline; "
+                "call the model without them"
+            )
+        return values
+
+    def _check_call(self, a: dict[str, Any]) -> None:
+        """Refuse call arguments the pipeline would otherwise ignore."""
+        name = self.name
+        attention_mask, labels = a.get("attention_mask"), a.get("labels")
+        logits_to_keep = a.get("logits_to_keep", 0)
+        if a.get("past_key_values") is not None:
+            raise TypeError(
+                f"{name}: past_key_values is not supported by the RoundPipe pipeline (it keeps no "
+                "key-value cache, so e.g. prefix tuning cannot work); call the model without "
+                "past_key_values"
+            )
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+        ):
+            shape = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
+            raise TypeError(
+                f"{name}: attention_mask must be a 2-D (batch, sequence) padding mask, got "
+                f"{shape}; the pipeline builds each layer's mask itself, so prepared masks are "
+                "not supported"
+            )
+        for key in ("output_attentions", "output_hidden_states"):
+            if a.get(key):
+                raise TypeError(
+                    f"{name}: {key}=True is not supported by the RoundPipe pipeline (it returns "
+                    f"the loss and logits only); call the model without {key}"
+                )
+        if labels is not None and not _keeps_all(logits_to_keep):
+            raise TypeError(
+                f"{name}: logits_to_keep={logits_to_keep!r} with labels= is not supported by the "
+                "RoundPipe pipeline (the loss needs every position's logits); call the model "
+                "without logits_to_keep"
+            )
+        if labels is not None:
+            _check_loss(self.target, name)
+
+    def _router_loss(self, a: dict[str, Any]) -> bool:
+        """Whether this call adds the router load-balancing loss (the call's
+        ``output_router_logits``, else the config's, as the model decides)."""
+        if self.layout.family.router_aux is None:
+            return False
+        on = a.get("output_router_logits")
+        if on is None:
+            on = getattr(self.target.config, "output_router_logits", False)
+        if on and self._recorder is None:
+            raise ValueError(
+                f"{self.name}: cannot find the routers of {type(self.layout.base).__name__} (its "
+                "_can_record_outputs names no router class for 'router_logits'), so the pipeline "
+                "cannot add the router load-balancing loss; set output_router_logits=False"
+            )
+        return bool(on)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        a = self._arguments(args, kwargs)
+        input_ids, inputs_embeds = a.get("input_ids"), a.get("inputs_embeds")
+        attention_mask, position_ids = a.get("attention_mask"), a.get("position_ids")
+        labels, logits_to_keep = a.get("labels"), a.get("logits_to_keep", 0)
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            # the model's own check, with its message (the Llama family's)
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        self._check_call(a)
+        # the batch tensor: token ids, or embeddings (split into micro-batches
+        # along dim 0 like the ids; floating, so uploaded in the compute dtype)
+        batch = input_ids if input_ids is not None else inputs_embeds
+        inputs: dict[str, Any] = (
+            {"input_ids": input_ids} if input_ids is not None else {"inputs_embeds": inputs_embeds}
+        )
+        # decided here, on the host, so no stage has to read device values: a
+        # mask without padding is no mask (the model would skip it too), and
+        # packed sequences are detected from the positions (as the model does,
+        # packing is looked for only with no mask and no cache, by the families
+        # that give their mask functions the positions)
+        if attention_mask is not None and not bool(attention_mask.all()):
+            inputs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            if position_ids.shape[0] != batch.shape[0]:
+                position_ids = position_ids.expand(batch.shape[0], -1)
+            inputs["position_ids"] = position_ids
+            no_cache = not self._cache(a.get("past_key_values"), a.get("use_cache"))
+            packs = self.layout.family.packed_sequences
+            if packs and attention_mask is None and no_cache and is_packed(position_ids):
+                inputs["packed"] = True
+        router = self._router_loss(a)
+        if router:
+            inputs["router"] = True
+        engine = self.engine
+        training = torch.is_grad_enabled() and self.target.training
+        if training and labels is not None:
+            # the gradient factor (Lightning's accumulation division, a scaled or
+            # combined loss) is whatever autograd brings to the returned loss
+            loss = engine.forward_backward(
+                inputs,
+                labels=labels,
+                loss_fn=_LMLoss(self._aux_coef, self._experts),
+                loss_weights=self._token_weights,
+                scale="later",
+                input_grads=bool(_needing_grad(inputs)),
+            )
+            loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
+            return self._output(loss=loss, logits=None)
+        if training:
+            if router:
+                raise ValueError(
+                    f"{self.name}: output_router_logits=True while training without labels= is "
+                    "not supported by the RoundPipe pipeline (the router load-balancing loss is "
+                    "added inside the pipeline, to the loss it computes from labels=); call the "
+                    "model with labels=, or set output_router_logits=False"
+                )
+            logits = self._outputs_with_backward(inputs)
+            return self._output(logits=_keep(logits, logits_to_keep))
+        out = engine.forward(inputs)
+        aux = None
+        if isinstance(out, dict):  # router statistics of every micro-batch
+            aux = balance_loss(*(out[k] for k in ROUTER_KEYS), self._experts)
+            out = out["logits"]
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(out, labels, empty=None)
+            if aux is not None:
+                loss = loss + self._aux_coef * aux
+        return self._output(loss=loss, logits=_keep(out, logits_to_keep), aux_loss=aux)
+
+    def _output(self, aux_loss: torch.Tensor | None = None, **fields: Any) -> Any:
+        """The model's output type: ``MoeCausalLMOutputWithPast`` for models
+        that record router logits, else ``CausalLMOutputWithPast``."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        if self._moe_output:
+            return MoeCausalLMOutputWithPast(aux_loss=aux_loss, **fields)
+        return CausalLMOutputWithPast(**fields)
+
+
+def _keeps_all(logits_to_keep: Any) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+def _keep(logits: torch.Tensor, logits_to_keep: Any) -> torch.Tensor:
+    """The model's ``logits_to_keep`` selection (it selects hidden states before
+    the LM head, which acts on each position alone: the same logits)."""
+    if _keeps_all(logits_to_keep):
+        return logits
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    if isinstance(logits_to_keep, torch.Tensor):
+        logits_to_keep = logits_to_keep.to(logits.device)
+    return slice_logits_to_keep(logits, logits_to_keep)
+
+
+def _check_loss(target: nn.Module, name: str) -> None:
+    """With ``labels=`` the pipeline computes the standard next-token
+    cross-entropy (``ForCausalLMLoss``); refuse a model set to another loss."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    fn = target.loss_function
+    if fn is not ForCausalLMLoss:
+        raise ValueError(
+            f"{name}: the model's loss_function is {getattr(fn, '__name__', fn)!r}, but with "
+            "labels= the RoundPipe pipeline computes the standard next-token cross-entropy "
+            "(ForCausalLMLoss); call the model without labels= and compute the loss from the "
+            "logits"
+        )

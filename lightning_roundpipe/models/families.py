@@ -1,0 +1,235 @@
+"""The decoder-only causal-LM families the Hugging Face adapter pipelines.
+
+Every family is one :class:`Family` entry: where its ``*ForCausalLM`` keeps the
+pieces (read from each family's ``*Model.forward`` and ``*ForCausalLM.forward``
+in transformers 5), what the model does before the first decoder block and
+after the last, how it picks each block's attention mask, and which config
+settings the pipeline layers do not implement. The adapter itself has no
+family branches: it reads these fields.
+
+To add a family, read its modeling file and write one entry (the defaults are
+the Llama layout: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
+``lm_head``, ``model.rotary_emb``, one causal mask for every layer), then add
+it to the parametrized test in ``tests/test_adapters.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FAMILIES", "Family", "RouterAux", "Setting", "family_for", "supported_families"]
+
+# how a family's *Model picks each decoder layer's mask
+FULL = "full"  # one causal mask for every layer (LlamaModel)
+SLIDING_IF_WINDOW = "sliding_if_window"  # every layer sliding when config.sliding_window is set
+LAYER_TYPES = "layer_types"  # the mask named by config.layer_types[i]
+MASK_RULES = (FULL, SLIDING_IF_WINDOW, LAYER_TYPES)
+# the attention types those models build masks for (their causal_mask_mapping keys)
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A config setting the pipeline layers do not implement: ``config.<name>``
+    must be ``supported`` (a missing attribute counts as supported)."""
+
+    name: str
+    supported: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class RouterAux:
+    """The router load-balancing loss a Mixture-of-Experts ``*ForCausalLM`` adds
+    when ``output_router_logits`` is on: ``coef * load_balancing_loss_func(
+    router_logits, experts, top_k, attention_mask)``. Fields: the
+    ``*ForCausalLM`` attributes the model reads them from."""
+
+    experts: str = "num_experts"
+    top_k: str = "num_experts_per_tok"
+    coef: str = "router_aux_loss_coef"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder-only causal-LM family.
+
+    Module paths (``embed``, ``layers``, ``norm``, ``rotary``, ``positions``,
+    ``embed_dropout``) are attributes of the inner ``*Model`` (``base``, an
+    attribute of the ``*ForCausalLM``); ``lm_head`` is an attribute of the
+    ``*ForCausalLM``. Scalars (``embed_multiplier``, ``logit_*``) are dotted
+    paths from the ``*ForCausalLM`` (``"config.logits_scaling"``)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    base: str = "model"
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    norm: str = "norm"
+    lm_head: str = "lm_head"
+    # rotary embedding module, None: the family has none
+    rotary: str | None = "rotary_emb"
+    # rotary(hidden, positions, layer_type): one table per attention type (Gemma 3)
+    rotary_per_layer_type: bool = False
+    # learned absolute position embedding added to the token embeddings (GPT-2)
+    positions: str | None = None
+    # factor the embeddings are multiplied by (Granite)
+    embed_multiplier: str | None = None
+    # dropout applied to the embeddings, the given inputs_embeds too
+    embed_dropout: str | None = None
+    mask_rule: str = FULL
+    # the model gives position_ids to its mask functions, which then keep
+    # packed sequences apart (False: it never detects packing)
+    packed_sequences: bool = True
+    # the model always materialises the mask (allow_is_causal_skip=False)
+    always_mask: bool = False
+    # the model runs layers[: config.num_hidden_layers] (else all of them)
+    slices_layers: bool = True
+    # constant keyword arguments the model gives every block
+    block_kwargs: tuple[tuple[str, Any], ...] = ()
+    # the logits times this (Cohere's logit_scale)
+    logit_scale: str | None = None
+    # the logits divided by this (Granite's logits_scaling)
+    logit_divisor: str | None = None
+    # tanh soft-capping of the logits at this value when it is not None (Gemma 2/3)
+    logit_softcap: str | None = None
+    router_aux: RouterAux | None = None
+    refused: tuple[Setting, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.mask_rule not in MASK_RULES:
+            raise ValueError(f"{self.name}: mask_rule must be one of {MASK_RULES}")
+
+    def module_paths(self) -> list[str]:
+        """The module attributes, from the ``*ForCausalLM``, this family's layout needs."""
+        inner = [self.embed, self.layers, self.norm, self.rotary, self.positions]
+        inner.append(self.embed_dropout)
+        return [self.base, *(f"{self.base}.{p}" for p in inner if p), self.lm_head]
+
+
+_MOE = RouterAux()
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", ("llama",)),
+    Family("Qwen2", ("qwen2",), mask_rule=LAYER_TYPES),
+    Family("Qwen3", ("qwen3",), mask_rule=LAYER_TYPES),
+    Family("Mistral", ("mistral",), mask_rule=SLIDING_IF_WINDOW),
+    # the sqrt(hidden_size) scaling is inside Gemma's embedding module (in the
+    # embedding dtype), so given inputs_embeds are not scaled, as in the model
+    Family("Gemma", ("gemma",)),
+    Family(
+        "Gemma 2",
+        ("gemma2",),
+        mask_rule=LAYER_TYPES,
+        logit_softcap="config.final_logit_softcapping",
+    ),
+    Family(
+        "Gemma 3",
+        ("gemma3_text",),
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        logit_softcap="config.final_logit_softcapping",
+        refused=(
+            Setting(
+                "use_bidirectional_attention",
+                False,
+                "Gemma3TextModel then overlays bidirectional masks",
+            ),
+        ),
+    ),
+    Family("Phi", ("phi",), norm="final_layernorm", embed_dropout="embed_dropout"),
+    Family("Phi-3", ("phi3",), mask_rule=SLIDING_IF_WINDOW),
+    Family(
+        "GPT-2",
+        ("gpt2",),
+        base="transformer",
+        embed="wte",
+        layers="h",
+        norm="ln_f",
+        rotary=None,
+        positions="wpe",
+        embed_dropout="drop",
+        slices_layers=False,
+        refused=(
+            Setting(
+                "add_cross_attention",
+                False,
+                "its cross-attention blocks need encoder states the pipeline does not carry",
+            ),
+        ),
+    ),
+    Family(
+        "GPT-NeoX",
+        ("gpt_neox",),
+        base="gpt_neox",
+        embed="embed_in",
+        norm="final_layer_norm",
+        embed_dropout="emb_dropout",
+        slices_layers=False,
+    ),
+    Family("OLMo 2", ("olmo2",)),
+    Family("Cohere", ("cohere",), logit_scale="logit_scale"),
+    Family(
+        "Granite",
+        ("granite",),
+        embed_multiplier="model.embedding_multiplier",
+        logit_divisor="config.logits_scaling",
+    ),
+    Family("StableLM", ("stablelm",), slices_layers=False),
+    Family(
+        "Falcon",
+        ("falcon",),
+        base="transformer",
+        embed="word_embeddings",
+        layers="h",
+        norm="ln_f",
+        # FalconModel builds its mask without position_ids and always materialised
+        packed_sequences=False,
+        always_mask=True,
+        slices_layers=False,
+        block_kwargs=(("alibi", None),),
+        refused=(
+            Setting(
+                "alibi",
+                False,
+                "ALiBi biases are folded into the mask by FalconModel itself, which the "
+                "pipeline layers do not reproduce",
+            ),
+        ),
+    ),
+    Family("Qwen3-MoE", ("qwen3_moe",), mask_rule=SLIDING_IF_WINDOW, router_aux=_MOE),
+    Family("Mixtral", ("mixtral",), mask_rule=SLIDING_IF_WINDOW, router_aux=_MOE),
+    Family(
+        "GPT-OSS",
+        ("gpt_oss",),
+        mask_rule=LAYER_TYPES,
+        packed_sequences=False,  # GptOssModel builds its masks without position_ids
+        slices_layers=False,
+        router_aux=_MOE,
+    ),
+    Family(
+        "DeepSeek-V3",
+        ("deepseek_v3",),
+        refused=(
+            Setting(
+                "output_router_logits",
+                False,
+                "DeepseekV3ForCausalLM adds no router loss, it would only return every router's "
+                "logits, and the pipeline returns the loss and logits",
+            ),
+        ),
+    ),
+)
+
+_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family_for(model_type: Any) -> Family | None:
+    """The entry for a ``config.model_type`` (None: not supported)."""
+    return _BY_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
+def supported_families() -> str:
+    """Every supported family with its model types, for messages."""
+    return ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)

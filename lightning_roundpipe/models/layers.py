@@ -1,0 +1,309 @@
+"""The pipeline layers of a Hugging Face causal LM, made of the model's own modules.
+
+``_Embed`` (token embeddings and whatever the model does before its first
+block), one ``_Decoder`` per decoder block (the block itself, called as the
+model calls it, with the mask and rotary tables the model would give it), and
+``_Head`` (final norm, LM head, and what the ``*ForCausalLM`` does to the
+logits). Only a dict crosses stage boundaries: the hidden states, the positions,
+the 2-D padding mask when there is padding, ``packed`` when the positions hold
+several sequences, and, when the router load-balancing loss is on, the running
+router statistics (:func:`router_statistics`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..runtime.scope import stage_cached
+
+__all__ = ["balance_loss", "is_packed"]
+
+# the masking_utils function each attention type's mask comes from
+_MASK_FUNCTIONS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+}
+# the running router statistics carried from stage to stage
+ROUTER_KEYS = ("router_counts", "router_probs", "router_tokens")
+
+
+def _packed_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed sequence each token belongs to (a new one wherever the
+    positions do not continue by one), computed on the device, no sync."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def is_packed(position_ids: torch.Tensor) -> bool:
+    """Whether host ``position_ids`` hold several sequences per row (positions
+    that restart), as transformers detects packed inputs."""
+    if position_ids.dim() < 2:
+        position_ids = position_ids.reshape(1, -1)
+    return bool((_packed_ids(position_ids)[:, -1] != 0).any())
+
+
+def _boundary(
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    packed: bool,
+    router: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """What crosses a stage boundary (absent values stay absent)."""
+    out: dict[str, Any] = {"hidden_states": hidden_states, "position_ids": position_ids}
+    if attention_mask is not None:
+        out["attention_mask"] = attention_mask
+    if packed:
+        out["packed"] = True
+    out.update(router)
+    return out
+
+
+def _router(values: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: values[k] for k in ROUTER_KEYS if values.get(k) is not None}
+
+
+class _Embed(nn.Module):
+    """The token embeddings (or the given ``inputs_embeds``: exactly one of
+    them, the model's own rule), then what the family's ``*Model`` does before
+    its first block, in its order: an embedding multiplier, learned absolute
+    positions, dropout. With ``router=True`` the router statistics start at zero."""
+
+    def __init__(
+        self,
+        embed: nn.Module,
+        positions: nn.Module | None = None,
+        multiplier: float | None = None,
+        dropout: nn.Module | None = None,
+        experts: int = 0,
+    ) -> None:
+        super().__init__()
+        self.embed = embed
+        self.positions = positions
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.experts = experts
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        packed=False,
+        inputs_embeds=None,
+        router=False,
+    ):
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.multiplier is not None:
+            h = h * self.multiplier
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if self.positions is not None:
+            h = h + self.positions(position_ids).to(h.device)
+        if self.dropout is not None:
+            h = self.dropout(h)
+        stats: dict[str, torch.Tensor] = {}
+        if router:
+            stats = {
+                "router_counts": torch.zeros(1, self.experts, dtype=torch.long, device=h.device),
+                "router_probs": torch.zeros(1, self.experts, dtype=torch.float32, device=h.device),
+                "router_tokens": torch.zeros(1, dtype=torch.long, device=h.device),
+            }
+        return _boundary(h, position_ids, attention_mask, packed, stats)
+
+
+def router_statistics(
+    logits: torch.Tensor, top_k: int, experts: int, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One router's contribution to transformers' ``load_balancing_loss_func``:
+    how often each expert is among the top ``top_k`` of the softmax (no
+    gradient), the routing probabilities summed per expert (with gradient) and
+    the tokens counted, padding left out, as that function sums them over layers."""
+    probs = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1)[1].reshape(-1)
+    if attention_mask is None:
+        counts = torch.zeros(experts, dtype=torch.long, device=logits.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen))
+        return (
+            counts,
+            probs.float().sum(dim=0),
+            torch.full((1,), probs.shape[0], device=probs.device),
+        )
+    keep = attention_mask.reshape(-1).to(logits.device)
+    counts = torch.zeros(experts, dtype=torch.long, device=logits.device)
+    counts.scatter_add_(0, chosen, keep.long().repeat_interleave(top_k))
+    weighted = (probs.float() * keep.float().unsqueeze(-1)).sum(dim=0)
+    return counts, weighted, keep.long().sum().reshape(1)
+
+
+def balance_loss(
+    counts: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, experts: int
+) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` from the sums over every
+    router (summed over micro-batches first for a whole batch's value)."""
+    total = tokens.float().sum()
+    per_expert = counts.reshape(-1, experts).sum(0).float() / total
+    prob_per_expert = probs.reshape(-1, experts).sum(0) / total
+    return torch.sum(per_expert * prob_per_expert.unsqueeze(0)) * experts
+
+
+class _Decoder(nn.Module):
+    """One decoder block, called as the family's ``*Model`` calls it.
+
+    The block's mask (the model's own for this layer's attention type) and
+    rotary tables are built from the positions and the 2-D mask by a stage's
+    first layer that needs them, once per micro-batch, and shared by the
+    stage's other layers (``stage_cached``, keyed by kind). With the router
+    statistics present, the block's routers' logits are recorded as
+    transformers records them (a forward hook on the router class its
+    ``_can_record_outputs`` names, installed for the call on this layer's own
+    copy of the block) and added to the running sums."""
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        rotary: nn.Module | None,
+        config: Any,
+        kind: str,
+        *,
+        rotary_per_kind: bool = False,
+        always_mask: bool = False,
+        block_kwargs: dict[str, Any] | None = None,
+        routers: tuple[str, ...] = (),
+        router_index: int = 0,
+        top_k: int = 0,
+        experts: int = 0,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        # the shared rotary module's identity, kept by the workers' copies (each
+        # replica of this layer holds its own copy of the module)
+        self.rotary_key = id(rotary)
+        self.config = config
+        # the model's attention type for this layer: which mask it gets
+        self.kind = kind
+        self.rotary_per_kind = rotary_per_kind
+        self.always_mask = always_mask
+        self.block_kwargs = dict(block_kwargs or {})
+        # submodule paths of the block's routers, and where their logits are
+        # in the router's output
+        self.routers = routers
+        self.router_index = router_index
+        self.top_k = top_k
+        self.experts = experts
+
+    def _mask(self, hidden_states, position_ids, attention_mask, packed):
+        """The model's own mask for this layer type, without the checks that
+        read device values (the adapter decided them on the host): a padding
+        mask is always applied (no ``is_causal`` shortcut), packed sequences
+        are kept apart from ``position_ids``."""
+        from transformers import masking_utils
+
+        make = getattr(masking_utils, _MASK_FUNCTIONS[self.kind])
+        kwargs: dict[str, Any] = {}
+        if attention_mask is not None or self.always_mask:
+            kwargs["allow_is_causal_skip"] = False
+        if attention_mask is None and packed:
+            ids = position_ids.expand(hidden_states.shape[0], -1)
+            kwargs["and_mask_function"] = masking_utils.packed_sequence_mask_function(
+                _packed_ids(ids)
+            )
+        return make(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=None,  # packing is known: no detection on the device
+            **kwargs,
+        )
+
+    def _rotary(self, hidden_states, position_ids):
+        if self.rotary_per_kind:
+            return self.rotary(hidden_states, position_ids, self.kind)
+        return self.rotary(hidden_states, position_ids)
+
+    def forward(self, hidden_states, position_ids, attention_mask=None, packed=False, **router):
+        # built by the stage's first decoder layer of this kind, reused by the others
+        mask = stage_cached(
+            ("mask", self.kind),
+            lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
+        )
+        kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
+        if self.rotary is not None:
+            key = ("rotary", self.rotary_key, self.kind if self.rotary_per_kind else None)
+            kwargs["position_embeddings"] = stage_cached(
+                key, lambda: self._rotary(hidden_states, position_ids)
+            )
+        stats = _router(router)
+        if stats and self.routers:
+            h, stats = self._recording(hidden_states, kwargs, attention_mask, stats)
+        else:
+            h = self.layer(hidden_states, **kwargs)
+        if isinstance(h, tuple):
+            h = h[0]
+        return _boundary(h, position_ids, attention_mask, packed, stats)
+
+    def _recording(self, hidden_states, kwargs, attention_mask, stats):
+        """Run the block recording its routers' logits; add their statistics."""
+        logits: list[torch.Tensor] = []
+        index = self.router_index
+
+        def record(module, args, output):
+            logits.append(output[index] if isinstance(output, tuple) else output)
+
+        handles = [self.layer.get_submodule(p).register_forward_hook(record) for p in self.routers]
+        try:
+            h = self.layer(hidden_states, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        counts, probs, tokens = (
+            stats["router_counts"],
+            stats["router_probs"],
+            stats["router_tokens"],
+        )
+        for lg in logits:  # in call order, as transformers sums them
+            c, p, t = router_statistics(lg, self.top_k, self.experts, attention_mask)
+            counts, probs, tokens = counts + c, probs + p, tokens + t
+        return h, {"router_counts": counts, "router_probs": probs, "router_tokens": tokens}
+
+
+class _Head(nn.Module):
+    """Final norm and LM head, then what the ``*ForCausalLM`` does to the
+    logits: a scale (Cohere), a divisor (Granite), tanh soft-capping (Gemma
+    2/3). Returns the logits, or with router statistics a dict of the logits
+    and the statistics (the loss function adds the load-balancing term)."""
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        scale: float | None = None,
+        divisor: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.scale = scale
+        self.divisor = divisor
+        self.softcap = softcap
+
+    def forward(
+        self, hidden_states, position_ids=None, attention_mask=None, packed=False, **router
+    ):
+        logits = self.lm_head(self.norm(hidden_states))
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        stats = _router(router)
+        if not stats:
+            return logits
+        return {"logits": logits, **stats}

@@ -1,0 +1,211 @@
+"""Following a Hugging Face causal LM's layout by its family entry, and the
+config settings the pipeline layers would not honour as the model does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .families import LAYER_KINDS, LAYER_TYPES, SLIDING_IF_WINDOW, Family, Setting, family_for
+from .families import supported_families as _supported
+
+__all__ = ["Layout", "check_config", "layout_of", "layout_problem"]
+
+# attention implementations whose mask the adapter builds exactly as the model
+# does and whose result does not depend on how the batch is split
+ATTENTION = ("eager", "sdpa")
+# settings no family's pipeline layers implement
+_GENERIC = (
+    Setting(
+        "is_causal",
+        True,
+        "the model then passes is_causal=False to every attention call and builds "
+        "bidirectional masks",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The modules of one causal LM, where its family entry says they are."""
+
+    family: Family
+    base: nn.Module
+    embed: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module
+    rotary: nn.Module | None
+    positions: nn.Module | None
+    dropout: nn.Module | None
+
+
+def _child(root: nn.Module, path: str | None) -> nn.Module | None:
+    """A registered submodule (not one a wrapper forwards to by ``__getattr__``)."""
+    if path is None:
+        return None
+    obj = root
+    for part in path.split("."):
+        obj = obj._modules.get(part) if isinstance(obj, nn.Module) else None
+        if obj is None:
+            return None
+    return obj
+
+
+def _model_type(module: nn.Module) -> Any:
+    return getattr(getattr(module, "config", None), "model_type", None)
+
+
+def layout_of(module: nn.Module) -> Layout | None:
+    """The module's layout when it is a causal LM of a supported family laid
+    out as its entry says; else None (:func:`layout_problem` says why)."""
+    family = family_for(_model_type(module))
+    if family is None or any(_child(module, p) is None for p in family.module_paths()):
+        return None
+    base = _child(module, family.base)
+    layers = _child(base, family.layers)
+    if not isinstance(layers, nn.ModuleList):
+        return None
+    return Layout(
+        family,
+        base,
+        _child(base, family.embed),
+        layers,
+        _child(base, family.norm),
+        _child(module, family.lm_head),
+        _child(base, family.rotary),
+        _child(base, family.positions),
+        _child(base, family.embed_dropout),
+    )
+
+
+def layout_problem(module: nn.Module) -> str | None:
+    """Why a Hugging Face model cannot be pipelined: what was found and what
+    the family entry needs (None: not a Hugging Face model, or it can be)."""
+    model_type = _model_type(module)
+    if not isinstance(model_type, str) or layout_of(module) is not None:
+        return None
+    family = family_for(model_type)
+    cls = type(module).__name__
+    if family is None:
+        return (
+            f"a Hugging Face model with model_type {model_type!r}, which RoundPipe does not "
+            f"support (supported: {_supported()})"
+        )
+    missing = [p for p in family.module_paths() if _child(module, p) is None]
+    if family.lm_head in missing:
+        return (
+            f"a {cls} (model_type {model_type!r}) without an LM head; RoundPipe pipelines the "
+            f"causal LMs (*ForCausalLM) of {_supported()}"
+        )
+    found = ", ".join(module._modules) or "none"
+    base = _child(module, family.base)
+    if base is not None:
+        found += f"; in {family.base}: {', '.join(base._modules) or 'none'}"
+    if not missing:  # the layer stack is not a ModuleList
+        stack = f"{family.base}.{family.layers}"
+        kind = type(_child(module, stack)).__name__
+        return (
+            f"a {cls} (model_type {model_type!r}) whose layout RoundPipe cannot follow: the "
+            f"{family.name} entry needs {stack} to be an nn.ModuleList of decoder blocks, found "
+            f"a {kind}"
+        )
+    return (
+        f"a {cls} (model_type {model_type!r}) whose layout RoundPipe cannot follow: the "
+        f"{family.name} entry needs the submodules {', '.join(family.module_paths())}, and "
+        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (found: {found})"
+    )
+
+
+def layer_kinds(config: Any, family: Family, n: int) -> list[str]:
+    """Each decoder layer's attention type, by its family's rule."""
+    if family.mask_rule == LAYER_TYPES:
+        return list(config.layer_types[:n])
+    if (
+        family.mask_rule == SLIDING_IF_WINDOW
+        and getattr(config, "sliding_window", None) is not None
+    ):
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
+def _check_setting(name: str, config: Any, setting: Setting) -> None:
+    value = getattr(config, setting.name, setting.supported)
+    if value != setting.supported:
+        raise ValueError(
+            f"{name}: config.{setting.name}={value!r} is not supported by the RoundPipe pipeline "
+            f"({setting.why}); set config.{setting.name}={setting.supported!r}"
+        )
+
+
+def check_config(target: nn.Module, layout: Layout, name: str) -> None:
+    """Refuse config settings the pipeline layers would not honour as the model
+    does. What the pipeline layers leave out of the family's ``*Model.forward``
+    and ``*ForCausalLM.forward``: the mask choice (reproduced per layer), the
+    key-value cache (refused per call), ``output_attentions`` and
+    ``output_hidden_states`` (refused), ``layers[: num_hidden_layers]``,
+    ``logits_to_keep`` and the loss (checked per call), and the settings the
+    family entry lists. Rotary settings are honoured (the model's own rotary
+    module runs), as are tied embeddings."""
+    config = target.config
+    family = layout.family
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ATTENTION:
+        raise ValueError(
+            f"{name}: config._attn_implementation={impl!r} is not supported by the RoundPipe "
+            f"pipeline, which reproduces the model's attention masks for "
+            f"{' and '.join(map(repr, ATTENTION))} only; load the model with "
+            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'); "
+            "'eager' where the model does not support sdpa)"
+        )
+    n = len(layout.layers)
+    if family.slices_layers and config.num_hidden_layers < n:
+        raise ValueError(
+            f"{name}: config.num_hidden_layers={config.num_hidden_layers}, but the model holds "
+            f"{n} decoder layers; the model runs only the first num_hidden_layers and the "
+            "pipeline would run them all: remove the extra layers or set "
+            f"config.num_hidden_layers={n}"
+        )
+    if family.mask_rule == LAYER_TYPES:
+        types = list(getattr(config, "layer_types", None) or [])
+        if len(types) < n:
+            raise ValueError(
+                f"{name}: config.layer_types has {len(types)} entries for {n} decoder layers; "
+                "give one attention type per layer"
+            )
+        for i, kind in enumerate(types[:n]):
+            if kind not in LAYER_KINDS:
+                raise ValueError(
+                    f"{name}: config.layer_types[{i}]={kind!r} is not supported by the RoundPipe "
+                    f"pipeline: {type(layout.base).__name__} builds "
+                    f"{' and '.join(map(repr, LAYER_KINDS))} masks only; use one of those "
+                    "layer types"
+                )
+    for key in ("output_attentions", "output_hidden_states"):
+        if getattr(config, key, False):
+            raise ValueError(
+                f"{name}: config.{key}=True is not supported by the RoundPipe pipeline (it "
+                f"returns the loss and logits only); set config.{key}=False"
+            )
+    for setting in (*_GENERIC, *family.refused):
+        _check_setting(name, config, setting)
+    base = layout.base
+    if base._forward_hooks or base._forward_pre_hooks:
+        raise ValueError(
+            f"{name}: {type(base).__name__} has forward hooks, which the RoundPipe pipeline "
+            "would not run (it calls the embedding, decoder layers and head itself); register "
+            "them on those submodules instead, or remove them"
+        )
+
+
+def router_recorder(base: nn.Module) -> tuple[type, int] | None:
+    """The router class whose output transformers records as ``router_logits``
+    (the model's ``_can_record_outputs``) and the index of the logits in its
+    output; None when the model names none."""
+    spec = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(spec, "target_class", None)
+    if not isinstance(target, type) or getattr(spec, "layer_name", None) is not None:
+        return None
+    return target, int(spec.index)
