@@ -73,7 +73,8 @@ class LayerCosts:
     backward: Sequence[float]
     memory: Sequence[float] | None = None
     weight_bytes: Sequence[float] | None = None
-    _prefix: _Prefix = field(init=False, repr=False, compare=False)
+    #: prefix sums of the costs (what stage sums are computed from)
+    prefix: _Prefix = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fwd = _as_values("forward", self.forward, None)
@@ -85,7 +86,7 @@ class LayerCosts:
         object.__setattr__(self, "backward", _as_values("backward", self.backward, n))
         object.__setattr__(self, "memory", _as_values("memory", self.memory, n))
         object.__setattr__(self, "weight_bytes", _as_values("weight_bytes", self.weight_bytes, n))
-        object.__setattr__(self, "_prefix", _Prefix(self))
+        object.__setattr__(self, "prefix", _Prefix(self))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -99,24 +100,24 @@ class LayerCosts:
     # ----------------------------------------------------------- stage costs
     def forward_time(self, start: int, stop: int) -> float:
         """Time of a forward stage over layers ``[start, stop)``."""
-        p = self._prefix.fwd
+        p = self.prefix.fwd
         return p[stop] - p[start]
 
     def backward_time(self, start: int, stop: int) -> float:
         """Backward time over ``[start, stop)`` without recomputation."""
-        p = self._prefix.bwd
+        p = self.prefix.bwd
         return p[stop] - p[start]
 
     def recompute_backward_time(self, start: int, stop: int) -> float:
         """Time of a backward stage (recompute + backward) or of the fused stage
         (forward + backward) over layers ``[start, stop)``: both run the
         forward and the backward of every layer once."""
-        p = self._prefix.both
+        p = self.prefix.both
         return p[stop] - p[start]
 
     def stage_memory(self, start: int, stop: int) -> float:
         """Device memory of a stage over ``[start, stop)`` (0 when unknown)."""
-        p = self._prefix.mem
+        p = self.prefix.mem
         return p[stop] - p[start]
 
     def stage_weight_bytes(self, start: int, stop: int) -> float:

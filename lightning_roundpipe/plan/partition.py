@@ -102,7 +102,7 @@ def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, i
 
     Returns ``(forward stages, first fused layer, backward stages)``, or None
     if ``t`` is below some single layer's cost."""
-    pre = costs._prefix
+    pre = costs.prefix
     both, fwd, mem = pre.both, pre.fwd, pre.mem
     n = costs.num_layers
     top = _nearest(both, n, t, 0)
@@ -133,7 +133,7 @@ def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, i
 
 def _plan_at(costs: LayerCosts, t: float, limit: float | None) -> StagePlan:
     """The greedy plan for slot-time bound ``t`` (which must be feasible)."""
-    pre = costs._prefix
+    pre = costs.prefix
     both, fwd, mem = pre.both, pre.fwd, pre.mem
     n = costs.num_layers
     top = _nearest(both, n, t, 0)
@@ -160,7 +160,7 @@ def _candidates(costs: LayerCosts) -> list[float]:
     """Sorted distinct slot times a plan's ``t_max`` can take (contiguous sums of
     forward times and of forward+backward times), from the cheapest feasible one
     (the costliest single layer's forward+backward) to running everything fused."""
-    pre = costs._prefix
+    pre = costs.prefix
     n = costs.num_layers
     both = pre.both
     lo = max(both[i + 1] - both[i] for i in range(n))
@@ -284,7 +284,7 @@ def frontier(costs: LayerCosts, memory_limit: float | None = None) -> list[Stage
 # ------------------------------------------------------- reference (research)
 def _pack_linear(costs: LayerCosts, t: float, limit: float | None) -> StagePlan | None:
     """Greedy packing by a layer-by-layer scan, the way the research code does it."""
-    pre = costs._prefix
+    pre = costs.prefix
     both, fwd, mem = pre.both, pre.fwd, pre.mem
     n = costs.num_layers
     lim = math.inf if limit is None else limit
@@ -331,7 +331,7 @@ def partition_exhaustive(
     _check_counts(num_devices, num_microbatches)
     check_memory(costs, memory_limit)
     limit = memory_limit if costs.memory is not None else None
-    pre = costs._prefix
+    pre = costs.prefix
     n = costs.num_layers
     m, c = num_microbatches, num_devices * (num_devices - 1)
     best: tuple[float, float, StagePlan] | None = None
