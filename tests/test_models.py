@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from test_adapters import attached  # the adapter on an engine of CPU workers
 from torch import nn
 
 from lightning_roundpipe.models import CausalLMAdapter
@@ -156,18 +157,6 @@ def test_the_guard_names_a_host_sync_inside_a_stage():
 
 
 # ------------------------------------------------------------ calls
-def attached(model, fn, devices=2):
-    adapter = CausalLMAdapter(model, "model")
-    with RoundPipeEngine(adapter.layers(), ["cpu"] * devices, 2) as eng:
-        adapter.attach(eng)
-        try:
-            out = fn()
-            eng.synchronize()
-        finally:
-            adapter.detach()
-    return out
-
-
 def test_call_arguments_the_pipeline_does_not_implement_are_refused():
     model = qwen3(layers=2)
     ids = torch.randint(0, VOCAB, (4, SEQ))

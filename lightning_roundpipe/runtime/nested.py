@@ -40,13 +40,28 @@ def _as_tree(value: Any) -> Any:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``value``, keeping the structure."""
-    return pytree.tree_map_only(torch.Tensor, fn, _as_tree(value))
+    """Apply ``fn`` to every tensor in ``value``, keeping the structure (one
+    pass: this runs for every stage and micro-batch)."""
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if _foreign_mapping(x):
+            return map_tensors(fn, dict(x))
+        return x
+
+    return pytree.tree_map(visit, value, is_leaf=_foreign_mapping)
 
 
 def flatten_tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor in ``value``, in a deterministic order."""
-    return [t for t in pytree.tree_leaves(_as_tree(value)) if isinstance(t, torch.Tensor)]
+    out: list[torch.Tensor] = []
+    for x in pytree.tree_leaves(value, is_leaf=_foreign_mapping):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif _foreign_mapping(x):
+            out.extend(flatten_tensors(dict(x)))
+    return out
 
 
 def batch_size_of(value: Any) -> int | None:
