@@ -86,6 +86,13 @@ class RoundPipeStrategy(ParallelStrategy):
             automatic detection needs help.
         device_memory_limit: bytes one stage may use on a GPU (default: from the
             free memory at start).
+        tile_memory: bytes one sequence tile may take on a device: Hugging
+            Face causal LMs then compute the loss over chunks of tokens (the
+            full-vocabulary logits never exist) and each decoder block's MLP
+            over sequence tiles, whenever a micro-batch would need more.
+            ``"auto"`` (default): an eighth of a stage's device memory (128 MiB
+            on CPU workers); ``None``: never tile. The result is the same either
+            way.
         optimizer_threads: intra-op threads for the optimizer thread.
         fuse_optimizer: switch Adam/AdamW to torch's fused CPU kernel (same
             update, several times faster on the host).
@@ -134,6 +141,7 @@ class RoundPipeStrategy(ParallelStrategy):
         trace_dir: str | None = None,
         layers: str | None = None,
         device_memory_limit: int | None = None,
+        tile_memory: int | Literal["auto"] | None = "auto",
         optimizer_threads: int | None = None,
         fuse_optimizer: bool = True,
         seed: int | None = None,
@@ -166,6 +174,7 @@ class RoundPipeStrategy(ParallelStrategy):
             fit_to_batch=True,  # a short batch: one sample per micro-batch
             watchdog_timeout=watchdog_timeout,
             device_memory_limit=device_memory_limit,
+            tile_memory=tile_memory,
             optimizer_threads=optimizer_threads,
             profile_iterations=profile_iterations,
             replan_margin=replan_margin,

@@ -37,9 +37,12 @@ import torch
 from torch import nn
 
 from ..runtime.optimizer import NonFiniteError
+from ..runtime.profiler import active_parameters
 from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
-from .layers import ROUTER_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
+from .layers import ROUTER_KEYS, TILE_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
 from .layout import check_config, layer_kinds, layout_of, layout_problem, router_recorder
+from .memory import ActivationModel, applied_tiles, probe_activations
+from .tiling import ChunkedLogits, shifted
 
 __all__ = ["CausalLMAdapter", "causal_lm_loss"]
 
@@ -60,18 +63,13 @@ _HANDLED = (
 )
 
 
-def _shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Next-token targets, as Hugging Face's causal LM loss builds them."""
-    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-
-
 def causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, empty: float | None = 0.0
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over the real tokens (labels ``-100`` are
     ignored). With none: ``empty`` (0 for a micro-batch, whose weight is then
     0), or, with ``empty=None``, NaN as the model's own loss is."""
-    target = _shifted(labels).reshape(-1).to(logits.device)
+    target = shifted(labels).reshape(-1).to(logits.device)
     flat = logits.float().reshape(-1, logits.shape[-1])
     count = (target != -100).sum()
     total = nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
@@ -88,11 +86,29 @@ class _LMLoss:
         self.experts = experts
 
     def __call__(self, out: Any, labels: torch.Tensor) -> torch.Tensor:
+        logits = out["logits"] if isinstance(out, dict) else out
+        if isinstance(logits, ChunkedLogits):
+            loss = logits.loss(labels)
+        else:
+            loss = causal_lm_loss(logits, labels)
         if not isinstance(out, dict):
-            return causal_lm_loss(out, labels)
-        loss = causal_lm_loss(out["logits"], labels)
+            return loss
         aux = balance_loss(*(out[k] for k in ROUTER_KEYS), self.experts)
         return loss + self.coef * aux.to(loss.device)
+
+
+# inputs whose presence changes what the layers keep
+_SHAPED = ("attention_mask", "packed", "router")
+
+
+def _has_submodule(module: nn.Module, path: str | None) -> bool:
+    if path is None:
+        return False
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _scalar(target: nn.Module, path: str | None) -> float | None:
@@ -161,6 +177,7 @@ class CausalLMAdapter(_Adapter):
                     router_index=recorder[1] if recorder else 0,
                     top_k=top_k,
                     experts=self._experts,
+                    mlp=family.mlp if _has_submodule(layer, family.mlp) else None,
                 )
             )
         self._layers.append(
@@ -172,6 +189,14 @@ class CausalLMAdapter(_Adapter):
                 softcap=_scalar(target, family.logit_softcap),
             )
         )
+        # transient elements per token of a loss chunk (the logits in the compute
+        # dtype, their fp32 copy, its softmax and gradient) and of an MLP tile
+        # (its intermediates and their gradients: about twice its active
+        # parameters per hidden unit)
+        self._vocab = int(config.vocab_size)
+        mlps = [d.layer.get_submodule(d.mlp) for d in self._layers[1:-1] if d.mlp is not None]
+        hidden = int(config.hidden_size)
+        self._mlp_width = max((2 * active_parameters(m) / hidden for m in mlps), default=0.0)
         self._moe_output = "router_logits" in (
             getattr(type(layout.base), "_can_record_outputs", None) or {}
         )
@@ -203,6 +228,80 @@ class CausalLMAdapter(_Adapter):
 
         return estimate
 
+    def tile_sizes(self, loss: bool) -> dict[str, int]:
+        """Tokens per loss chunk (with ``loss``: the loss is computed in the
+        pipeline) and per MLP tile, from the engine's ``tile_budget``; the
+        layers tile only micro-batches with more tokens than that."""
+        budget = self.engine.tile_budget if self.engine is not None else None
+        if budget is None:
+            return {}
+        size = torch.empty(0, dtype=self.engine.compute_dtype).element_size()
+        out = {}
+        if loss:
+            out["loss_chunk"] = max(1, int(budget // (self._vocab * (2 * size + 12))))
+        if self._mlp_width:
+            out["mlp_tile"] = max(1, int(budget // (self._mlp_width * size)))
+        return out
+
+    def activation_model(
+        self,
+        dtype: torch.dtype,
+        tiles: dict[str, int],
+        *,
+        loss: bool,
+        mask: bool = False,
+        packed: bool = False,
+        router: bool = False,
+        prepare: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> ActivationModel:
+        """What this model's pipeline layers keep and work with for a
+        micro-batch, measured by short probes in ``dtype`` with the call's
+        tiling (``tiles``, :meth:`tile_sizes`), padding ``mask``, ``packed``
+        sequences, ``router`` statistics and the ``loss`` computed in the
+        pipeline (:func:`~.memory.probe_activations`, which also says what
+        ``prepare`` does); cached per setting."""
+        key = (dtype, tuple(sorted(tiles.items())), loss, mask, packed, router)
+        cache = self.__dict__.setdefault("_activation_models", {})
+        if key not in cache:
+            cache[key] = probe_activations(
+                self._layers,
+                dtype,
+                hidden=int(self.target.config.hidden_size),
+                vocab=self._vocab,
+                mlp_width=self._mlp_width,
+                tiles=tiles,
+                loss=_LMLoss(self._aux_coef, self._experts) if loss else None,
+                mask=mask,
+                packed=packed,
+                router=router,
+                prepare=prepare,
+            )
+        return cache[key]
+
+    def _expect(self, inputs: dict[str, Any], batch: torch.Tensor, loss: bool) -> None:
+        """Before a training call: the engine learns the predicted activation
+        memory of this call's micro-batches (and re-plans if they would not
+        fit). Only where a stage memory limit exists."""
+        engine = self.engine
+        if engine.memory_limit is None or batch.dim() < 2:
+            return
+        seq = int(batch.shape[1])
+        micro = -(-int(batch.shape[0]) // engine.num_microbatches)
+        tiles = applied_tiles({k: inputs[k] for k in TILE_KEYS if k in inputs}, seq * micro)
+        shape = (seq, micro, tuple(sorted(tiles.items())), *(k in inputs for k in _SHAPED))
+        if shape == self.__dict__.get("_expected"):
+            return
+        model = self.activation_model(
+            engine.compute_dtype,
+            tiles,
+            loss=loss,
+            mask="attention_mask" in inputs,
+            packed="packed" in inputs,
+            router="router" in inputs,
+        )
+        engine.expect_activations(model.saved_bytes(seq, micro), model.transient_bytes(seq, micro))
+        self._expected = shape
+
     def _cache(self, past_key_values: Any, use_cache: bool | None) -> bool:
         """Whether the model would run with a key-value cache (it then never
         treats ``position_ids`` as packed sequences): given, or ``use_cache``
@@ -222,7 +321,7 @@ class CausalLMAdapter(_Adapter):
         the loss weighting is decided; a micro-batch's router loss, when on,
         gets the same weight). No labelled token: NaN, as the model's own loss
         is (0 / 0); refused first with ``nonfinite="raise"``."""
-        counts = [int((_shifted(y) != -100).sum()) for y in labels]
+        counts = [int((shifted(y) != -100).sum()) for y in labels]
         total = sum(counts)
         if total:
             return [c / total for c in counts]
@@ -352,6 +451,9 @@ class CausalLMAdapter(_Adapter):
             inputs["router"] = True
         engine = self.engine
         training = torch.is_grad_enabled() and self.target.training
+        inputs.update(self.tile_sizes(loss=training and labels is not None))
+        if training:
+            self._expect(inputs, batch, loss=labels is not None)
         if training and labels is not None:
             # the gradient factor (Lightning's accumulation division, a scaled or
             # combined loss) is whatever autograd brings to the returned loss

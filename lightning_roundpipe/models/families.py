@@ -96,6 +96,9 @@ class Family:
     logit_softcap: str | None = None
     router_aux: RouterAux | None = None
     refused: tuple[Setting, ...] = field(default_factory=tuple)
+    # the block's per-token feed-forward submodule, run over sequence tiles at
+    # long sequences (it must return one tensor); None: never tiled
+    mlp: str | None = "mlp"
 
     def __post_init__(self) -> None:
         if self.mask_rule not in MASK_RULES:
@@ -207,6 +210,7 @@ FAMILIES: tuple[Family, ...] = (
         packed_sequences=False,  # GptOssModel builds its masks without position_ids
         slices_layers=False,
         router_aux=_MOE,
+        mlp=None,  # its MLP returns (output, router scores)
     ),
     Family(
         "DeepSeek-V3",

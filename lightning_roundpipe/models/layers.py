@@ -12,12 +12,15 @@ router statistics (:func:`router_statistics`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..runtime.scope import stage_cached
+from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
 __all__ = ["balance_loss", "is_packed"]
 
@@ -28,6 +31,8 @@ _MASK_FUNCTIONS = {
 }
 # the running router statistics carried from stage to stage
 ROUTER_KEYS = ("router_counts", "router_probs", "router_tokens")
+# tokens per loss chunk and per MLP tile, when the adapter tiles the call
+TILE_KEYS = ("loss_chunk", "mlp_tile")
 
 
 def _packed_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -51,6 +56,7 @@ def _boundary(
     attention_mask: torch.Tensor | None,
     packed: bool,
     router: dict[str, torch.Tensor],
+    tiles: dict[str, int],
 ) -> dict[str, Any]:
     """What crosses a stage boundary (absent values stay absent)."""
     out: dict[str, Any] = {"hidden_states": hidden_states, "position_ids": position_ids}
@@ -59,11 +65,17 @@ def _boundary(
     if packed:
         out["packed"] = True
     out.update(router)
+    out.update(tiles)
     return out
 
 
 def _router(values: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: values[k] for k in ROUTER_KEYS if values.get(k) is not None}
+
+
+def _tiles(values: dict[str, Any]) -> dict[str, int]:
+    """The tile sizes the adapter chose for the call (tokens), passed along."""
+    return {k: values[k] for k in TILE_KEYS if values.get(k)}
 
 
 class _Embed(nn.Module):
@@ -95,6 +107,7 @@ class _Embed(nn.Module):
         packed=False,
         inputs_embeds=None,
         router=False,
+        **tiles,
     ):
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.multiplier is not None:
@@ -112,7 +125,7 @@ class _Embed(nn.Module):
                 "router_probs": torch.zeros(1, self.experts, dtype=torch.float32, device=h.device),
                 "router_tokens": torch.zeros(1, dtype=torch.long, device=h.device),
             }
-        return _boundary(h, position_ids, attention_mask, packed, stats)
+        return _boundary(h, position_ids, attention_mask, packed, stats, _tiles(tiles))
 
 
 def router_statistics(
@@ -176,9 +189,12 @@ class _Decoder(nn.Module):
         router_index: int = 0,
         top_k: int = 0,
         experts: int = 0,
+        mlp: str | None = None,
     ) -> None:
         super().__init__()
         self.layer = layer
+        # the block's per-token feed-forward submodule, tiled at long sequences
+        self.mlp = mlp
         self.rotary = rotary
         # the shared rotary module's identity, kept by the workers' copies (each
         # replica of this layer holds its own copy of the module)
@@ -226,7 +242,7 @@ class _Decoder(nn.Module):
             return self.rotary(hidden_states, position_ids, self.kind)
         return self.rotary(hidden_states, position_ids)
 
-    def forward(self, hidden_states, position_ids, attention_mask=None, packed=False, **router):
+    def forward(self, hidden_states, position_ids, attention_mask=None, packed=False, **extra):
         # built by the stage's first decoder layer of this kind, reused by the others
         mask = stage_cached(
             ("mask", self.kind),
@@ -238,14 +254,44 @@ class _Decoder(nn.Module):
             kwargs["position_embeddings"] = stage_cached(
                 key, lambda: self._rotary(hidden_states, position_ids)
             )
-        stats = _router(router)
+        stats, tiles = _router(extra), _tiles(extra)
         if stats and self.routers:
+            # (never tiled: the routers' logits are recorded with their gradient)
             h, stats = self._recording(hidden_states, kwargs, attention_mask, stats)
         else:
-            h = self.layer(hidden_states, **kwargs)
+            with self._tiled_mlp(hidden_states, tiles.get("mlp_tile")):
+                h = self.layer(hidden_states, **kwargs)
         if isinstance(h, tuple):
             h = h[0]
-        return _boundary(h, position_ids, attention_mask, packed, stats)
+        return _boundary(h, position_ids, attention_mask, packed, stats, tiles)
+
+    @contextlib.contextmanager
+    def _tiled_mlp(self, hidden_states: torch.Tensor, tile: int | None) -> Iterator[None]:
+        """While the block runs, its MLP runs over sequence tiles of ``tile``
+        tokens (:func:`~.tiling.tiled`) when the micro-batch has more; set on
+        this layer's own copy of the block (each worker has one), for the call."""
+        mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)
+        tokens = hidden_states.shape[:-1].numel()
+        if mlp is None or not tile or tokens <= tile or draws_random(mlp):
+            yield
+            return
+        forward = mlp.forward  # (an instance attribute, if one is set, is kept)
+        own = mlp.__dict__.get("forward")
+        per_row = max(1, tile // hidden_states.shape[0])
+
+        def tiled_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or x.dim() < 2:
+                return forward(x, *args, **kwargs)
+            return tiled(forward, trainable(mlp), x, per_row, dim=x.dim() - 2)
+
+        mlp.forward = tiled_forward
+        try:
+            yield
+        finally:
+            if own is None:
+                del mlp.forward
+            else:
+                mlp.forward = own
 
     def _recording(self, hidden_states, kwargs, attention_mask, stats):
         """Run the block recording its routers' logits; add their statistics."""
@@ -293,9 +339,8 @@ class _Head(nn.Module):
         self.divisor = divisor
         self.softcap = softcap
 
-    def forward(
-        self, hidden_states, position_ids=None, attention_mask=None, packed=False, **router
-    ):
+    def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The logits of ``hidden_states`` (each position alone)."""
         logits = self.lm_head(self.norm(hidden_states))
         if self.scale is not None:
             logits = logits * self.scale
@@ -303,6 +348,24 @@ class _Head(nn.Module):
             logits = logits / self.divisor
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(
+        self,
+        hidden_states,
+        position_ids=None,
+        attention_mask=None,
+        packed=False,
+        loss_chunk=None,
+        mlp_tile=None,
+        **router,
+    ):
+        tokens = hidden_states.shape[:-1].numel()
+        if loss_chunk and tokens > loss_chunk and not draws_random(self):
+            # the loss computes the logits chunk by chunk (tiling.ChunkedLogits)
+            logits = ChunkedLogits(hidden_states, self.project, trainable(self), loss_chunk)
+        else:
+            logits = self.project(hidden_states)
         stats = _router(router)
         if not stats:
             return logits

@@ -2,7 +2,10 @@
 
 ``python -m lightning_roundpipe.plan partition ...`` prints the partitioner's
 plan; ``python -m lightning_roundpipe.plan simulate ...`` prints a bubble table
-for one or more schedules and can write timeline PNGs. Costs come inline
+for one or more schedules and can write timeline PNGs;
+``python -m lightning_roundpipe.plan estimate CONFIG --gpu-memory 80 ...``
+prints the plan, memory, longest sequence and simulated throughput of a
+Hugging Face causal LM (it needs torch and transformers, imported only then). Costs come inline
 (``--forward 0.1,1x12,3 --backward 0.2,2x12,6``; ``VxK`` repeats ``V`` ``K``
 times) or from a JSON file (``--costs costs.json`` with ``forward``,
 ``backward`` and optionally ``memory`` lists).
@@ -154,6 +157,29 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
             out.write(f"wrote {path}\n")
 
 
+def _cmd_estimate(args: argparse.Namespace, out) -> None:
+    # (torch and transformers: the rest of the planning layer needs neither)
+    from ..models.estimate import GiB, estimate, load_config
+
+    config = load_config(args.config)
+    result = estimate(
+        config,
+        gpu_memory=args.gpu_memory * GiB,
+        gpus=args.gpus,
+        host_memory=None if args.host_memory is None else args.host_memory * GiB,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        num_microbatches=args.microbatches,
+        precision=args.precision,
+        lora_rank=args.lora_rank,
+        tflops=args.tflops,
+        link_gbps=args.link_gbps,
+        async_optimizer=not args.sync,
+        name=Path(args.config).stem if Path(args.config).is_file() else args.config,
+    )
+    out.write(result.report() + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_roundpipe.plan",
@@ -182,6 +208,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="RoundPipe with the asynchronous optimizer (iterations overlap)",
     )
     s.add_argument("--png", type=Path, help="write timeline PNG(s) to this path")
+    e = sub.add_parser(
+        "estimate",
+        help="plan, memory, longest sequence and throughput of a Hugging Face causal LM",
+    )
+    e.add_argument("config", help="config.json path, or a model name whose config is cached")
+    e.add_argument("--gpu-memory", type=float, required=True, help="GiB of memory per GPU")
+    e.add_argument("--gpus", type=int, default=1, help="GPUs (default 1)")
+    e.add_argument("--host-memory", type=float, help="GiB of host memory (checked if given)")
+    e.add_argument("--seq", type=int, help="tokens per sequence (default: the longest that fits)")
+    e.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    e.add_argument("--microbatches", type=int, help="micro-batches per step (default: GPUs)")
+    e.add_argument("--precision", default="bf16-mixed", help="as Trainer(precision=...)")
+    e.add_argument("--lora-rank", type=int, help="LoRA of this rank on every linear layer")
+    e.add_argument(
+        "--tflops", type=float, default=200.0, help="sustained TFLOP/s per GPU (default 200)"
+    )
+    e.add_argument(
+        "--link-gbps", type=float, default=25.0, help="host-GPU GB/s per GPU (default 25)"
+    )
+    e.add_argument("--sync", action="store_true", help="synchronous optimizer")
     return parser
 
 
@@ -193,9 +239,11 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     try:
         if args.command == "partition":
             _cmd_partition(args, out)
+        elif args.command == "estimate":
+            _cmd_estimate(args, out)
         else:
             _cmd_simulate(args, out)
-    except (PlanError, ImportError, OSError) as exc:
+    except (PlanError, ImportError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     return 0

@@ -7,6 +7,10 @@ measured costs come in as numbers.
 
 * :func:`initial_plan`: the given plan checked against the memory limit, or
   the plan with the shortest simulated step within it (:func:`choose_plan`).
+* :func:`plan_for_activations`: once the first training call's shape is
+  known, the predicted activation memory (saved for backward, plus the largest
+  transient) is added to each stage; a plan that would not fit is replaced
+  before anything runs.
 * :func:`after_measurement`: once per-layer times and activation bytes are
   measured, switch to the measured best plan when it is faster by more than a
   margin or when the current plan no longer fits the limit.
@@ -18,7 +22,7 @@ measured costs come in as numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .costs import LayerCosts, PlanError
@@ -32,7 +36,9 @@ __all__ = [
     "after_measurement",
     "after_out_of_memory",
     "initial_plan",
+    "plan_for_activations",
     "plan_for_measured",
+    "stage_peaks",
     "tightest",
 ]
 
@@ -129,6 +135,100 @@ def plan_for_measured(
         f"no plan keeps every stage within size_limit {cap} (weights and gradients) "
         f"and within {limit} bytes with its measured activations"
     )
+
+
+def stage_peaks(
+    plan: StagePlan, estimates: LayerCosts, saved: Sequence[float], transient: Sequence[float]
+) -> list[float]:
+    """Predicted peak device memory of each slot of ``plan``: its weights and
+    gradients (``estimates.memory``), for a stage that runs backward (a
+    backward or the fused stage) everything its layers ``saved``, and the
+    largest ``transient`` among its layers (one layer works at a time)."""
+    out = []
+    for st, size in zip(plan.stages, plan.stage_memory(estimates), strict=True):
+        kept = sum(saved[st.start : st.stop]) if st.kind != "forward" else 0.0
+        out.append(size + kept + max(transient[st.start : st.stop], default=0.0))
+    return out
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The plan for predicted activation memory.
+
+    Attributes:
+        plan: the plan to run (the current one when kept).
+        peaks: predicted peak device memory of each of its slots.
+        reason: what was decided and why, for the log.
+        warning: whether the reason is worth a warning (a plan predicted not
+            to fit that is kept).
+    """
+
+    plan: StagePlan
+    peaks: list[float]
+    reason: str
+    warning: bool = False
+
+
+def plan_for_activations(
+    current: StagePlan,
+    estimates: LayerCosts,
+    saved: Sequence[float],
+    transient: Sequence[float],
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    user_plan: bool,
+    async_optimizer: bool,
+    memory_limit: float | None,
+    size_limit: float | None = None,
+) -> Predicted:
+    """Keep ``current`` if every slot's predicted peak (:func:`stage_peaks`)
+    fits ``memory_limit``; otherwise, unless the plan was given, the best plan
+    whose stages fit with each layer's saved and transient activations added
+    up (a bound on every stage's peak)."""
+    peaks = stage_peaks(current, estimates, saved, transient)
+    if memory_limit is None or max(peaks) <= memory_limit:
+        return Predicted(current, peaks, f"plan {current} fits the predicted activations")
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    label = current.stages[worst].label
+    assert estimates.memory is not None
+    why = (
+        f"stage {label} of plan {current} is predicted to need {peaks[worst]:.4g} bytes "
+        f"with its activations, over the {memory_limit:.4g} a stage may use"
+    )
+    # every layer counted with its own transient: a bound on any stage's peak
+    # (exact for one-layer stages), which the partitioner can add up
+    bounded = LayerCosts(
+        estimates.forward,
+        estimates.backward,
+        memory=[m + a + t for m, a, t in zip(estimates.memory, saved, transient, strict=True)],
+        weight_bytes=estimates.weight_bytes,
+    )
+    if not user_plan:
+        try:
+            plan = choose_plan(
+                bounded,
+                num_devices,
+                num_microbatches,
+                async_optimizer=async_optimizer,
+                memory_limit=memory_limit,
+            )
+        except PlanError:
+            plan = None
+        # (the cap learned from an out-of-memory error bounds weights and gradients)
+        if plan is not None and (
+            size_limit is None or max(plan.stage_memory(estimates)) <= size_limit
+        ):
+            new = stage_peaks(plan, estimates, saved, transient)
+            return Predicted(plan, new, f"{why}; re-planned to {plan} before the first step")
+    if user_plan:
+        fix = "kept as given: give a plan with smaller stages or plan=None"
+    else:
+        fix = (
+            "no plan fits: raise num_microbatches, shorten the sequences, lower tile_memory "
+            "or raise device_memory_limit"
+        )
+    return Predicted(current, peaks, f"{why}; {fix}", warning=True)
 
 
 @dataclass(frozen=True)

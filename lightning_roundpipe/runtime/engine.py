@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
-from ..plan.decide import after_measurement, initial_plan
+from ..plan.decide import after_measurement, initial_plan, plan_for_activations, stage_peaks
 from ..plan.policy import RoundChoice, choose_round, exposed_uploads
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
@@ -71,6 +71,9 @@ from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
 __all__ = ["EngineClosedError", "RoundPipeEngine", "TrafficReport", "estimate_costs"]
 
 log = logging.getLogger(__name__)
+
+#: tile_memory="auto" on CPU workers with no device_memory_limit
+_CPU_TILE_MEMORY = 128 * 2**20
 
 
 class RoundPipeEngine:
@@ -152,6 +155,14 @@ class RoundPipeEngine:
             (a non-finite gradient, the optimizer, a ``prepare`` hook) leaves
             the engine failed: later calls raise that error at once; build a
             new engine to go on.
+        tile_memory: bytes the transient working set of one sequence tile may
+            take on a device: the LM loss then runs over chunks of tokens and
+            per-token layers (a decoder block's MLP) over sequence tiles whenever
+            a micro-batch's whole working set would be larger (model adapters
+            read :attr:`tile_budget`). ``"auto"`` (default): an eighth of a
+            stage's device memory (``device_memory_limit``, or half the free
+            memory of a GPU), 128 MiB on CPU workers without a limit;
+            ``None``: never tile.
         parameter_names: names for the parameters in errors (e.g. the
             LightningModule's ``named_parameters()``, as a dict from parameter
             to name); default ``layers[i].<name inside the layer>``.
@@ -191,6 +202,7 @@ class RoundPipeEngine:
         replan_margin: float = 0.05,
         nonfinite: NonFinite = "raise",
         size_limit: int | None = None,
+        tile_memory: int | Literal["auto"] | None = "auto",
         parameter_names: dict[nn.Parameter, str] | None = None,
         chaos: Callable[[str], None] | None = None,
         rules: Rules | None = None,
@@ -231,6 +243,7 @@ class RoundPipeEngine:
             profile_iterations=profile_iterations,
             replan_margin=replan_margin,
             nonfinite=nonfinite,
+            tile_memory=tile_memory,
         )
         compute_dtype = self.options.compute_dtype
         user_plan = plan is not None
@@ -277,6 +290,8 @@ class RoundPipeEngine:
         self.size_limit = size_limit
         self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
         self._replanned = False
+        #: predicted peak device memory of each slot (:meth:`expect_activations`)
+        self.predicted_peaks: list[float] | None = None
         self.devices = devs
         self.num_microbatches = m
         self.microbatches_per_round = self.options.microbatches_per_round
@@ -504,6 +519,60 @@ class RoundPipeEngine:
     @property
     def compute_dtype(self) -> torch.dtype:
         return self._host.compute_dtype
+
+    @property
+    def memory_limit(self) -> int | None:
+        """Bytes a stage may use on a device (``device_memory_limit``, or from
+        the free memory of the GPUs); None: no limit (CPU workers)."""
+        return self._limit
+
+    def expect_activations(self, saved: Sequence[float], transient: Sequence[float]) -> list[float]:
+        """Tell the engine the activation memory its layers are predicted to
+        need for the coming micro-batches: ``saved[i]`` bytes layer ``i`` keeps
+        for its backward, ``transient[i]`` bytes it works with on top while it
+        runs (model adapters predict them from the call's shape, see
+        :mod:`lightning_roundpipe.models.memory`). Before per-layer
+        measurements exist, a plan whose stages would not fit the memory limit
+        is replaced now, before anything runs (a given plan is kept, with a
+        warning). Returns each slot's predicted peak device memory
+        (:attr:`predicted_peaks`)."""
+        n = self._costs.num_layers
+        if len(saved) != n or len(transient) != n:
+            raise ValueError(f"expect_activations needs one value per pipeline layer ({n})")
+        if self._replanned:  # measured activations decide the plan from now on
+            self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient)
+            return self.predicted_peaks
+        decision = plan_for_activations(
+            self.plan,
+            self._costs,
+            saved,
+            transient,
+            self.num_devices,
+            self.num_microbatches,
+            user_plan=self._user_plan,
+            async_optimizer=self.async_optimizer,
+            memory_limit=self._limit,
+            size_limit=self.size_limit,
+        )
+        if decision.plan != self.plan:
+            self._wait_tasks()  # an iteration boundary with nothing in flight
+            self._set_plan(decision.plan)
+            log.info("RoundPipe %s", decision.reason)
+        elif decision.warning:
+            log.warning("RoundPipe %s", decision.reason)
+        self.predicted_peaks = decision.peaks
+        return decision.peaks
+
+    @property
+    def tile_budget(self) -> int | None:
+        """Bytes one sequence tile's transient working set may take on a device
+        (see ``tile_memory``); None: never tile."""
+        tm = self.options.tile_memory
+        if tm != "auto":
+            return tm
+        if self._limit is None:  # CPU workers without a limit: the host's memory
+            return _CPU_TILE_MEMORY
+        return max(1, self._limit // 8)
 
     @property
     def bytes_moved(self) -> int:

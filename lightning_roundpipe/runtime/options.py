@@ -58,6 +58,7 @@ class EngineOptions:
     profile_iterations: int = 2
     replan_margin: float = 0.05
     nonfinite: NonFinite = "raise"
+    tile_memory: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -94,6 +95,12 @@ class EngineOptions:
             raise ValueError(f"placement must be 'free-first' or 'rotate', got {self.placement!r}")
         if self.size_limit is not None and not self.size_limit > 0:
             raise ValueError(f"size_limit must be > 0, got {self.size_limit!r}")
+        tm = self.tile_memory
+        if tm not in ("auto", None) and not _positive_int(tm):
+            raise ValueError(
+                f"tile_memory must be a positive number of bytes, 'auto' or None, got {tm!r}; "
+                "leave it 'auto' to tile only sequences whose working set needs it"
+            )
         if self.device_memory_limit is not None and not self.device_memory_limit > 0:
             raise ValueError(
                 f"device_memory_limit must be > 0 bytes, got {self.device_memory_limit!r}"

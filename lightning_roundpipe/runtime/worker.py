@@ -609,8 +609,14 @@ class Worker:
         x: Any,
         save: Callable[[int, Any], None] | None = None,
         timer: LayerTimer | None = None,
+        finish: Callable[[Any], Any] | None = None,
     ) -> Any:
+        """Run the stage's layers on ``x``. ``finish`` (the loss) runs on the
+        last layer's output as part of that layer: with its random numbers,
+        inside its guard, in its measured time (a chunked loss computes the
+        head there)."""
         t, call = job.task, job.call
+        last = len(replicas) - 1
         for off, rep in enumerate(replicas):
             layer = t.start + off
             self._layer = layer
@@ -626,6 +632,8 @@ class Worker:
                     if timer is not None:
                         a = timer.watch.mark()
                     x = call_layer(rep.module, x)
+                    if finish is not None and off == last:
+                        x = finish(x)
                     if timer is not None:
                         timer.forward[layer] = (a, timer.watch.mark())
             if timer is not None and torch.is_grad_enabled():
@@ -716,15 +724,19 @@ class Worker:
         x, leaves = self._leaves(x) if t.start > 0 or call.input_grad else (x, [])
         timer = self._timer(job, leaves)
         mark = self._mark()
-        with torch.enable_grad():
-            out = self._layers(job, j, replicas, x, timer=timer)
-            labels = call.labels[j]
-            if call.loss_fn is not None and labels is not None:
+        labels, loss_fn, finish = call.labels[j], call.loss_fn, None
+        if loss_fn is not None:
+            if labels is not None:
                 ctx = self.ctx
                 labels = map_tensors(lambda v: ctx.upload(v, ctx.act_up), labels)
                 ctx.compute.wait_event(ctx.record(ctx.act_up))  # labels up -> compute
+
+            def finish(out: Any) -> Any:
+                return loss_fn(out, labels)
+
+        with torch.enable_grad():
+            loss = self._layers(job, j, replicas, x, timer=timer, finish=finish)
             with self.ctx.on(self.ctx.compute), self._guard():
-                loss = out if call.loss_fn is None else call.loss_fn(out, labels)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     what = (
                         type(loss).__name__

@@ -83,3 +83,39 @@ def test_after_out_of_memory_cuts_the_stage_or_doubles_the_microbatches():
     assert one_layer.microbatches == 8 and one_layer.change == "num_microbatches=8"
     assert oom((7, 8), plan_given=True, auto=False) is None  # nothing may change
     assert oom((7, 8), batch=4) is None  # micro-batches of one sample already
+
+
+def test_stage_peaks_add_what_a_backward_stage_keeps_and_its_largest_transient():
+    from lightning_roundpipe.plan.decide import stage_peaks
+
+    est = costs()
+    plan = StagePlan.parse("4,3|1|3,4", 8)
+    saved, transient = [1.0] * 8, [0.5] * 7 + [3.0]
+    peaks = stage_peaks(plan, est, saved, transient)
+    # F1, F2 (no grad: weights and one transient), fused (layer 7), B2, B1
+    assert peaks == [40.5, 30.5, 10 + 1 + 3, 30 + 3 + 0.5, 40 + 4 + 0.5]
+
+
+def test_plan_for_activations_keeps_a_fitting_plan_and_replaces_one_that_would_not_fit():
+    from lightning_roundpipe.plan.decide import plan_for_activations
+
+    est = costs()
+    plan = StagePlan.parse("4,3|1|3,4", 8)
+    kw = dict(user_plan=False, async_optimizer=True)
+    saved, transient = [5.0] * 8, [2.0] * 8
+    kept = plan_for_activations(plan, est, saved, transient, 2, 4, memory_limit=100, **kw)
+    assert kept.plan is plan and not kept.warning and max(kept.peaks) == 62
+    # with 5 bytes kept per layer, a 4-layer backward stage needs 62 > 40
+    new = plan_for_activations(plan, est, saved, transient, 2, 4, memory_limit=40, **kw)
+    assert new.plan != plan and max(new.peaks) <= 40
+    assert "re-planned to" in new.reason and "before the first step" in new.reason
+    # a given plan is kept, with a warning that says what to change
+    given = plan_for_activations(
+        plan, est, saved, transient, 2, 4, memory_limit=40, user_plan=True, async_optimizer=True
+    )
+    assert given.plan is plan and given.warning
+    assert "stage B3 of plan 4,3|1|3,4 is predicted to need 62 bytes" in given.reason
+    assert "kept as given: give a plan with smaller stages or plan=None" in given.reason
+    # nothing fits: one layer with its activations is over the limit
+    none = plan_for_activations(plan, est, [50.0] * 8, transient, 2, 4, memory_limit=40, **kw)
+    assert none.warning and "no plan fits: raise num_microbatches, shorten" in none.reason

@@ -1,0 +1,304 @@
+"""Before renting hardware: the plan, device and host memory, longest
+sequence and simulated throughput of a Hugging Face causal LM under RoundPipe,
+from its config alone (``python -m lightning_roundpipe.plan estimate``).
+
+The model is built on the meta device (no weights are allocated or
+downloaded); each distinct pipeline layer is materialised once, with random
+values, for the activation probes of :mod:`.memory`. The stage memory limit
+is what the engine would take on such a GPU (half the memory left after the
+CUDA context: a worker holds a stage and prefetches the next), tiles are sized
+like ``tile_memory="auto"``, and the plan is the one the engine would choose
+for the predicted activations (:func:`~..plan.decide.plan_for_activations`).
+Times come from matmul FLOPs at an assumed sustained rate (``tflops``); weight
+traffic over an assumed link bandwidth says whether uploads can hide behind
+compute.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import LayerCosts, PlanError, simulate
+from ..plan.decide import initial_plan, plan_for_activations
+from ..runtime.options import PRECISIONS
+from ..runtime.profiler import active_parameters, estimate_costs
+from .causal_lm import CausalLMAdapter
+from .memory import ActivationModel, applied_tiles, longest_sequence
+
+__all__ = ["Estimate", "estimate", "load_config"]
+
+GiB = 2**30
+#: memory the CUDA context and allocator keep on a GPU before any tensor
+CUDA_CONTEXT = 1 * GiB
+#: host bytes per trainable parameter: fp32 master, compute-dtype copy, fp32
+#: gradient, two Adam states; per frozen parameter: the master and the copy
+HOST_TRAINABLE, HOST_FROZEN = 4 + 2 + 4 + 8, 4 + 2
+
+
+def load_config(source: str) -> Any:
+    """A Hugging Face config from a JSON file, a directory holding
+    ``config.json``, or a model name whose config is in the local cache
+    (nothing is downloaded)."""
+    import transformers
+
+    path = Path(source)
+    if path.is_file():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if "model_type" not in data:
+            raise ValueError(f"{source}: a config JSON needs 'model_type'")
+        return transformers.AutoConfig.for_model(**data)
+    try:
+        return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except OSError as exc:
+        raise ValueError(
+            f"{source!r} is neither a config JSON file nor a model whose config is in the "
+            "local Hugging Face cache (nothing is downloaded); pass the path of its config.json"
+        ) from exc
+
+
+def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
+    import transformers
+
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa"
+            )
+        except ValueError:  # no sdpa for this family
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager"
+            )
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+        with torch.device("meta"):
+            model = get_peft_model(model, lora).get_base_model()  # adapters injected
+    return model
+
+
+def _materialise(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A CPU copy of a meta ``layer`` with random values (what a probe needs:
+    shapes, dtypes and finite numbers)."""
+    out = copy.deepcopy(layer).to_empty(device="cpu").to(dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in [*out.parameters(), *out.buffers()]:
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02, generator=g)
+            else:
+                t.zero_()
+    return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What :func:`estimate` found (bytes, seconds, tokens per second)."""
+
+    model: str
+    parameters: int
+    trainable: int
+    gpus: int
+    stage_limit: int
+    seq: int
+    micro_batch: int
+    num_microbatches: int
+    plan: str
+    stage_peaks: list[float]
+    host: dict[str, float]
+    host_memory: int | None
+    longest_seq: int
+    step_seconds: float
+    tokens_per_second: float
+    upload_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        host_ok = self.host_memory is None or self.host["total"] <= self.host_memory
+        return max(self.stage_peaks) <= self.stage_limit and host_ok
+
+    def report(self) -> str:
+        def gib(x: float) -> str:
+            return f"{x / GiB:.2f} GiB"
+
+        lines = [
+            f"model: {self.model}, {self.parameters / 1e9:.3g}B parameters "
+            f"({self.trainable / 1e9:.3g}B trainable)",
+            f"GPUs: {self.gpus}, a stage may use {gib(self.stage_limit)} of each",
+            f"setting: {self.micro_batch} x {self.seq} tokens per micro-batch, "
+            f"{self.num_microbatches} micro-batches per step",
+            f"plan: {self.plan}",
+            "device memory per stage (predicted peak): "
+            + ", ".join(gib(p) for p in self.stage_peaks),
+            f"host memory: {gib(self.host['total'])} (model state {gib(self.host['state'])}, "
+            f"boundary activations {gib(self.host['activations'])})"
+            + ("" if self.host_memory is None else f" of {gib(self.host_memory)}"),
+            f"fits: {'yes' if self.fits else 'NO'}",
+            f"longest sequence at micro-batch 1: {self.longest_seq} tokens",
+            f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
+            f"(weight uploads need {self.upload_seconds:.3g} s per step)",
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def _times(
+    layers: list[nn.Module], config: Any, seq: int, micro_batch: int, tflops: float
+) -> tuple[list[float], list[float]]:
+    """Seconds of each layer's forward and backward from its matmul FLOPs
+    (2 per active parameter and token; causal attention ``2 s^2 b`` per head
+    dimension and query head), backward twice the forward."""
+    tokens = seq * micro_batch
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1))
+    rate = tflops * 1e12
+    fwd = []
+    for i, layer in enumerate(layers):
+        flops = 2 * active_parameters(layer) * tokens
+        if 0 < i < len(layers) - 1:
+            flops += 2 * seq * seq * micro_batch * heads * head_dim
+        if i == 0:
+            flops = tokens * config.hidden_size  # a lookup
+        fwd.append(flops / rate)
+    return fwd, [2 * f for f in fwd]
+
+
+def estimate(
+    config: Any,
+    *,
+    gpu_memory: float,
+    gpus: int = 1,
+    host_memory: float | None = None,
+    seq: int | None = None,
+    micro_batch: int = 1,
+    num_microbatches: int | None = None,
+    precision: str = "bf16-mixed",
+    lora_rank: int | None = None,
+    tflops: float = 200.0,
+    link_gbps: float = 25.0,
+    async_optimizer: bool = True,
+    name: str | None = None,
+) -> Estimate:
+    """Estimate RoundPipe on ``gpus`` GPUs of ``gpu_memory`` bytes with
+    ``host_memory`` bytes of host memory (None: not checked) for a Hugging
+    Face causal-LM ``config``: the plan and memory at ``seq`` tokens (default:
+    the longest that fits) and ``micro_batch`` sequences per micro-batch, the
+    longest sequence at micro-batch 1, and the simulated step at ``tflops``
+    sustained TFLOP/s per GPU (weight uploads at ``link_gbps`` GB/s).
+    ``lora_rank``: LoRA adapters of that rank on every linear layer (peft),
+    the base frozen; else full fine-tuning."""
+    if gpus < 1 or micro_batch < 1:
+        raise ValueError("gpus and micro_batch must be >= 1")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
+    m = num_microbatches or gpus
+    model = _meta_model(config, lora_rank)
+    adapter = CausalLMAdapter(model, "model")
+    layers = adapter.layers()
+    sizes = estimate_costs(layers, dtype)
+    limit = int((gpu_memory - CUDA_CONTEXT) // 2)
+    if limit <= 0:
+        raise ValueError(f"gpu_memory must be more than {CUDA_CONTEXT} bytes, got {gpu_memory}")
+    budget = limit // 8  # tile_memory="auto"
+    size = torch.empty(0, dtype=dtype).element_size()
+    tiles = {
+        "loss_chunk": max(1, int(budget // (adapter._vocab * (2 * size + 12)))),
+        "mlp_tile": max(1, int(budget // max(adapter._mlp_width * size, 1))),
+    }
+    models: dict[tuple, ActivationModel] = {}
+    copies: dict[int, nn.Module] = {}
+
+    def real(layer: nn.Module) -> nn.Module:
+        if id(layer) not in copies:
+            copies[id(layer)] = _materialise(layer, dtype)
+        return copies[id(layer)]
+
+    def activations(tokens: int) -> ActivationModel:
+        applied = applied_tiles(tiles, tokens)
+        key = tuple(sorted(applied))
+        if key not in models:
+            models[key] = adapter.activation_model(dtype, applied, loss=True, prepare=real)
+        return models[key]
+
+    def plan_at(s: int, b: int) -> tuple[Any, list[float]]:
+        act = activations(s * b)
+        start = initial_plan(
+            sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
+        )
+        decision = plan_for_activations(
+            start,
+            sizes,
+            act.saved_bytes(s, b),
+            act.transient_bytes(s, b),
+            gpus,
+            m,
+            user_plan=False,
+            async_optimizer=async_optimizer,
+            memory_limit=limit,
+        )
+        return decision.plan, decision.peaks
+
+    def fits(s: int) -> bool:
+        try:
+            _, peaks = plan_at(s, 1)
+        except PlanError:
+            return False
+        return max(peaks) <= limit
+
+    state = sum(
+        p.numel() * (HOST_TRAINABLE if p.requires_grad else HOST_FROZEN) for p in model.parameters()
+    )
+    ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
+    longest = longest_sequence(fits, 1, max(ceiling, 1 << 22))
+    notes = []
+    if seq is None:
+        seq = max(1, min(longest, ceiling) if longest else 1)
+    plan, peaks = plan_at(seq, micro_batch)
+    boundary = (seq * micro_batch) * (config.hidden_size * size + 8)
+    acts = boundary * len(plan.forward) * m
+    host = {"state": float(state), "activations": float(acts), "total": float(state + acts)}
+    fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
+    timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
+    sim = simulate("roundpipe", timed, gpus, m, plan=plan, async_optimizer=async_optimizer)
+    # one step: the busy time spread over the GPUs, idle for the bubble (back to
+    # back with the asynchronous optimizer, one iteration's makespan without)
+    bubble = sim.async_bubble_ratio if async_optimizer else sim.bubble_ratio
+    step = sim.work / (gpus * (1 - (bubble or 0.0)))
+    upload = sum(sizes.weight_bytes or []) * 2 / (link_gbps * 1e9)  # up + gradients down
+    if upload > step:
+        notes.append(
+            f"weight traffic ({upload:.3g} s per step at {link_gbps} GB/s per GPU link) exceeds "
+            "compute: raise num_microbatches (more work per upload) or sequence length"
+        )
+    if longest and longest >= ceiling:
+        notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return Estimate(
+        model=name or getattr(config, "model_type", "model"),
+        parameters=params,
+        trainable=trainable,
+        gpus=gpus,
+        stage_limit=limit,
+        seq=seq,
+        micro_batch=micro_batch,
+        num_microbatches=m,
+        plan=str(plan),
+        stage_peaks=peaks,
+        host=host,
+        host_memory=None if host_memory is None else int(host_memory),
+        longest_seq=longest,
+        step_seconds=step,
+        tokens_per_second=seq * micro_batch * m / step if step > 0 else math.inf,
+        upload_seconds=upload,
+        notes=notes,
+    )

@@ -1,0 +1,226 @@
+"""Sequence tiling for long contexts: the LM loss over chunks of tokens, and
+per-token layers (a decoder block's MLP) over sequence tiles.
+
+At long sequences two transient values dominate a stage's device memory: the
+head's full-vocabulary logits (and their fp32 copy and gradient: ``tokens x
+vocab`` several times over) and a block's MLP intermediates (``tokens x
+intermediate_size``). Both are per-token work, so they can run a tile of tokens
+at a time with the same result:
+
+* :class:`ChunkedLogits` stands in for the logits when the loss is computed
+  inside the pipeline. :meth:`ChunkedLogits.loss` computes the next-token
+  cross-entropy chunk by chunk; while training, each chunk's backward runs at
+  once (the loss of a fused stage is always differentiated right after), so
+  only the hidden-state gradient and the head's weight gradients are kept, not
+  the logits. In fp16 (whose gradients need the loss scale, known only in
+  backward) the chunks' logits are recomputed in backward instead.
+* :func:`tiled` runs a per-token module (an MLP) over sequence tiles under
+  ``no_grad`` and, in backward, recomputes one tile at a time with its
+  gradient, so a tile's intermediates are all that ever exist.
+
+Torch has no sequence-tiled autograd primitive (``torch.utils.checkpoint``
+recomputes a whole call at once), hence these two small autograd functions.
+Modules that draw random numbers while training (dropout) are never tiled: a
+recompute in backward would draw different ones (:func:`draws_random`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["ChunkedLogits", "draws_random", "shifted", "tiled", "trainable"]
+
+
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def draws_random(module: nn.Module) -> bool:
+    """Whether ``module`` would draw random numbers in its current mode
+    (an active dropout): such a module cannot be recomputed tile by tile."""
+    return any(m.training and isinstance(m, _DROPOUTS) and m.p > 0 for m in module.modules())
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets, as Hugging Face's causal LM loss builds them."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+class ChunkedLogits:
+    """The logits of ``hidden`` under ``project``, never materialised whole:
+    what a head returns in their place when the loss is computed in chunks of
+    ``chunk`` tokens (:meth:`loss`)."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        project: Callable[[torch.Tensor], torch.Tensor],
+        params: Sequence[nn.Parameter],
+        chunk: int,
+    ) -> None:
+        self.hidden = hidden
+        self.project = project
+        self.params = list(params)
+        self.chunk = chunk
+
+    def loss(self, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over the labelled tokens (``-100``
+        ignored; 0 when there is none), equal to computing it from the full
+        logits."""
+        target = shifted(labels).reshape(-1).to(self.hidden.device)
+        count = (target != -100).sum().clamp(min=1)  # on the device: no sync
+        return _ChunkedLoss.apply(
+            self.hidden, target, count, self.project, self.chunk, *self.params
+        )
+
+
+def _loss_chunks(
+    flat: torch.Tensor,
+    target: torch.Tensor,
+    count: torch.Tensor,
+    project: Callable[[torch.Tensor], torch.Tensor],
+    chunk: int,
+    params: Sequence[torch.Tensor],
+    want: Sequence[bool],
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+    """The loss over ``flat`` chunk by chunk and, where ``want`` asks (hidden
+    first, then each parameter), its gradients times ``scale`` (None: the
+    loss only). Parameter gradients are summed in fp32 across chunks."""
+    want_h, want_p = want[0], list(want[1:])
+    grad = any(want)
+    total = torch.zeros((), dtype=torch.float32, device=flat.device)
+    gh = torch.empty_like(flat) if want_h else None
+    gp: list[torch.Tensor | None] = [
+        torch.zeros_like(p, dtype=torch.float32) if w else None
+        for p, w in zip(params, want_p, strict=True)
+    ]
+    chosen = [p for p, w in zip(params, want_p, strict=True) if w]
+    for start in range(0, flat.shape[0], chunk):
+        stop = min(start + chunk, flat.shape[0])
+        with torch.set_grad_enabled(grad):
+            x = flat[start:stop].detach().requires_grad_(want_h)
+            logits = project(x)
+            part = (
+                nn.functional.cross_entropy(
+                    logits.float(), target[start:stop], ignore_index=-100, reduction="sum"
+                )
+                / count
+            )
+            if grad:
+                goal = part if scale is None else part * scale
+                found = torch.autograd.grad(goal, ([x] if want_h else []) + chosen)
+        total = total + part.detach()
+        if not grad:
+            continue
+        found = list(found)
+        if want_h:
+            gh[start:stop] = found.pop(0)
+        for i, w in enumerate(want_p):
+            if w:
+                gp[i].add_(found.pop(0))
+    return total, gh, gp
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """The loss of :meth:`ChunkedLogits.loss`. Forward differentiates each chunk
+    at once for a unit output gradient; backward scales those gradients (or, in
+    fp16, recomputes each chunk with the real output gradient, loss scale
+    included, so small gradients do not underflow)."""
+
+    @staticmethod
+    def forward(ctx, hidden, target, count, project, chunk, *params):
+        want = [ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]]
+        ctx.shape, ctx.project, ctx.chunk = hidden.shape, project, chunk
+        ctx.dtypes = [p.dtype for p in params]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        ctx.eager = any(want) and hidden.dtype != torch.float16
+        if ctx.eager:
+            loss, gh, gp = _loss_chunks(flat, target, count, project, chunk, params, want, None)
+            ctx.grads = (gh, gp)
+        else:
+            loss, _, _ = _loss_chunks(
+                flat, target, count, project, chunk, params, [False] * len(want), None
+            )
+            ctx.save_for_backward(hidden, target, count, *params)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        want = [ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]]
+        if ctx.eager:
+            gh, gp = ctx.grads
+            ctx.grads = None
+            gh = None if gh is None else (gh * g).reshape(ctx.shape)
+            gp = [None if v is None else v * g for v in gp]
+        else:
+            hidden, target, count, *params = ctx.saved_tensors
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            _, gh, gp = _loss_chunks(flat, target, count, ctx.project, ctx.chunk, params, want, g)
+            gh = None if gh is None else gh.reshape(ctx.shape)
+        params_out = [None if v is None else v.to(d) for v, d in zip(gp, ctx.dtypes, strict=True)]
+        return (gh, None, None, None, None, *params_out)
+
+
+def tiled(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[nn.Parameter],
+    x: torch.Tensor,
+    tile: int,
+    dim: int = 1,
+) -> torch.Tensor:
+    """``fn(x)`` for a function that acts on each position of ``x`` alone (a
+    decoder block's MLP, whose trainable parameters are ``params``), computed
+    ``tile`` positions along ``dim`` at a time: forward keeps only ``x`` and
+    the output; backward recomputes each tile with its gradient. ``fn`` must
+    return a tensor and draw no random numbers (:func:`draws_random`)."""
+    return _Tiled.apply(fn, tile, dim, x, *params)
+
+
+class _Tiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, tile, dim, x, *params):
+        ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
+        ctx.dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(x, *params)
+        return torch.cat([fn(piece.contiguous()) for piece in x.split(tile, dim)], dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *params = ctx.saved_tensors
+        want_x, want_p = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        chosen = [p for p, w in zip(params, want_p, strict=True) if w]
+        gx = torch.empty_like(x) if want_x else None
+        gp = [
+            torch.zeros_like(p, dtype=torch.float32) if w else None
+            for p, w in zip(params, want_p, strict=True)
+        ]
+        start = 0
+        for piece, gpiece in zip(
+            x.split(ctx.tile, ctx.dim), g.split(ctx.tile, ctx.dim), strict=True
+        ):
+            with torch.enable_grad():
+                xi = piece.detach().contiguous().requires_grad_(want_x)
+                out = ctx.fn(xi)
+                found = list(torch.autograd.grad(out, ([xi] if want_x else []) + chosen, gpiece))
+            if want_x:
+                gx.narrow(ctx.dim, start, piece.shape[ctx.dim]).copy_(found.pop(0))
+            for v in gp:
+                if v is not None:
+                    v.add_(found.pop(0))
+            start += piece.shape[ctx.dim]
+        params_out = [None if v is None else v.to(d) for v, d in zip(gp, ctx.dtypes, strict=True)]
+        return (None, None, None, gx, *params_out)

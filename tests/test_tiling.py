@@ -1,0 +1,303 @@
+"""Long sequences: the LM loss over chunks of tokens and decoder MLPs over
+sequence tiles (``tile_memory``) give the results of the unsplit computation,
+in fp32, bf16 and fp16 (loss scaled), for dense and Mixture-of-Experts models;
+the full-vocabulary logits never exist (peak memory of a fit measured in a
+fresh process); what cannot be tiled exactly (dropout, router statistics, an
+MLP returning a tuple) is not."""
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from test_adapters import LM, QUIET, lm_data, tiny
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.models import CausalLMAdapter, causal_lm_loss, layers, tiling
+from lightning_roundpipe.models.tiling import ChunkedLogits, draws_random, tiled
+from lightning_roundpipe.runtime import RoundPipeEngine
+from lightning_roundpipe.runtime.options import EngineOptions
+
+transformers = pytest.importorskip("transformers")
+
+
+# ------------------------------------------------------------ the pieces
+class Head(nn.Module):
+    """A norm, a projection and a soft cap: a head's per-position work."""
+
+    def __init__(self, hidden: int = 16, vocab: int = 37, dtype=torch.float32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, dtype=dtype)
+        self.proj = nn.Linear(hidden, vocab, dtype=dtype)
+
+    def forward(self, h):
+        return torch.tanh(self.proj(self.norm(h)) / 3.0) * 3.0
+
+
+def head_case(dtype, labels_kind="some ignored"):
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    head = Head(dtype=dtype)
+    hidden = torch.randn(3, 11, 16, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 37, (3, 11), generator=g)
+    if labels_kind == "some ignored":
+        labels[0, 7:] = -100
+        labels[2, :3] = -100
+    elif labels_kind == "all ignored":
+        labels[:] = -100
+    return head, hidden, labels
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [
+        (torch.float32, {}),
+        # low precision: both sides round differently (the chunks sum in fp32)
+        (torch.bfloat16, dict(atol=2e-2, rtol=2e-2)),
+        (torch.float16, dict(atol=1e-2, rtol=2e-3)),
+    ],
+)
+@pytest.mark.parametrize("chunk", [1, 5, 33, 1000])
+def test_the_chunked_loss_and_its_gradients_equal_the_full_logits(dtype, tol, chunk):
+    head, hidden, labels = head_case(dtype)
+    ref_head, ref_hidden = copy.deepcopy(head), hidden.detach().clone().requires_grad_()
+    expected = causal_lm_loss(ref_head(ref_hidden), labels)
+    # a loss scale (fp16) or a gradient factor (accumulation): gradients are scaled
+    (expected * 64.0).backward()
+    loss = ChunkedLogits(hidden, head, list(head.parameters()), chunk).loss(labels)
+    (loss * 64.0).backward()
+    torch.testing.assert_close(loss, expected.detach(), **tol)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, **tol)
+    for (name, p), q in zip(head.named_parameters(), ref_head.parameters(), strict=True):
+        assert p.grad.dtype == p.dtype
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+
+
+def test_the_chunked_loss_of_no_labelled_token_is_zero_with_zero_gradients():
+    head, hidden, labels = head_case(torch.float32, "all ignored")
+    loss = ChunkedLogits(hidden, head, list(head.parameters()), 4).loss(labels)
+    loss.backward()
+    assert loss.item() == 0.0 == causal_lm_loss(head(hidden), labels).item()
+    assert not hidden.grad.any() and not head.proj.weight.grad.any()
+
+
+def test_the_chunked_loss_differentiates_only_what_needs_it():
+    head, hidden, labels = head_case(torch.float32)
+    head.proj.weight.requires_grad_(False)
+    frozen = hidden.detach()  # e.g. a stage whose input needs no gradient
+    loss = ChunkedLogits(frozen, head, tiling.trainable(head), 6).loss(labels)
+    loss.backward()
+    assert head.proj.weight.grad is None and head.proj.bias.grad is not None
+    with torch.no_grad():  # evaluation: no gradient work at all
+        value = ChunkedLogits(hidden, head, tiling.trainable(head), 6).loss(labels)
+    torch.testing.assert_close(value, causal_lm_loss(head(hidden), labels))
+    assert not value.requires_grad
+
+
+class MLP(nn.Module):
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 24, dtype=dtype)
+        self.down = nn.Linear(24, 8, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.up(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tile", "dim"), [(1, 1), (4, 1), (50, 1), (2, 0)])
+def test_a_tiled_mlp_and_its_gradients_equal_the_whole_call(dtype, tile, dim):
+    torch.manual_seed(0)
+    mlp = MLP(dtype)
+    ref = copy.deepcopy(mlp)
+    x = torch.randn(3, 13, 8).to(dtype).requires_grad_()
+    rx = x.detach().clone().requires_grad_()
+    g = torch.randn(3, 13, 8).to(dtype)
+    expected = ref(rx)
+    expected.backward(g)
+    out = tiled(mlp, tiling.trainable(mlp), x, tile, dim)
+    out.backward(g)
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, expected, **tol)
+    torch.testing.assert_close(x.grad, rx.grad, **tol)
+    for (name, p), q in zip(mlp.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+
+
+def test_dropout_is_seen_only_while_it_draws():
+    block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    assert draws_random(block)
+    assert not draws_random(block.eval())
+    assert not draws_random(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)))
+
+
+def test_tile_memory_is_validated_naming_the_option():
+    for bad in (0, -5, 1.5, "big"):
+        with pytest.raises(ValueError, match=r"tile_memory must be a positive number of bytes"):
+            EngineOptions(tile_memory=bad)
+    with pytest.raises(ValueError, match=r"tile_memory must be a positive number of bytes"):
+        RoundPipeStrategy(tile_memory=0)
+
+
+def test_the_tile_budget_follows_the_option():
+    net = [nn.Linear(4, 4), nn.Linear(4, 1)]
+    for option, budget in [(None, None), (4096, 4096), ("auto", 128 * 2**20)]:
+        with RoundPipeEngine(net, ["cpu"], 1, tile_memory=option) as eng:
+            assert eng.tile_budget == budget
+
+
+# ------------------------------------------------------------ in a fit
+# 7 KB: loss chunks of 3-4 tokens and MLP tiles of 2-8 positions per row at the
+# tiny models' widths in fp32 and bf16 (20 tokens per micro-batch: uneven
+# last pieces)
+SMALL = 7_000
+
+
+class Counting:
+    """Counts the chunked losses and tiled MLP calls the workers make."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.chunked = self.tiled = 0
+        loss, tile = ChunkedLogits.loss, layers.tiled
+
+        def counted_loss(this, labels):
+            self.chunked += 1
+            return loss(this, labels)
+
+        def counted_tile(*args, **kwargs):
+            self.tiled += 1
+            return tile(*args, **kwargs)
+
+        monkeypatch.setattr(ChunkedLogits, "loss", counted_loss)
+        monkeypatch.setattr(layers, "tiled", counted_tile)
+
+
+class AdamLM(LM):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit(module, tile_memory, precision="32-true"):
+    L.seed_everything(0)
+    strategy = RoundPipeStrategy(
+        async_optimizer=False, num_microbatches=2, plan="2|2|2", tile_memory=tile_memory
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        precision=precision,
+        **QUIET,
+    )
+    trainer.fit(module, DataLoader(lm_data(), batch_size=4))
+
+
+def same_training(model, monkeypatch, precision, lm=LM, tol=None):
+    """A fit with ``SMALL`` tiles and one that never tiles: the same losses and
+    weights (plain SGD by default: Adam's normalisation turns the rounding of a
+    near-zero gradient, which any change of summation order moves, into a
+    full-size step). Returns what was chunked and tiled."""
+    ref = lm(copy.deepcopy(model))
+    fit(ref, None, precision)
+    count = Counting(monkeypatch)
+    mod = lm(model)
+    fit(mod, SMALL, precision)
+    tol = tol or {}
+    torch.testing.assert_close(torch.stack(mod.losses), torch.stack(ref.losses), **tol)
+    for (name, a), b in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+    return count
+
+
+KINDS = ["llama", "qwen3", "qwen3_moe"]  # (the experts' block is tiled too)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_and_tiled_fp32_training_equals_untiled(kind, monkeypatch):
+    count = same_training(tiny(kind), monkeypatch, "32-true")
+    # per step and micro-batch: one chunked loss; 2 blocks, forward + recompute
+    assert count.chunked == 3 * 2
+    assert count.tiled >= 3 * 2 * 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_and_tiled_bf16_training_equals_untiled(kind, monkeypatch):
+    count = same_training(tiny(kind), monkeypatch, "bf16-mixed", tol=dict(atol=1e-2, rtol=1.6e-2))
+    assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
+
+
+def test_adamw_training_of_a_dense_model_chunked_and_tiled_equals_untiled(monkeypatch):
+    count = same_training(tiny("llama"), monkeypatch, "32-true", lm=AdamLM)
+    assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
+
+
+def test_with_the_router_loss_the_loss_is_chunked_and_the_experts_are_not_tiled(monkeypatch):
+    # the router statistics record the routers' logits with their gradient:
+    # those blocks run whole
+    count = same_training(tiny("qwen3_moe", output_router_logits=True), monkeypatch, "32-true")
+    assert count.chunked == 3 * 2
+    assert count.tiled == 0
+
+
+def test_dropout_and_tuple_mlps_are_never_tiled(monkeypatch):
+    count = Counting(monkeypatch)
+    fit(LM(tiny("gpt_oss")), SMALL)  # its MLP returns (hidden, router scores)
+    assert count.chunked == 3 * 2 and count.tiled == 0
+    count.chunked = 0
+    fit(LM(tiny("gpt2", resid_pdrop=0.1)), SMALL)  # GPT-2's MLP ends in a dropout
+    assert count.chunked == 3 * 2 and count.tiled == 0
+    count.chunked = 0
+    fit(LM(tiny("gpt2")), SMALL)  # (and is tiled without it)
+    assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
+
+
+def test_evaluation_computes_the_loss_from_whole_logits(monkeypatch):
+    """Without labels (or in evaluation) the logits are what the user gets."""
+    count = Counting(monkeypatch)
+    model = tiny("llama").eval()
+    ids = lm_data(4).tensors[0]
+    adapter = CausalLMAdapter(model, "model")
+    with (
+        torch.no_grad(),
+        RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2, tile_memory=SMALL) as eng,
+    ):
+        adapter.attach(eng)
+        try:
+            out = model(input_ids=ids, labels=ids)
+        finally:
+            adapter.detach()
+        expected = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss)
+    assert count.chunked == 0
+
+
+# ------------------------------------------------------------ memory
+def peak_growth(seq: int, **kwargs) -> tuple[int, int]:
+    """(the benchmark's measurement: a one-step fit in a fresh process)"""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("bench_long_context", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.peak_growth(seq, **kwargs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
+def test_the_full_logits_never_exist():
+    """One 8,192-token sequence, a 32,000-token vocabulary: the fp32 logits
+    alone are 1 GB (untiled, the fit peaks about 3 GB above its start)."""
+    seq, vocab = 8192, 32_000
+    logits = seq * vocab * 4
+    long, _ = peak_growth(seq, vocab=vocab, tile_memory=4 * 2**20)
+    short, _ = peak_growth(512, vocab=vocab, tile_memory=4 * 2**20)
+    assert long < logits / 4, f"peak {long / 2**20:.0f} MiB"
+    # what grows with the sequence (hidden states, attention, tiles) is small:
+    # the rest is the model's state, the same at any length
+    assert long - short < logits / 10, f"{long / 2**20:.0f} vs {short / 2**20:.0f} MiB"
