@@ -189,3 +189,29 @@ def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
     bad.write_text("{}")
     code, _ = run_cli(bad, "--gpu-memory", 24)
     assert code == 2 and "a config JSON needs 'model_type'" in capsys.readouterr().err
+
+
+def test_estimate_prints_the_gradient_all_reduce_across_servers(tmp_path, capsys):
+    path = config_file(tmp_path)
+    args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--seq", 256)
+    code, text = run_cli(*args, "--servers", 2, "--network-gbps", 1)
+    assert code == 0, text
+    assert "servers: 2 replicas on a 1 Gb/s network" in text
+    assert "gradients all-reduced per step: " in text and "sent by each server" in text
+    assert "all-reduce: link busy " in text and "(asynchronous optimizer" in text
+    one = float(text.split("simulated step: ")[1].split(", ")[1].split()[0])
+    both = float(text.split("throughput of 2 servers: ")[1].split()[0])
+    assert 0 < both < 2 * one  # the exposed all-reduce costs throughput
+    # a tiny model's step takes microseconds: no overlap hides a 1 Gb/s link
+    assert "network: the network is the bottleneck" in text and "fewer servers" in text
+    code, text = run_cli(*args, "--servers", 2, "--sync")
+    assert code == 0 and "(synchronous optimizer" in text
+    code, text = run_cli(*args, "--servers", 1)
+    assert code == 0
+    for line in ("servers:", "all-reduce:", "throughput of", "network:"):
+        assert line not in text
+    # options are checked before the model is read
+    code, _ = run_cli(path, "--gpu-memory", 1.25, "--servers", 0)
+    assert code == 2 and "--servers must be >= 1" in capsys.readouterr().err
+    code, _ = run_cli(path, "--gpu-memory", 1.25, "--servers", 2, "--network-gbps", 0)
+    assert code == 2 and "--network-gbps must be > 0" in capsys.readouterr().err

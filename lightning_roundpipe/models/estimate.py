@@ -12,6 +12,13 @@ for the predicted activations (:func:`~..plan.decide.plan_for_activations`).
 Times come from matmul FLOPs at an assumed sustained rate (``tflops``); weight
 traffic over an assumed link bandwidth says whether uploads can hide behind
 compute.
+
+With ``servers > 1`` (data parallelism: one replica per server), the fp32
+gradients of the trainable parameters are all-reduced after every step over a
+``network_gbps`` link, in buckets from the last layer down, timed against the
+simulated backward (:mod:`..plan.replicas`); the optimizer step that the
+asynchronous mode overlaps with is modelled as memory-bound on the host
+(:data:`OPTIMIZER_BYTES` per trainable parameter at ``optimizer_gbps``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import LayerCosts, PlanError, simulate
+from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
 from ..plan.decide import initial_plan, plan_for_activations
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
@@ -41,6 +48,10 @@ CUDA_CONTEXT = 1 * GiB
 #: host bytes per trainable parameter: fp32 master, compute-dtype copy, fp32
 #: gradient, two Adam states; per frozen parameter: the master and the copy
 HOST_TRAINABLE, HOST_FROZEN = 4 + 2 + 4 + 8, 4 + 2
+#: host bytes an Adam step streams per trainable parameter (the fp32 master,
+#: its gradient and the two moments, read once; a simple memory-bound model
+#: of a fused step that leaves out the writes and the compute-dtype copy)
+OPTIMIZER_BYTES = 16
 
 
 def load_config(source: str) -> Any:
@@ -120,6 +131,21 @@ class Estimate:
     tokens_per_second: float
     upload_seconds: float
     notes: list[str] = field(default_factory=list)
+    #: data parallelism: replicas (one per server) and their network (Gb/s)
+    servers: int = 1
+    network_gbps: float = 100.0
+    #: one optimizer step on the host (the model of :data:`OPTIMIZER_BYTES`)
+    optimizer_seconds: float = 0.0
+    #: the gradient all-reduce per step (``servers > 1`` only)
+    reduction: ReductionEstimate | None = None
+
+    @property
+    def cluster_tokens_per_second(self) -> float:
+        """Tokens per second of all servers together: each server's rate,
+        its step lengthened by the all-reduce's exposed time."""
+        if self.reduction is None or self.step_seconds <= 0:
+            return self.tokens_per_second * self.servers
+        return self.tokens_per_second * self.reduction.throughput(self.step_seconds)
 
     @property
     def fits(self) -> bool:
@@ -147,6 +173,30 @@ class Estimate:
             f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
             f"(weight uploads need {self.upload_seconds:.3g} s per step)",
         ]
+        red = self.reduction
+        if red is not None:
+
+            def size(x: float) -> str:  # gradients of small models are megabytes
+                return gib(x) if x >= GiB else f"{x / 2**20:.3g} MiB"
+
+            opt = f"{self.optimizer_seconds:.3g} s"
+            if red.async_optimizer:
+                mode = f"asynchronous optimizer, with the {opt} host optimizer step it overlaps"
+            else:
+                mode = f"synchronous optimizer; the {opt} host optimizer step, not counted, "
+                mode += "follows as on one server"
+            k = len(red.buckets)
+            lines += [
+                f"servers: {self.servers} replicas on a {self.network_gbps:g} Gb/s network; "
+                f"gradients all-reduced per step: {size(red.gradient_bytes)} per server in "
+                f"{k} bucket{'' if k == 1 else 's'}, {size(red.bytes_sent)} sent by each server",
+                f"all-reduce: link busy {red.link_seconds:.3g} s per step, exposed "
+                f"{red.exposed:.3g} s per step ({mode})",
+                f"throughput of {self.servers} servers: {self.cluster_tokens_per_second:.4g} "
+                f"tokens/s",
+            ]
+            if red.advice:
+                lines.append(f"network: {red.advice}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -171,6 +221,22 @@ def _times(
     return fwd, [2 * f for f in fwd]
 
 
+def _gradient_bytes(layers: list[nn.Module]) -> list[int]:
+    """fp32 gradient bytes of each layer's trainable parameters, a parameter
+    shared by several layers (tied weights) counted in the first that uses it,
+    as the host keeps one gradient buffer for it."""
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        n = 0
+        for p in layer.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * 4 if p.requires_grad else 0
+        out.append(n)
+    return out
+
+
 def estimate(
     config: Any,
     *,
@@ -186,6 +252,9 @@ def estimate(
     link_gbps: float = 25.0,
     async_optimizer: bool = True,
     name: str | None = None,
+    servers: int = 1,
+    network_gbps: float = 100.0,
+    optimizer_gbps: float = 20.0,
 ) -> Estimate:
     """Estimate RoundPipe on ``gpus`` GPUs of ``gpu_memory`` bytes with
     ``host_memory`` bytes of host memory (None: not checked) for a Hugging
@@ -194,9 +263,19 @@ def estimate(
     longest sequence at micro-batch 1, and the simulated step at ``tflops``
     sustained TFLOP/s per GPU (weight uploads at ``link_gbps`` GB/s).
     ``lora_rank``: LoRA adapters of that rank on every linear layer (peft),
-    the base frozen; else full fine-tuning."""
+    the base frozen; else full fine-tuning.
+
+    ``servers`` replicas (one per server, data parallel) all-reduce their
+    gradients over a ``network_gbps`` gigabit-per-second link each; the host
+    optimizer step streams :data:`OPTIMIZER_BYTES` per trainable parameter at
+    ``optimizer_gbps`` GB/s."""
     if gpus < 1 or micro_batch < 1:
         raise ValueError("gpus and micro_batch must be >= 1")
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+    for label, value in (("network_gbps", network_gbps), ("optimizer_gbps", optimizer_gbps)):
+        if not value > 0:
+            raise ValueError(f"{label} must be > 0, got {value!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
@@ -283,6 +362,18 @@ def estimate(
         notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer = trainable * OPTIMIZER_BYTES / (optimizer_gbps * 1e9)
+    reduction = None
+    if servers > 1:
+        reduction = estimate_reduction(
+            sim,
+            _gradient_bytes(layers),
+            servers,
+            network_gbps,
+            optimizer_seconds=optimizer,
+            async_optimizer=async_optimizer,
+            window_seconds=step,
+        )
     return Estimate(
         model=name or getattr(config, "model_type", "model"),
         parameters=params,
@@ -301,4 +392,8 @@ def estimate(
         tokens_per_second=seq * micro_batch * m / step if step > 0 else math.inf,
         upload_seconds=upload,
         notes=notes,
+        servers=servers,
+        network_gbps=network_gbps,
+        optimizer_seconds=optimizer,
+        reduction=reduction,
     )

@@ -6,7 +6,9 @@ sizes, the decisions that change the plan (:mod:`.decide`: at the start,
 after measurement, after running out of memory), the lowering of an
 iteration to the tasks that run (with the clock that places them), transfer
 windows, and a schedule simulator that executes the same lowered tasks, with
-the baselines RoundPipe is compared against.
+the baselines RoundPipe is compared against; and, for data parallelism
+across servers, the all-reduce of gradients timed against the backward
+(:mod:`.replicas`).
 """
 
 from .costs import LayerCosts, PlanError, decoder_costs
@@ -21,17 +23,32 @@ from .policy import (
     hides_uploads,
     simulated_period,
 )
+from .replicas import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    GradientTimes,
+    ReductionEstimate,
+    allreduce_seconds,
+    estimate_reduction,
+    gradient_buckets,
+    gradient_ready_times,
+    overlap_reduction,
+)
 from .schedule import Clock, Schedule, Task, lower
 from .simulate import SCHEDULES, Segment, SimulationResult, choose_microbatches, simulate
 from .stages import Stage, StagePlan
 from .windows import TransferPiece, TransferWindow, transfer_windows
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
     "SCHEDULES",
+    "Bucket",
     "Clock",
     "ExposedUpload",
+    "GradientTimes",
     "LayerCosts",
     "PlanError",
+    "ReductionEstimate",
     "RoundChoice",
     "Schedule",
     "Segment",
@@ -41,15 +58,20 @@ __all__ = [
     "Task",
     "TransferPiece",
     "TransferWindow",
+    "allreduce_seconds",
     "balanced_partition",
     "choose_microbatches",
     "choose_plan",
     "choose_round",
     "decoder_costs",
+    "estimate_reduction",
     "exposed_uploads",
     "frontier",
+    "gradient_buckets",
+    "gradient_ready_times",
     "hides_uploads",
     "lower",
+    "overlap_reduction",
     "partition",
     "partition_exhaustive",
     "plot_timeline",

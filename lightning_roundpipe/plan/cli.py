@@ -5,10 +5,12 @@ plan; ``python -m lightning_roundpipe.plan simulate ...`` prints a bubble table
 for one or more schedules and can write timeline PNGs;
 ``python -m lightning_roundpipe.plan estimate CONFIG --gpu-memory 80 ...``
 prints the plan, memory, longest sequence and simulated throughput of a
-Hugging Face causal LM (it needs torch and transformers, imported only then). Costs come inline
-(``--forward 0.1,1x12,3 --backward 0.2,2x12,6``; ``VxK`` repeats ``V`` ``K``
-times) or from a JSON file (``--costs costs.json`` with ``forward``,
-``backward`` and optionally ``memory`` lists).
+Hugging Face causal LM (it needs torch and transformers, imported only then);
+with ``--servers N`` also the gradient all-reduce between servers over a
+``--network-gbps`` link and the throughput of all servers together. Costs
+come inline (``--forward 0.1,1x12,3 --backward 0.2,2x12,6``; ``VxK`` repeats
+``V`` ``K`` times) or from a JSON file (``--costs costs.json`` with
+``forward``, ``backward`` and optionally ``memory`` lists).
 """
 
 from __future__ import annotations
@@ -161,6 +163,14 @@ def _cmd_estimate(args: argparse.Namespace, out) -> None:
     # (torch and transformers: the rest of the planning layer needs neither)
     from ..models.estimate import GiB, estimate, load_config
 
+    if args.servers < 1:
+        raise ValueError(f"--servers must be >= 1, got {args.servers}")
+    for flag, value in (
+        ("--network-gbps", args.network_gbps),
+        ("--optimizer-gbps", args.optimizer_gbps),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
     config = load_config(args.config)
     result = estimate(
         config,
@@ -176,6 +186,9 @@ def _cmd_estimate(args: argparse.Namespace, out) -> None:
         link_gbps=args.link_gbps,
         async_optimizer=not args.sync,
         name=Path(args.config).stem if Path(args.config).is_file() else args.config,
+        servers=args.servers,
+        network_gbps=args.network_gbps,
+        optimizer_gbps=args.optimizer_gbps,
     )
     out.write(result.report() + "\n")
 
@@ -228,6 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-gbps", type=float, default=25.0, help="host-GPU GB/s per GPU (default 25)"
     )
     e.add_argument("--sync", action="store_true", help="synchronous optimizer")
+    e.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="servers, one replica each, gradients all-reduced every step (default 1)",
+    )
+    e.add_argument(
+        "--network-gbps",
+        type=float,
+        default=100.0,
+        help="link between servers in gigabits per second (default 100, i.e. 100 Gb/s)",
+    )
+    e.add_argument(
+        "--optimizer-gbps",
+        type=float,
+        default=20.0,
+        help="host GB/s of the optimizer step, 16 bytes per trainable parameter (default 20)",
+    )
     return parser
 
 
