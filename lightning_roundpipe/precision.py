@@ -54,6 +54,10 @@ class RoundPipePrecision(Precision):
         self.clip: tuple[float, str] | None = None
         # the engine of the strategy using this plugin (set while it has one)
         self.engine: RoundPipeEngine | None = None
+        # several servers: averages the gradients of parameters outside the
+        # pipeline over them (set by the strategy; the pipeline's own are
+        # averaged by the engine)
+        self.after_backward: Callable[[], None] | None = None
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:
@@ -125,6 +129,8 @@ class RoundPipePrecision(Precision):
         # the closure may have rebuilt the engine (out-of-memory re-plan)
         engine = self.engine
         assert engine is not None
+        if self.after_backward is not None:
+            self.after_backward()
         if result is None and not earlier:
             # training_step returned None: Lightning runs the hooks and steps an
             # optimizer that has no gradients, i.e. nothing changes. Drop what a

@@ -12,6 +12,7 @@ they run in order on the optimizer thread while devices compute.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping
@@ -20,14 +21,21 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -39,6 +47,7 @@ from .precision import RoundPipePrecision
 from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.options import PRECISIONS, EngineOptions, NonFinite
+from .runtime.replicas import Replicas
 
 __all__ = ["RoundPipeStrategy"]
 
@@ -122,6 +131,19 @@ class RoundPipeStrategy(ParallelStrategy):
             batch's ``training_step`` then runs again, so the result is the same
             as a run that fitted at once. Never changes a given ``plan`` or
             integer ``num_microbatches``. ``0`` fails at once.
+        reduce_bucket_bytes: with several servers (``Trainer(num_nodes=N)``,
+            one process per server): gradient bytes per all-reduce between the
+            servers (whole layers; default 25 MiB). Smaller buckets start
+            earlier in the backward, larger ones pay less per-message cost.
+        cluster_environment: set by the Trainer (where ranks and the
+            rendezvous address come from: torchrun, SLURM, ...).
+
+    Several servers: ``Trainer(strategy="roundpipe", devices=<GPUs of one
+    server>, num_nodes=N)``, one process per server (``torchrun --nnodes=N
+    --nproc-per-node=1``, or one SLURM task per server). Each server runs one
+    replica; ranks, ``world_size`` and the data shards count servers, and each
+    window's gradients are averaged over the servers in host memory (gloo),
+    overlapped with the backward (:mod:`lightning_roundpipe.runtime.replicas`).
     """
 
     strategy_name = "roundpipe"
@@ -152,6 +174,8 @@ class RoundPipeStrategy(ParallelStrategy):
         profile_iterations: int = 2,
         replan_margin: float = 0.05,
         oom_replans: int = 3,
+        reduce_bucket_bytes: int = 25 * 2**20,
+        cluster_environment: ClusterEnvironment | None = None,
     ) -> None:
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
@@ -165,6 +189,15 @@ class RoundPipeStrategy(ParallelStrategy):
             raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
         if isinstance(oom_replans, bool) or not isinstance(oom_replans, int) or oom_replans < 0:
             raise ValueError(f"oom_replans must be an integer >= 0, got {oom_replans!r}")
+        if (
+            isinstance(reduce_bucket_bytes, bool)
+            or not isinstance(reduce_bucket_bytes, int)
+            or reduce_bucket_bytes < 1
+        ):
+            raise ValueError(
+                "reduce_bucket_bytes must be a positive number of bytes, got "
+                f"{reduce_bucket_bytes!r}"
+            )
         # the engine's options, validated here once; setup adds precision, seed,
         # tracing and what an out-of-memory failure teaches
         self.options = EngineOptions(
@@ -183,7 +216,7 @@ class RoundPipeStrategy(ParallelStrategy):
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=None,
+            cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
@@ -198,6 +231,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self.workers_per_device = workers_per_device
         self.nonfinite = nonfinite
         self.oom_replans = oom_replans
+        self.reduce_bucket_bytes = reduce_bucket_bytes
+        self._num_nodes = 1
+        self._replicas: Replicas | None = None
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
         self._last_step: tuple[float, float, int] | None = None  # time, waited, bytes
@@ -249,7 +285,7 @@ class RoundPipeStrategy(ParallelStrategy):
         # Lightning picks is turned into ours (or refused with the choices)
         self._precision_plugin = None if plugin is None else RoundPipePrecision.from_plugin(plugin)
 
-    # --------------------------------------------------- single process
+    # ------------------------------------------------ one process per server
     @property
     @override
     def root_device(self) -> torch.device:
@@ -257,58 +293,146 @@ class RoundPipeStrategy(ParallelStrategy):
         return self.parallel_devices[0]
 
     @property
+    def num_nodes(self) -> int:
+        """Servers (``Trainer(num_nodes=...)``), one replica and one process each."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def is_distributed(self) -> bool:
+        """Several servers: Lightning then shards the data by server."""
+        return self._num_nodes > 1
+
+    @property
     @override
     def world_size(self) -> int:
-        return 1
+        return self._num_nodes
 
     @property
     @override
     def global_rank(self) -> int:
-        return 0
+        if self._num_nodes == 1 or self.cluster_environment is None:
+            return 0
+        return self.cluster_environment.global_rank()
 
     @property
     @override
     def local_rank(self) -> int:
-        return 0
+        return 0  # one process per server drives all of its devices
 
     @property
     @override
     def node_rank(self) -> int:
-        return 0
+        return self.global_rank
 
     @property
     @override
     def is_global_zero(self) -> bool:
-        return True
+        return self.global_rank == 0
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """Ranks count servers (Lightning calls this while it sets up)."""
+        env = self.cluster_environment
+        if env is not None and self._num_nodes > 1:
+            env.set_world_size(self._num_nodes)
+            env.set_global_rank(env.node_rank())
+        rank_zero_only.rank = self.global_rank
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def setup_environment(self) -> None:
+        if self._num_nodes > 1:
+            self._join_servers()
+
+    def _join_servers(self) -> None:
+        """The process group of the servers (gloo: the tensors it carries live
+        on the host) and, on its own group, the replicas' gradient reduction."""
+        env = self.cluster_environment
+        assert env is not None
+        launched = env.world_size()
+        if launched != self._num_nodes:
+            raise ValueError(
+                f"Trainer(num_nodes={self._num_nodes}) but {launched} processes were launched "
+                f"({type(env).__name__}); RoundPipe runs one process per server that drives all "
+                "of its GPUs: launch with torchrun --nproc-per-node=1 (or one SLURM task per "
+                "server, --ntasks-per-node=1), or set num_nodes to the number of servers"
+            )
+        timeout = datetime.timedelta(seconds=self.options.watchdog_timeout)
+        _init_dist_connection(env, "gloo", timeout=timeout)
+        rank_zero_only.rank = self.global_rank
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # private in torch: without it errors say less, nothing breaks
+            store = None
+        self._replicas = Replicas(
+            group,
+            self.global_rank,
+            self.world_size,
+            store=store,
+            bucket_bytes=self.reduce_bucket_bytes,
+        )
+        log.info(
+            "RoundPipe: replica %d of %d (one per server), gradients averaged over gloo",
+            self.global_rank,
+            self.world_size,
+        )
+
+    def _distributed(self) -> bool:
+        return self._num_nodes > 1 and dist.is_available() and dist.is_initialized()
+
+    @contextmanager
+    def _with_servers(self, what: str) -> Generator[None, None, None]:
+        """A collective of the training loop's thread: when another server
+        failed or stopped, say which (a bare gloo error names an address)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self._replicas is None:
+                raise
+            raise self._replicas.error(what, exc) from exc
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self._distributed():
+            with self._with_servers(f"a barrier ({name})" if name else "a barrier"):
+                dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        if not self._distributed():
+            return obj
+        box = [obj]
+        with self._with_servers("a broadcast"):
+            dist.broadcast_object_list(box, src)
+        return box[0]
 
     @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor) and self._distributed():
+            with self._with_servers("reducing a logged value (sync_dist=True)"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if self._distributed():
+            with self._with_servers("all_gather"):
+                return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
         return tensor.unsqueeze(0)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
-
-    @override
-    def setup_environment(self) -> None:
-        pass  # no process group; devices are driven by the engine's workers
+        if not self._distributed():
+            return decision
+        return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def model_to_device(self) -> None:
@@ -394,6 +518,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 plan=None if self.plan == "auto" else self.plan,
                 activation_estimate=adapter.boundary_estimate(options.compute_dtype),
                 parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
+                replicas=self._replicas,
                 chaos=self._chaos,  # tests: delays or faults at the hand-offs
             )
         except PlanError as exc:
@@ -401,6 +526,8 @@ class RoundPipeStrategy(ParallelStrategy):
             raise PlanError(f"{exc}. Pipeline layers: {adapter.describe_layers()}") from exc
         self._adapter = adapter
         self.precision_plugin.engine = self.engine
+        if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.precision_plugin.after_backward = self._outside_reducer(adapter)
         # kept after the engine closes, for reports
         self.stage_plan = self.engine.plan
         self.pipeline_layers = adapter.layers()
@@ -448,6 +575,42 @@ class RoundPipeStrategy(ParallelStrategy):
                 "Use strategy='roundpipe_sync' (async_optimizer=False), or move them into the "
                 "layer stack"
             )
+
+    def _outside_reducer(self, adapter: Any) -> Callable[[], None] | None:
+        """Several servers, synchronous optimizer: the gradients of optimized
+        parameters outside the pipeline (which autograd on this thread
+        computes) averaged over the servers, on the training loop's process
+        group, before Lightning's pre-step hooks and clipping see them."""
+        inside = {id(p) for layer in adapter.layers() for p in layer.parameters()}
+        outside = [
+            p
+            for g in self.optimizers[0].param_groups
+            for p in g["params"]
+            if id(p) not in inside and p.requires_grad
+        ]
+        if not outside:
+            return None
+
+        def average() -> None:
+            grads = [p.grad for p in outside]
+            flat = torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                    for p, g in zip(outside, grads, strict=True)
+                ]
+                + [torch.tensor([float(g is not None) for g in grads])]
+            )
+            with self._with_servers("averaging the gradients of parameters outside the pipeline"):
+                dist.all_reduce(flat)
+            flat[: -len(outside)] /= self.world_size
+            offset = 0
+            for k, p in enumerate(outside):
+                n = p.numel()
+                if flat[-len(outside) + k] > 0:  # some server's backward reached it
+                    p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+                offset += n
+
+        return average
 
     def _route_optimizer_calls(self, trainer: Any) -> None:
         """``zero_grad`` and scheduler steps run in order with the (asynchronous)
@@ -721,6 +884,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 rank_zero_info(f"RoundPipe trace: {', '.join(map(str, paths))}")
 
     def _close(self) -> None:
+        self.precision_plugin.after_backward = None
         for undo in reversed(self._restore):
             undo()
         self._restore.clear()
@@ -731,6 +895,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._replicas is not None:  # the other servers' errors say why they stop
+            self._replicas.report_failure(f"{type(exception).__name__}: {exception}"[:2000])
         self._close()
 
     @override
@@ -741,7 +907,15 @@ class RoundPipeStrategy(ParallelStrategy):
             self._report()
         finally:
             self._close()
+            self._leave_servers()
         super().teardown()
+
+    def _leave_servers(self) -> None:
+        """Drop the reduction's process group (the default group stays, as
+        Lightning's DDP leaves it, for whatever runs after the fit)."""
+        replicas, self._replicas = self._replicas, None
+        if replicas is not None and self._distributed():
+            dist.destroy_process_group(replicas.group)
 
 
 def _warn_gradient_hooks(trainer: Any, module: Any) -> None:

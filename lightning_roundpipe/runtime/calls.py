@@ -113,6 +113,7 @@ class Runtime:
         self.trace: TraceRecorder | None = None
         self.workers: list[Worker] = []
         self.optimizer: Any = None
+        self.reducer: Any = None  # replicas: the cross-server gradient reducer
         self.submitted = 0
         self.done = 0
         self.done_keys: set[tuple] = set()
@@ -162,6 +163,9 @@ class Runtime:
         if self.optimizer is not None and self.optimizer.thread is not None:
             self.optimizer.stop()
             threads.append(self.optimizer.thread)
+        if self.reducer is not None and self.reducer.thread is not None:
+            self.reducer.stop()
+            threads.append(self.reducer.thread)
         stuck = []
         deadline = time.monotonic() + join_timeout
         for t in threads:

@@ -33,6 +33,7 @@ from torch import nn
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
 from ..plan.decide import after_measurement, initial_plan, plan_for_activations, stage_peaks
 from ..plan.policy import RoundChoice, choose_round, exposed_uploads
+from ..plan.replicas import gradient_buckets
 from ..plan.schedule import Placement, readers_of
 from ..plan.stages import Stage
 from .device import as_device, check_uniform, host_to_device_bandwidth, pin, stage_memory_limit
@@ -65,6 +66,7 @@ from .profiler import (
     named,
     write_trace,
 )
+from .replicas import GradientReducer, Replicas, gradient_layer_bytes
 from .store import EngineClosedError, EngineFailure, HandoffTimeout, Key, Store
 from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
 
@@ -172,6 +174,11 @@ class RoundPipeEngine:
             ``"call"``) as it is reached, to delay or fail there (see
             :class:`~lightning_roundpipe.runtime.optimizer.Chaos`); default:
             nothing.
+        replicas: this engine is one of several replicas (one per server)
+            joined by torch.distributed (a
+            :class:`~lightning_roundpipe.runtime.replicas.Replicas`): each
+            window's gradients are averaged over them, overlapped with the
+            backward (see :mod:`~lightning_roundpipe.runtime.replicas`).
         rules: tests only: the ordering rules' conditions (a
             :class:`~lightning_roundpipe.runtime.optimizer.Rules`, the
             default); a subclass with a rule removed shows what it prevents.
@@ -204,6 +211,7 @@ class RoundPipeEngine:
         size_limit: int | None = None,
         tile_memory: int | Literal["auto"] | None = "auto",
         parameter_names: dict[nn.Parameter, str] | None = None,
+        replicas: Replicas | None = None,
         chaos: Callable[[str], None] | None = None,
         rules: Rules | None = None,
     ) -> None:
@@ -355,12 +363,22 @@ class RoundPipeEngine:
             names=names,
         )
         rt.workers.extend(Worker(i, d, rt) for i, d in enumerate(devs))
+        self.replicas = replicas
+        self._reducer: GradientReducer | None = None
+        if replicas is not None and replicas.world_size > 1:
+            self._protocol.replicated = True
+            buckets = gradient_buckets(gradient_layer_bytes(self._host), replicas.bucket_bytes)
+            rt.reducer = self._reducer = GradientReducer(
+                self._host, store, self._protocol, replicas, buckets
+            )
         rt.hooks = self._outside_gradient_hooks(names)
         self._finalizer = weakref.finalize(self, rt.shutdown)
         for w in rt.workers:
             w.start()
         if async_optimizer:
             self._optimizer.start()
+        if self._reducer is not None:
+            self._reducer.start()
         log.info(
             "RoundPipe engine: %d layers, plan %s, %d workers on %s",
             len(layers),
@@ -1137,6 +1155,8 @@ class RoundPipeEngine:
             self._window_has_grads = False
             self._protocol.close_window(window)
             self._clock.step(window)
+            if self._reducer is not None:  # averaged over the servers as it completes
+                self._reducer.submit(window, job.skip)
         if self.async_optimizer:
             self._optimizer.submit(job)
             return handle

@@ -369,6 +369,12 @@ class HostState:
         outside = tuple(p for p in self.stage_params(start, stop) if not a <= p.index < b)
         return Span(offset, nbytes, tuple((p, p.offset - offset) for p in inside), outside)
 
+    @property
+    def first_params(self) -> list[int]:
+        """Index of the first parameter each layer introduces (plus one past
+        the last): layer ``i`` introduces ``params[first[i]:first[i + 1]]``."""
+        return self._first
+
     def stage_has_state(self, start: int, stop: int) -> bool:
         return any(info.has_state for info in self.layers[start:stop])
 

@@ -108,9 +108,17 @@ class Rules:
         """Rule 4: update ``window - 1`` released ``p``'s gradient buffer."""
         return proto.g_done[p.index] >= window
 
-    def grads_complete(self, proto: Protocol, window: int, p: _Param) -> bool:
-        """Rule 3: the window is closed and every task of it added its gradient."""
+    def grads_added(self, proto: Protocol, window: int, p: _Param) -> bool:
+        """Rule 3, this replica: the window is closed and every task of it added
+        its gradient."""
         return proto.closed >= window and proto.grads.get((p.index, window), 0) <= 0
+
+    def grads_complete(self, proto: Protocol, window: int, p: _Param) -> bool:
+        """Rule 3: every gradient of the window is in the buffer; with replicas
+        (servers), averaged over them too (:mod:`.replicas`)."""
+        if not self.grads_added(proto, window, p):
+            return False
+        return not proto.replicated or proto.reduced[p.index] > window
 
     def uses_done(self, proto: Protocol, window: int, p: _Param) -> bool:
         """Rule 1: no task of ``window`` or ``window + 1`` reads ``p``'s master
@@ -143,6 +151,11 @@ class Protocol:
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # rule 1: (param, window)
         self.grads: dict[tuple[int, int], int] = defaultdict(int)  # rule 3: (param, window)
         self.closed = -1  # highest window whose step() was called
+        # replicas (servers): windows whose gradients are averaged over them, per
+        # parameter, and whether each window's step is skipped on every replica
+        self.replicated = False
+        self.reduced = [0] * n
+        self.verdicts: dict[int, bool] = {}
         self.rules = rules if rules is not None else Rules()
         self.on_release: list[Callable[[], None]] = []  # couriers holding gradients
         self.chaos: Callable[[str], None] = _no_chaos
@@ -170,6 +183,7 @@ class Protocol:
             n = len(self.host.params)
             self.closed = 0
             self.g_done = [1] * n
+            self.reduced = [1] * n
             self.p_done = [0] * n
             self._notify()
 
@@ -220,10 +234,26 @@ class Protocol:
     # ---------------------------------------------------- optimizer side
     def wait_grads(self, window: int, p: _Param) -> None:
         """Rule 3: every gradient of ``p`` from ``window`` is in the buffer."""
-        self._wait(
-            lambda: self.rules.grads_complete(self, window, p),
-            f"gradients of parameter {p.index} from window {window}",
-        )
+        what = f"gradients of parameter {p.index} from window {window}"
+        if self.replicated:  # this replica's part, then the replicas' average
+            self._wait(lambda: self.rules.grads_added(self, window, p), what)
+            # the reducer bounds its collectives by the watchdog itself and fails
+            # the store, with the replica to blame, when one never completes
+            self.store.wait_until(
+                lambda: self.rules.grads_complete(self, window, p),
+                f"{what}, averaged over the replicas",
+                timeout=2 * self.store.timeout + 30.0,
+            )
+            return
+        self._wait(lambda: self.rules.grads_complete(self, window, p), what)
+
+    def agreed_skip(self, window: int) -> bool:
+        """With replicas: whether every replica skips ``window``'s step (one
+        replica's non-finite input gradient skips it everywhere)."""
+        key = f"the replicas' verdict on step {window}"
+        self._wait(lambda: window in self.verdicts, key)
+        with self.cond:
+            return self.verdicts.pop(window)
 
     def g_copied(self, window: int, p: _Param) -> None:
         with self.cond:
@@ -478,6 +508,7 @@ class OptimizerWorker:
         chaos = proto.chaos
         inv = 1.0 / job.scale if job.scale != 1.0 else None
         finite = not job.skip
+        bad: _Param | None = None
         # G copies, per parameter as its gradients complete (rule 3): the buffer
         # itself is lent to the step as .grad (nothing is allocated or copied);
         # the next window's gradients wait for its release (rule 4)
@@ -504,9 +535,16 @@ class OptimizerWorker:
                 ):
                     finite = False
                     bad = p
+            if proto.replicated and proto.agreed_skip(w) and finite:
+                finite, bad = False, None  # a replica's input gradient was not finite
             if not finite and not self.scaler.enabled and self.nonfinite == "raise":
+                where = (
+                    "the inputs' gradient on another replica"
+                    if bad is None
+                    else self.names.get(bad.index, bad.index)
+                )
                 raise NonFiniteError(
-                    f"non-finite gradient (inf or NaN) in {self.names.get(bad.index, bad.index)} "
+                    f"non-finite gradient (inf or NaN) in {where} "
                     f"in optimizer step {w}; the weights were not updated. Set nonfinite='skip' to "
                     "skip such steps, or look for the cause (learning rate, data, precision)"
                 )

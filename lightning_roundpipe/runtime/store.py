@@ -139,18 +139,19 @@ class Store:
             entry = self._entries.get(key)
             return entry is not None and entry.event.is_set()
 
-    def wait_until(self, predicate, what: str) -> None:
+    def wait_until(self, predicate, what: str, timeout: float | None = None) -> None:
         """Wait until ``predicate()`` (called under the lock) is true; whoever
-        makes it true must call :meth:`notify`."""
-        deadline = time.monotonic() + self.timeout
+        makes it true must call :meth:`notify`. ``timeout``: seconds before
+        failing (default: the watchdog timeout)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cond:
             while not predicate():
                 self.check()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise HandoffTimeout(
-                        f"waited {self.timeout:g} s for {what}; raise watchdog_timeout if "
-                        "stages are this slow"
+                        f"waited {self.timeout if timeout is None else timeout:g} s for {what}; "
+                        "raise watchdog_timeout if stages are this slow"
                     )
                 self._cond.wait(min(left, 1.0))
             self.check()

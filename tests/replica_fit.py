@@ -1,0 +1,127 @@
+"""One server's process of a multi-server RoundPipe fit (tests/test_replicas.py
+launches it under torchrun, or with the environment variables a manual launch
+sets, or alone as the one-server reference).
+
+    python tests/replica_fit.py OUT --nodes N --batch-size B [--async] [--fail-at K]
+        [--kill-at K] [--hang-at K] [--no-log] [--steps S]
+
+Writes ``OUT/rank{r}.pt`` (the parameters, the logged metrics and how many
+samples the replica saw), ``OUT/last.ckpt`` (rank 0, through the Trainer) or,
+when the fit fails, ``OUT/error{r}.txt`` with the exception.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from strategy.modules import CausalLM, lm_data
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_roundpipe import RoundPipeStrategy
+
+
+class Replica(CausalLM):
+    """The tests' causal LM; logs its loss across servers, counts its samples
+    and fails on request."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__("qwen3", lr=1e-3)
+        self.fail_at, self.kill_at, self.hang_at = args.fail_at, args.kill_at, args.hang_at
+        self.sync_log = not args.no_log
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        rank = self.trainer.global_rank
+        if self.kill_at is not None and rank == 1 and self.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fail_at is not None and rank == 1 and self.global_step == self.fail_at:
+            raise ValueError("injected failure on the second server")
+        if self.hang_at is not None and rank == 1 and self.global_step == self.hang_at:
+            time.sleep(600)
+        self.seen.extend(batch[0][:, 0].tolist())
+        out = self.model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+        if self.sync_log:  # a collective of the loop's thread in every step
+            self.log("synced_loss", out.loss, sync_dist=True)
+        return out.loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--async", dest="async_", action="store_true")
+    parser.add_argument("--fail-at", type=int)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--hang-at", type=int)
+    parser.add_argument("--no-log", action="store_true")
+    parser.add_argument("--watchdog", type=float, default=60.0)
+    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--clip", type=float, default=0.05)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # two servers share this machine's cores
+    L.seed_everything(0)
+    module = Replica(args)
+    init = [p.detach().clone() for p in module.parameters()]
+    strategy = RoundPipeStrategy(
+        async_optimizer=args.async_,
+        num_microbatches=2,
+        watchdog_timeout=args.watchdog,
+        reduce_bucket_bytes=8192,  # several buckets even for this small model
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=args.nodes,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip or None,  # clipped: the norm must be the global one
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+    try:
+        data = lm_data(n=64, pad=False)
+        if args.nodes == 1:
+            # the order Lightning's sampler gives the servers' shards (shuffled
+            # with seed 0): batch i here is the union of the servers' batches i
+            sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+            batches = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+        else:
+            batches = DataLoader(data, batch_size=args.batch_size)
+        trainer.fit(module, batches)
+        trainer.save_checkpoint(args.out / "last.ckpt")
+    except BaseException as exc:
+        (args.out / f"error{rank}.txt").write_text(
+            f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        )
+        raise
+    torch.save(
+        {
+            "params": [p.detach().clone() for p in module.parameters()],
+            "init": init,
+            "metrics": {k: v.clone() for k, v in trainer.callback_metrics.items()},
+            "seen": module.seen,
+            "world_size": trainer.world_size,
+            "global_rank": trainer.global_rank,
+        },
+        args.out / f"rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
