@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
@@ -363,6 +364,13 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"({type(env).__name__}); RoundPipe runs one process per server that drives all "
                 "of its GPUs: launch with torchrun --nproc-per-node=1 (or one SLURM task per "
                 "server, --ntasks-per-node=1), or set num_nodes to the number of servers"
+            )
+        if isinstance(env, LightningEnvironment) and "MASTER_PORT" not in os.environ:
+            raise ValueError(
+                f"Trainer(num_nodes={self._num_nodes}) needs the servers' rendezvous: launch "
+                "one process per server with torchrun --nnodes=N --nproc-per-node=1, under "
+                "SLURM with one task per server, or set MASTER_ADDR, MASTER_PORT and NODE_RANK "
+                "on every server"
             )
         timeout = datetime.timedelta(seconds=self.options.watchdog_timeout)
         _init_dist_connection(env, "gloo", timeout=timeout)

@@ -34,10 +34,16 @@ class Replica(CausalLM):
     """The tests' causal LM; logs its loss across servers, counts its samples
     and fails on request."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        fail_at: int | None = None,
+        kill_at: int | None = None,
+        hang_at: int | None = None,
+        sync_log: bool = True,
+    ) -> None:
         super().__init__("qwen3", lr=1e-3)
-        self.fail_at, self.kill_at, self.hang_at = args.fail_at, args.kill_at, args.hang_at
-        self.sync_log = not args.no_log
+        self.fail_at, self.kill_at, self.hang_at = fail_at, kill_at, hang_at
+        self.sync_log = sync_log
         self.seen: list[int] = []
 
     def training_step(self, batch, batch_idx):
@@ -66,13 +72,14 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--no-log", action="store_true")
+    parser.add_argument("--resume", type=Path, help="a checkpoint to resume from")
     parser.add_argument("--watchdog", type=float, default=60.0)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--clip", type=float, default=0.05)
     args = parser.parse_args()
     torch.set_num_threads(1)  # two servers share this machine's cores
     L.seed_everything(0)
-    module = Replica(args)
+    module = Replica(args.fail_at, args.kill_at, args.hang_at, not args.no_log)
     init = [p.detach().clone() for p in module.parameters()]
     strategy = RoundPipeStrategy(
         async_optimizer=args.async_,
@@ -103,7 +110,7 @@ def main() -> None:
             batches = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
         else:
             batches = DataLoader(data, batch_size=args.batch_size)
-        trainer.fit(module, batches)
+        trainer.fit(module, batches, ckpt_path=args.resume)
         trainer.save_checkpoint(args.out / "last.ckpt")
     except BaseException as exc:
         (args.out / f"error{rank}.txt").write_text(

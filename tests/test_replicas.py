@@ -1,0 +1,254 @@
+"""Several servers: RoundPipe replicas joined by torch.distributed (gloo, CPU
+workers, two processes on this machine over loopback).
+
+Each server is a process of ``tests/replica_fit.py``: under ``torchrun
+--nnodes=2 --nproc-per-node=1`` (one torchrun per server, as on two machines),
+or started with the variables a manual launch sets (``MASTER_ADDR``,
+``MASTER_PORT``, ``NODE_RANK``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_roundpipe import RoundPipeStrategy
+
+from strategy.modules import CausalLM, lm_data, loader
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+SCRIPT = Path(__file__).with_name("replica_fit.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        out.pop(key, None)
+    out["PYTHONPATH"] = os.pathsep.join([str(Path.cwd()), out.get("PYTHONPATH", "")])
+    return out
+
+
+def servers(out: Path, *args: str, torchrun: bool = False, limit: float = 240.0) -> list[int]:
+    """Run two servers to the end (or until rank 0 is done and ``limit``);
+    returns their exit codes (None: killed here)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        if torchrun:
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+            ]
+            extra = {}
+        else:
+            cmd = [sys.executable]
+            extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank)}
+        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 (closed below)
+        procs.append(
+            (
+                subprocess.Popen(
+                    [*cmd, str(SCRIPT), str(out), "--nodes", "2", *args],
+                    env={**env(), **extra},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
+    deadline = time.monotonic() + limit
+    codes = []
+    try:
+        procs[0][0].wait(timeout=max(1.0, deadline - time.monotonic()))
+        for p, _ in procs:
+            try:
+                codes.append(p.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic()))))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:  # a hung or orphaned server (its launcher too)
+                os.killpg(p.pid, 9)
+                p.wait()
+            log.close()
+    return codes
+
+
+def one_server(out: Path, *args: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--nodes", "1", *args],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def result(out: Path, rank: int) -> dict:
+    path = out / f"rank{rank}.pt"
+    logs = "".join(p.read_text()[-3000:] for p in sorted(out.glob("log*.txt")))
+    assert path.exists(), f"server {rank} wrote no result:\n{logs}"
+    return torch.load(path, weights_only=False)
+
+
+def error(out: Path, rank: int) -> str:
+    path = out / f"error{rank}.txt"
+    logs = "".join(p.read_text()[-3000:] for p in sorted(out.glob("log*.txt")))
+    assert path.exists(), f"server {rank} did not fail:\n{logs}"
+    return path.read_text().splitlines()[0]
+
+
+# --------------------------------------------------------------- exactness
+def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path):
+    """torchrun --nnodes=2 --nproc-per-node=1: batch 4 per server equals one
+    server with batch 8 on the same samples (synchronous optimizer, gradient
+    accumulation, clipping by the global norm); the logged loss is reduced
+    across servers; the checkpoint is written once and loads on one server."""
+    servers(tmp_path / "two", "--batch-size", "4", torchrun=True)
+    one_server(tmp_path / "one", "--batch-size", "8")
+    a, b, ref = result(tmp_path / "two", 0), result(tmp_path / "two", 1), result(tmp_path / "one", 0)
+    assert (a["world_size"], a["global_rank"], b["global_rank"]) == (2, 0, 1)
+    # each server saw its own shard; together the samples the one server saw
+    assert len(a["seen"]) == len(b["seen"]) == len(ref["seen"]) // 2
+    assert sorted(a["seen"] + b["seen"]) == sorted(ref["seen"])
+    for x, y in zip(a["params"], ref["params"], strict=True):
+        torch.testing.assert_close(x, y)
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    torch.testing.assert_close(a["metrics"]["synced_loss"], ref["metrics"]["synced_loss"])
+    torch.testing.assert_close(b["metrics"]["synced_loss"], ref["metrics"]["synced_loss"])
+    # resume the two servers' checkpoint on one server
+    ckpt = tmp_path / "two" / "last.ckpt"
+    assert ckpt.exists()
+    one_server(tmp_path / "resumed", "--batch-size", "8", "--steps", "5", "--resume", str(ckpt))
+    resumed = result(tmp_path / "resumed", 0)
+    assert not all(
+        torch.equal(x, y) for x, y in zip(resumed["params"], a["params"], strict=True)
+    )  # one more step ran
+
+
+def test_asynchronous_replicas_stay_identical(tmp_path):
+    """The asynchronous optimizer (one step behind) on each server: every
+    replica applies the same updates."""
+    codes = servers(tmp_path, "--batch-size", "4", "--async", "--clip", "0")
+    a, b = result(tmp_path, 0), result(tmp_path, 1)
+    assert codes == [0, 0]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a["params"], a["init"], strict=True))
+
+
+# ---------------------------------------------------------------- failures
+def test_a_server_that_raises_is_named_by_the_others(tmp_path):
+    """Server 1 raises in its training step; server 0, waiting in the
+    gradient reduction, fails with server 1's error (not a hang)."""
+    t0 = time.monotonic()
+    servers(tmp_path, "--fail-at", "2", "--no-log", "--watchdog", "60")
+    message = error(tmp_path, 0)
+    assert "ReplicaError" in message and "replica rank 1 failed" in message, message
+    assert "ValueError: injected failure on the second server" in message
+    assert time.monotonic() - t0 < 60  # well within the watchdog timeout
+
+
+def test_a_killed_server_is_named_by_the_others(tmp_path):
+    """Server 1 is killed (SIGKILL) between steps; server 0 fails in its next
+    collective (the logged loss is reduced across servers) naming rank 1."""
+    t0 = time.monotonic()
+    codes = servers(tmp_path, "--kill-at", "2", "--watchdog", "60")
+    assert codes[1] != 0
+    message = error(tmp_path, 0)
+    assert "replica rank 1 stopped responding" in message, message
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_hung_server_fails_the_others_after_the_watchdog_timeout(tmp_path):
+    """Server 1 hangs in its training step (alive: its reducer still beats);
+    server 0 fails once its reduction waited watchdog_timeout, naming the
+    window server 1 never closed."""
+    servers(tmp_path, "--hang-at", "2", "--no-log", "--watchdog", "8", limit=90)
+    message = error(tmp_path, 0)
+    assert "took more than 8 s (watchdog_timeout)" in message, message
+    assert "replica rank 1 is alive but has not closed optimizer window 2" in message
+
+
+# ---------------------------------------------------------------- set-up
+def test_servers_without_a_rendezvous_are_refused(monkeypatch):
+    for key in ("MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(async_optimizer=False),
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(ValueError, match="set MASTER_ADDR, MASTER_PORT and NODE_RANK"):
+        trainer.fit(CausalLM(), loader(lm_data()))
+
+
+def test_one_process_per_server_is_required(monkeypatch):
+    """torchrun --nproc-per-node=2 on two servers: four processes for two
+    servers, refused with what to change."""
+    values = dict(
+        TORCHELASTIC_RUN_ID="test",
+        RANK="0",
+        LOCAL_RANK="0",
+        GROUP_RANK="0",
+        WORLD_SIZE="4",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(async_optimizer=False),
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    assert trainer.world_size == 2
+    with pytest.raises(ValueError, match="launch with torchrun --nproc-per-node=1"):
+        trainer.fit(CausalLM(), loader(lm_data()))
+
+
+def test_bucket_size_is_validated():
+    with pytest.raises(ValueError, match="reduce_bucket_bytes must be a positive number of bytes"):
+        RoundPipeStrategy(reduce_bucket_bytes=0)
+
+
+def test_one_server_is_not_distributed():
+    strategy = RoundPipeStrategy()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    assert (trainer.world_size, trainer.global_rank, strategy.is_distributed) == (1, 0, False)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
