@@ -1,4 +1,4 @@
-"""One server's process of a multi-server RoundPipe fit (tests/test_replicas.py
+"""One server's process of a multi-server RoundPipe fit (tests/test_servers.py
 launches it under torchrun, or with the environment variables a manual launch
 sets, or alone as the one-server reference).
 

@@ -582,6 +582,24 @@ class RoundPipeEngine:
         return decision.peaks
 
     @property
+    def reduction(self) -> dict[str, float] | None:
+        """With replicas: ``windows`` (optimizer steps) whose gradients were
+        averaged, ``bytes`` of gradients this replica all-reduced (launched),
+        ``busy_seconds`` with an all-reduce in flight, and ``wait_seconds`` the
+        optimizer waited for the average after this replica's own gradients
+        were complete: added to the step with the synchronous optimizer; with
+        the asynchronous one hidden while it fits in the next window's
+        compute. None on one server."""
+        if self._reducer is None:
+            return None
+        return {
+            "windows": float(self._reducer.windows),
+            "bytes": float(self._reducer.bytes),
+            "busy_seconds": self._reducer.seconds,
+            "wait_seconds": self._protocol.reduction_wait,
+        }
+
+    @property
     def tile_budget(self) -> int | None:
         """Bytes one sequence tile's transient working set may take on a device
         (see ``tile_memory``); None: never tile."""

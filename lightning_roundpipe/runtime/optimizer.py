@@ -156,6 +156,9 @@ class Protocol:
         self.replicated = False
         self.reduced = [0] * n
         self.verdicts: dict[int, bool] = {}
+        # seconds the optimizer waited for the average after this replica's own
+        # gradients were in: the reduction's exposed time
+        self.reduction_wait = 0.0
         self.rules = rules if rules is not None else Rules()
         self.on_release: list[Callable[[], None]] = []  # couriers holding gradients
         self.chaos: Callable[[str], None] = _no_chaos
@@ -239,11 +242,13 @@ class Protocol:
             self._wait(lambda: self.rules.grads_added(self, window, p), what)
             # the reducer bounds its collectives by the watchdog itself and fails
             # the store, with the replica to blame, when one never completes
+            t0 = time.perf_counter()
             self.store.wait_until(
                 lambda: self.rules.grads_complete(self, window, p),
                 f"{what}, averaged over the replicas",
                 timeout=2 * self.store.timeout + 30.0,
             )
+            self.reduction_wait += time.perf_counter() - t0
             return
         self._wait(lambda: self.rules.grads_complete(self, window, p), what)
 

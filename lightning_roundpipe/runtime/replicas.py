@@ -273,7 +273,9 @@ class GradientReducer:
         self._flights: deque[_Flight] = deque()
         self.thread: threading.Thread | None = None
         self.seconds = 0.0  # time with a collective in flight, for reports
+        self._busy_until = 0.0
         self.bytes = 0  # gradient bytes reduced (this replica's contribution)
+        self.windows = 0  # windows whose reduction is complete
 
     def _build(self, ranges: Sequence[tuple[int, int]]) -> list[_Bucket]:
         host = self.host
@@ -437,13 +439,16 @@ class GradientReducer:
         for k, p in enumerate(bucket.params):
             with p.lock:
                 p.filled = bool(flight.flags[k + 1] > 0)
-        self.seconds += time.monotonic() - flight.started
+        now = time.monotonic()  # busy time: the union of the flights' intervals
+        self.seconds += now - max(flight.started, self._busy_until)
+        self._busy_until = now
         last = flight.bucket == len(self.buckets) - 1
         with self.protocol.cond:
             for p in bucket.params:
                 self.protocol.reduced[p.index] = flight.window + 1
             if last:
                 self.protocol.verdicts[flight.window] = bool(flight.flags[0] > 0)
+                self.windows += 1
             self.protocol.cond.notify_all()
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from strategy.modules import CausalLM, lm_data, loader
 
 from lightning_roundpipe import RoundPipeStrategy
-
-from strategy.modules import CausalLM, lm_data, loader
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -133,7 +132,8 @@ def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path
     across servers; the checkpoint is written once and loads on one server."""
     servers(tmp_path / "two", "--batch-size", "4", torchrun=True)
     one_server(tmp_path / "one", "--batch-size", "8")
-    a, b, ref = result(tmp_path / "two", 0), result(tmp_path / "two", 1), result(tmp_path / "one", 0)
+    a, b = result(tmp_path / "two", 0), result(tmp_path / "two", 1)
+    ref = result(tmp_path / "one", 0)
     assert (a["world_size"], a["global_rank"], b["global_rank"]) == (2, 0, 1)
     # each server saw its own shard; together the samples the one server saw
     assert len(a["seen"]) == len(b["seen"]) == len(ref["seen"]) // 2
