@@ -110,17 +110,19 @@ def one_server(out: Path, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def logs(out: Path) -> str:
+    return "".join(p.read_text()[-3000:] for p in sorted(out.glob("log*.txt")))
+
+
 def result(out: Path, rank: int) -> dict:
     path = out / f"rank{rank}.pt"
-    logs = "".join(p.read_text()[-3000:] for p in sorted(out.glob("log*.txt")))
-    assert path.exists(), f"server {rank} wrote no result:\n{logs}"
+    assert path.exists(), f"server {rank} wrote no result:\n{logs(out)}"
     return torch.load(path, weights_only=False)
 
 
 def error(out: Path, rank: int) -> str:
     path = out / f"error{rank}.txt"
-    logs = "".join(p.read_text()[-3000:] for p in sorted(out.glob("log*.txt")))
-    assert path.exists(), f"server {rank} did not fail:\n{logs}"
+    assert path.exists(), f"server {rank} did not fail:\n{logs(out)}"
     return path.read_text().splitlines()[0]
 
 
@@ -197,10 +199,8 @@ def test_a_hung_server_fails_the_others_after_the_watchdog_timeout(tmp_path):
 
 
 # ---------------------------------------------------------------- set-up
-def test_servers_without_a_rendezvous_are_refused(monkeypatch):
-    for key in ("MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(key, raising=False)
-    trainer = L.Trainer(
+def two_server_trainer() -> L.Trainer:
+    return L.Trainer(
         strategy=RoundPipeStrategy(async_optimizer=False),
         accelerator="cpu",
         devices=1,
@@ -209,6 +209,12 @@ def test_servers_without_a_rendezvous_are_refused(monkeypatch):
         logger=False,
         enable_checkpointing=False,
     )
+
+
+def test_servers_without_a_rendezvous_are_refused(monkeypatch):
+    for key in ("MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    trainer = two_server_trainer()
     with pytest.raises(ValueError, match="set MASTER_ADDR, MASTER_PORT and NODE_RANK"):
         trainer.fit(CausalLM(), loader(lm_data()))
 
@@ -228,15 +234,7 @@ def test_one_process_per_server_is_required(monkeypatch):
     )
     for key, value in values.items():
         monkeypatch.setenv(key, value)
-    trainer = L.Trainer(
-        strategy=RoundPipeStrategy(async_optimizer=False),
-        accelerator="cpu",
-        devices=1,
-        num_nodes=2,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-    )
+    trainer = two_server_trainer()
     assert trainer.world_size == 2
     with pytest.raises(ValueError, match="launch with torchrun --nproc-per-node=1"):
         trainer.fit(CausalLM(), loader(lm_data()))

@@ -34,10 +34,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .host import HostState, _Param
 from .store import EngineFailure, HandoffTimeout, Store
@@ -116,15 +117,16 @@ class Replicas:
         """Tell the others this replica closed ``window`` (for diagnoses)."""
         self._call(lambda: self.store.set(f"{_PREFIX}window/{self.rank}", str(window)))
 
-    def _windows(self) -> dict[int, int]:
+    def _read(self, kind: str, others: bool = True) -> dict[int, bytes | None]:
+        """Each rank's ``kind`` key (``alive``, ``window``, ``failed``), None
+        where it was never set; without this rank when ``others``."""
         out = {}
         for r in range(self.world_size):
-            key = f"{_PREFIX}window/{r}"
-            if self._call(lambda key=key: self.store.check([key])):
-                raw = self._call(lambda key=key: self.store.get(key))
-                out[r] = int(raw) if raw is not None else -1
-            else:
-                out[r] = -1
+            if others and r == self.rank:
+                continue
+            key = f"{_PREFIX}{kind}/{r}"
+            has = self._call(lambda key=key: self.store.check([key]))
+            out[r] = self._call(lambda key=key: self.store.get(key)) if has else None
         return out
 
     def report_failure(self, message: str) -> None:
@@ -141,14 +143,14 @@ class Replicas:
         if not self._call(lambda: self.store.add(f"{_PREFIX}failures", 0)):
             return {}
         found = []
-        for r in range(self.world_size):
-            key = f"{_PREFIX}failed/{r}"
-            if r != self.rank and self._call(lambda key=key: self.store.check([key])):
-                raw = self._call(lambda key=key: self.store.get(key))
-                if raw is not None:
-                    order, _, message = raw.decode().partition("|")
-                    found.append((int(order or 0), r, message))
+        for r, raw in self._read("failed").items():
+            if raw is not None:
+                order, _, message = raw.decode().partition("|")
+                found.append((int(order or 0), r, message))
         return {r: message for _, r, message in sorted(found)}
+
+    def _reported(self) -> str:
+        return "; ".join(f"replica rank {r} failed: {m}" for r, m in self.failures().items())
 
     def poll(self) -> str | None:
         """A peer's failure report, if one appeared (checked at most once per
@@ -162,15 +164,6 @@ class Replicas:
             return None
         rank, message = next(iter(failed.items()))
         return f"replica rank {rank} failed: {message}"
-
-    def _heartbeats(self) -> dict[int, bytes | None]:
-        out = {}
-        for r in range(self.world_size):
-            key = f"{_PREFIX}alive/{r}"
-            if r != self.rank:
-                has = self._call(lambda key=key: self.store.check([key]))
-                out[r] = self._call(lambda key=key: self.store.get(key)) if has else None
-        return out
 
     def error(self, what: str, exc: BaseException) -> ReplicaError:
         """``what`` (a collective with the other replicas) failed with ``exc``:
@@ -188,20 +181,20 @@ class Replicas:
         heartbeats)."""
         if self.store is None:
             return "(no rendezvous store to ask which replica stopped)"
-        failed = self.failures()
-        if failed:
-            return "; ".join(f"replica rank {r} failed: {m}" for r, m in failed.items())
+        reported = self._reported()
+        if reported:
+            return reported
         if self._call(lambda: self.store.add(f"{_PREFIX}failures", 0)) is None:
             return (
                 "the rendezvous store is unreachable: the server hosting it (rank 0's, or "
                 "its launcher) stopped"
             )
-        before = self._heartbeats()
+        before = self._read("alive")
         time.sleep(3 * self.heartbeat + 0.5)
-        after = self._heartbeats()
-        failed = self.failures()
-        if failed:
-            return "; ".join(f"replica rank {r} failed: {m}" for r, m in failed.items())
+        after = self._read("alive")
+        reported = self._reported()
+        if reported:
+            return reported
         still = [r for r in before if before[r] == after.get(r)]
         if still:
             ranks = ", ".join(map(str, still))
@@ -209,7 +202,10 @@ class Replicas:
                 f"replica rank {ranks} stopped responding (no heartbeat for "
                 f"{3 * self.heartbeat + 0.5:g} s: the process died or hangs)"
             )
-        windows = self._windows()
+        windows = {
+            r: -1 if raw is None else int(raw)
+            for r, raw in self._read("window", others=False).items()
+        }
         ahead = max(windows.values())
         behind = [r for r, w in windows.items() if w < ahead]
         if behind:
@@ -238,7 +234,6 @@ class _Flight:
     flags: torch.Tensor
     futures: list[Any]
     started: float
-    done: list[bool] = field(default_factory=lambda: [False])
 
 
 def gradient_layer_bytes(host: HostState) -> list[int]:
@@ -384,8 +379,6 @@ class GradientReducer:
         )
 
     def _launch(self, window: int, index: int, skip: bool) -> None:
-        import torch.distributed as dist
-
         bucket = self.buckets[index]
         flags = torch.zeros(1 + len(bucket.params))
         flags[0] = float(skip)
