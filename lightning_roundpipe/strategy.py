@@ -375,7 +375,11 @@ class RoundPipeStrategy(ParallelStrategy):
         timeout = datetime.timedelta(seconds=self.options.watchdog_timeout)
         _init_dist_connection(env, "gloo", timeout=timeout)
         rank_zero_only.rank = self.global_rank
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        # the reducer times each all-reduce against watchdog_timeout itself (it
+        # looks twice per heartbeat) and names what it waited for; gloo's own
+        # limit on the group is a backstop a few heartbeats later, so that it
+        # never races that message (a process leaves only once gloo gives up)
+        group = dist.new_group(backend="gloo", timeout=timeout + datetime.timedelta(seconds=5))
         try:
             store = dist.distributed_c10d._get_default_store()
         except Exception:  # private in torch: without it errors say less, nothing breaks

@@ -48,6 +48,9 @@ __all__ = ["GradientReducer", "ReplicaError", "Replicas"]
 log = logging.getLogger(__name__)
 
 _PREFIX = "roundpipe/"
+# seconds between looks at the all-reduces in flight: small next to a bucket's
+# transfer (25 MiB take ~20 ms even at 10 Gb/s)
+_POLL = 0.002
 
 
 class ReplicaError(RuntimeError):
@@ -232,7 +235,7 @@ class _Flight:
     window: int
     bucket: int
     flags: torch.Tensor
-    futures: list[Any]
+    works: list[Any]  # torch.distributed Work handles, polled (see _POLL)
     started: float
 
 
@@ -348,7 +351,10 @@ class GradientReducer:
                     raise EngineFailure(str(self.store.failure))
                 if ready():
                     return
-                cond.wait(self.replicas.heartbeat / 2)
+                # polled while all-reduces are in flight: a Python callback on
+                # gloo's thread would run during interpreter shutdown when a
+                # failed run leaves one behind, and abort the process
+                cond.wait(_POLL if self._flights else self.replicas.heartbeat / 2)
             self.replicas.beat()
             peer = self.replicas.poll()
             if peer is not None:
@@ -373,10 +379,10 @@ class GradientReducer:
                 f"{window}",
             )
             self._launch(window, i, skip)
-        # the window is done once its last bucket is
-        self._wait_for(
-            lambda: not self._flights, time.monotonic() + timeout, f"window {window}'s reduction"
-        )
+        # the window is done once its last bucket is; each all-reduce in flight
+        # carries its own watchdog deadline (from its launch), so no second one
+        # here that could race it with a vaguer message
+        self._wait_for(lambda: not self._flights, None, f"window {window}'s reduction")
 
     def _launch(self, window: int, index: int, skip: bool) -> None:
         bucket = self.buckets[index]
@@ -389,28 +395,17 @@ class GradientReducer:
                 else:  # stale values of an earlier window: this replica adds nothing
                     p.grad.zero_()
         group = self.replicas.group
-        futures = [
-            dist.all_reduce(t, group=group, async_op=True).get_future()
-            for t in (bucket.view, flags)
-        ]
-        flight = _Flight(window, index, flags, futures, time.monotonic())
-        cond = self.protocol.cond
-        with cond:
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in (bucket.view, flags)]
+        flight = _Flight(window, index, flags, works, time.monotonic())
+        with self.protocol.cond:
             self._flights.append(flight)
-
-        def wake(_: Any) -> None:
-            with cond:
-                cond.notify_all()
-
-        for f in futures:
-            f.add_done_callback(wake)
         self.bytes += bucket.view.numel() * 4
 
     def _finish_completed(self) -> None:
         """Collectives complete in the order they were issued: finish those done."""
         while True:
             with self.protocol.cond:
-                if not self._flights or not all(f.done() for f in self._flights[0].futures):
+                if not self._flights or not all(w.is_completed() for w in self._flights[0].works):
                     flight = self._flights[0] if self._flights else None
                     if flight is not None and time.monotonic() - flight.started > (
                         self.store.timeout
@@ -421,8 +416,8 @@ class GradientReducer:
                         )
                     return
                 flight = self._flights.popleft()
-            for f in flight.futures:
-                f.value()  # raises the collective's error
+            for w in flight.works:
+                w.wait()  # raises the collective's error
             self._finish(flight)
 
     def _finish(self, flight: _Flight) -> None:
