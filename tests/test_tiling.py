@@ -160,19 +160,23 @@ SMALL = 7_000
 
 
 class Counting:
-    """Counts the chunked losses and tiled MLP calls the workers make."""
+    """Counts the chunked losses, tiled MLP calls and tiled norm calls the
+    workers make."""
 
     def __init__(self, monkeypatch) -> None:
-        self.chunked = self.tiled = 0
+        self.chunked = self.tiled = self.norms = 0
         loss, tile = ChunkedLogits.loss, layers.tiled
 
         def counted_loss(this, labels):
             self.chunked += 1
             return loss(this, labels)
 
-        def counted_tile(*args, **kwargs):
-            self.tiled += 1
-            return tile(*args, **kwargs)
+        def counted_tile(fn, *args, **kwargs):
+            if type(fn.__self__).__name__.endswith(("RMSNorm", "LayerNorm")):
+                self.norms += 1
+            else:
+                self.tiled += 1
+            return tile(fn, *args, **kwargs)
 
         monkeypatch.setattr(ChunkedLogits, "loss", counted_loss)
         monkeypatch.setattr(layers, "tiled", counted_tile)
@@ -217,6 +221,7 @@ def same_training(model, monkeypatch, precision, lm=LM, tol=None):
 
 
 KINDS = ["llama", "qwen3", "qwen3_moe"]  # (the experts' block is tiled too)
+NORMS = {"llama": 2, "qwen3": 4, "qwen3_moe": 4}  # per block
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -225,12 +230,15 @@ def test_chunked_and_tiled_fp32_training_equals_untiled(kind, monkeypatch):
     # per step and micro-batch: one chunked loss; 2 blocks, forward + recompute
     assert count.chunked == 3 * 2
     assert count.tiled >= 3 * 2 * 2
+    # every tiled block also tiles its norms (Qwen3's per-head query/key norms too)
+    assert count.norms == NORMS[kind] * count.tiled
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_and_tiled_bf16_training_equals_untiled(kind, monkeypatch):
     count = same_training(tiny(kind), monkeypatch, "bf16-mixed", tol=dict(atol=1e-2, rtol=1.6e-2))
     assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
+    assert count.norms == NORMS[kind] * count.tiled
 
 
 def test_adamw_training_of_a_dense_model_chunked_and_tiled_equals_untiled(monkeypatch):
@@ -247,15 +255,23 @@ def test_with_the_router_loss_the_loss_is_chunked_and_the_experts_are_not_tiled(
 
 
 def test_dropout_and_tuple_mlps_are_never_tiled(monkeypatch):
+    """Their norms still are (a norm draws no random numbers)."""
     count = Counting(monkeypatch)
     fit(LM(tiny("gpt_oss")), SMALL)  # its MLP returns (hidden, router scores)
-    assert count.chunked == 3 * 2 and count.tiled == 0
-    count.chunked = 0
+    assert count.chunked == 3 * 2 and count.tiled == 0 and count.norms > 0
+    count.chunked = count.norms = 0
     fit(LM(tiny("gpt2", resid_pdrop=0.1)), SMALL)  # GPT-2's MLP ends in a dropout
-    assert count.chunked == 3 * 2 and count.tiled == 0
+    assert count.chunked == 3 * 2 and count.tiled == 0 and count.norms > 0
     count.chunked = 0
     fit(LM(tiny("gpt2")), SMALL)  # (and is tiled without it)
     assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
+
+
+def test_tiled_norms_beside_dropout_train_like_untiled(monkeypatch):
+    """GPT-2 with dropout: its LayerNorms are tiled, its MLP is not; the
+    dropout masks and so the whole run are those of the untiled run."""
+    count = same_training(tiny("gpt2", resid_pdrop=0.1), monkeypatch, "32-true")
+    assert count.tiled == 0 and count.norms == 2 * 3 * 2 * 3  # ln_1, ln_2 per block call
 
 
 def test_evaluation_computes_the_loss_from_whole_logits(monkeypatch):

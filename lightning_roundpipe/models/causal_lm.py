@@ -230,17 +230,27 @@ class CausalLMAdapter(_Adapter):
 
     def tile_sizes(self, loss: bool) -> dict[str, int]:
         """Tokens per loss chunk (with ``loss``: the loss is computed in the
-        pipeline) and per MLP tile, from the engine's ``tile_budget``; the
-        layers tile only micro-batches with more tokens than that."""
+        pipeline) and per tile of a block's per-token work, from the engine's
+        ``tile_budget``; the layers tile only micro-batches with more tokens
+        than that."""
         budget = self.engine.tile_budget if self.engine is not None else None
         if budget is None:
             return {}
-        size = torch.empty(0, dtype=self.engine.compute_dtype).element_size()
+        return self.tiles_for(budget, self.engine.compute_dtype, loss)
+
+    def tiles_for(self, budget: int, dtype: torch.dtype, loss: bool = True) -> dict[str, int]:
+        """The tile sizes for a ``budget`` of bytes per tile in ``dtype``: a
+        loss chunk's logits (compute dtype, fp32 copy, softmax and gradient)
+        and a block tile's MLP intermediates with their gradients (where the
+        block has no tiled MLP, its norms' fp32 working values, ~16 bytes per
+        hidden unit)."""
+        size = torch.empty(0, dtype=dtype).element_size()
         out = {}
         if loss:
             out["loss_chunk"] = max(1, int(budget // (self._vocab * (2 * size + 12))))
-        if self._mlp_width:
-            out["mlp_tile"] = max(1, int(budget // (self._mlp_width * size)))
+        hidden = int(self.target.config.hidden_size)
+        per_token = self._mlp_width * size or 16 * hidden
+        out["mlp_tile"] = max(1, int(budget // per_token))
         return out
 
     def activation_model(

@@ -289,10 +289,7 @@ def estimate(
         raise ValueError(f"gpu_memory must be more than {CUDA_CONTEXT} bytes, got {gpu_memory}")
     budget = limit // 8  # tile_memory="auto"
     size = torch.empty(0, dtype=dtype).element_size()
-    tiles = {
-        "loss_chunk": max(1, int(budget // (adapter._vocab * (2 * size + 12)))),
-        "mlp_tile": max(1, int(budget // max(adapter._mlp_width * size, 1))),
-    }
+    tiles = adapter.tiles_for(budget, dtype)
     models: dict[tuple, ActivationModel] = {}
     copies: dict[int, nn.Module] = {}
 

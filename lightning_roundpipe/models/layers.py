@@ -31,7 +31,8 @@ _MASK_FUNCTIONS = {
 }
 # the running router statistics carried from stage to stage
 ROUTER_KEYS = ("router_counts", "router_probs", "router_tokens")
-# tokens per loss chunk and per MLP tile, when the adapter tiles the call
+# tokens per loss chunk and per tile of a block's per-token work (its MLP and
+# norms), when the adapter tiles the call
 TILE_KEYS = ("loss_chunk", "mlp_tile")
 
 
@@ -48,6 +49,38 @@ def is_packed(position_ids: torch.Tensor) -> bool:
     if position_ids.dim() < 2:
         position_ids = position_ids.reshape(1, -1)
     return bool((_packed_ids(position_ids)[:, -1] != 0).any())
+
+
+# normalisations over the last dimension, by class name where transformers
+# defines its own (LlamaRMSNorm, Qwen3RMSNorm, GemmaRMSNorm, ...)
+_NORM_NAMES = ("RMSNorm", "LayerNorm")
+
+
+def _norms(block: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
+    """The per-token normalisations of ``block`` outside ``skip`` (the tiled
+    MLP): leaf modules that normalise over the last dimension only, with at
+    most one-dimensional parameters, drawing no random numbers."""
+    inside = set() if skip is None else {id(m) for m in skip.modules()}
+    out = []
+    for m in block.modules():
+        if id(m) in inside or next(m.children(), None) is not None:
+            continue
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            ok = len(m.normalized_shape) == 1
+        else:
+            ok = type(m).__name__.endswith(_NORM_NAMES)
+        if ok and all(p.dim() <= 1 for p in m.parameters()) and not draws_random(m):
+            out.append(m)
+    return out
+
+
+def _width(norm: nn.Module, x: torch.Tensor) -> int:
+    """The last dimension ``norm`` normalises (its weight's size; ``x``'s when
+    it has none)."""
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.shape[0]
+    return x.shape[-1]
 
 
 def _boundary(
@@ -267,31 +300,59 @@ class _Decoder(nn.Module):
 
     @contextlib.contextmanager
     def _tiled_mlp(self, hidden_states: torch.Tensor, tile: int | None) -> Iterator[None]:
-        """While the block runs, its MLP runs over sequence tiles of ``tile``
-        tokens (:func:`~.tiling.tiled`) when the micro-batch has more; set on
+        """While the block runs, its per-token work runs over sequence tiles
+        of ``tile`` tokens (:func:`~.tiling.tiled`) when the micro-batch has
+        more: the MLP, and every normalisation (RMSNorm / LayerNorm over the
+        last dimension: the block's norms, Qwen3's per-head query/key norms),
+        which then keep their input alone instead of its fp32 copy. Set on
         this layer's own copy of the block (each worker has one), for the call."""
-        mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)
         tokens = hidden_states.shape[:-1].numel()
-        if mlp is None or not tile or tokens <= tile or draws_random(mlp):
+        if not tile or tokens <= tile:
             yield
             return
-        forward = mlp.forward  # (an instance attribute, if one is set, is kept)
-        own = mlp.__dict__.get("forward")
+        mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)
+        if mlp is not None and draws_random(mlp):
+            mlp = None
         per_row = max(1, tile // hidden_states.shape[0])
+        wrapped: list[tuple[nn.Module, Any]] = []
 
-        def tiled_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if args or kwargs or x.dim() < 2:
-                return forward(x, *args, **kwargs)
-            return tiled(forward, trainable(mlp), x, per_row, dim=x.dim() - 2)
+        def wrap(module: nn.Module, tiled_forward: Any) -> None:
+            wrapped.append((module, module.__dict__.get("forward")))
+            module.forward = tiled_forward
 
-        mlp.forward = tiled_forward
+        if mlp is not None:
+            forward = mlp.forward  # (an instance attribute, if one is set, is kept)
+
+            def tiled_mlp(x: torch.Tensor, *args: Any, forward=forward, **kwargs: Any) -> Any:
+                if args or kwargs or x.dim() < 2:
+                    return forward(x, *args, **kwargs)
+                return tiled(forward, trainable(mlp), x, per_row, dim=x.dim() - 2)
+
+            wrap(mlp, tiled_mlp)
+        for norm in _norms(self.layer, mlp):
+
+            def tiled_norm(
+                x: torch.Tensor, *args: Any, norm=norm, forward=norm.forward, **kwargs: Any
+            ) -> Any:
+                if args or kwargs or x.dim() < 2 or x.shape[-1] != _width(norm, x):
+                    return forward(x, *args, **kwargs)
+                # rows of the last dimension, as many per tile as ``tile``
+                # tokens of the block's input have
+                rows = x.reshape(-1, x.shape[-1])
+                per_tile = max(1, tile * rows.shape[0] // tokens)
+                if rows.shape[0] <= per_tile:
+                    return forward(x)
+                return tiled(forward, trainable(norm), rows, per_tile, dim=0).reshape(x.shape)
+
+            wrap(norm, tiled_norm)
         try:
             yield
         finally:
-            if own is None:
-                del mlp.forward
-            else:
-                mlp.forward = own
+            for module, own in reversed(wrapped):
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
 
     def _recording(self, hidden_states, kwargs, attention_mask, stats):
         """Run the block recording its routers' logits; add their statistics."""

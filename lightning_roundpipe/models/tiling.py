@@ -14,9 +14,10 @@ at a time with the same result:
   only the hidden-state gradient and the head's weight gradients are kept, not
   the logits. In fp16 (whose gradients need the loss scale, known only in
   backward) the chunks' logits are recomputed in backward instead.
-* :func:`tiled` runs a per-token module (an MLP) over sequence tiles under
-  ``no_grad`` and, in backward, recomputes one tile at a time with its
-  gradient, so a tile's intermediates are all that ever exist.
+* :func:`tiled` runs a per-token module (an MLP, a norm) over sequence tiles
+  under ``no_grad`` and, in backward, recomputes one tile at a time with its
+  gradient, so a tile's intermediates are all that ever exist (for a norm:
+  its input is kept instead of its fp32 copy).
 
 Torch has no sequence-tiled autograd primitive (``torch.utils.checkpoint``
 recomputes a whole call at once), hence these two small autograd functions.
