@@ -179,6 +179,34 @@ def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     assert code == 0 and "trainable)" in text
 
 
+def gib_in(text: str, label: str) -> float:
+    return float(text.split(label)[1].split(" GiB")[0])
+
+
+def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(tmp_path):
+    """The boundary activations of a step live in host memory: with too little
+    of it the longest sequence is shorter than the devices allow, and the
+    estimate says the host is the bound (it still fits at that length)."""
+    path = config_file(tmp_path)
+    code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2)
+    assert "(bounded by device memory)" in text
+    device = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
+    state = gib_in(text, "(model state ")
+    # room for a quarter of the device-bounded sequence's boundary activations
+    code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--seq", device)
+    acts = gib_in(text, "boundary activations ")
+    host = state + acts / 4
+    code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", host)
+    assert code == 0, text
+    assert "(bounded by host memory)" in text and "fits: yes" in text
+    longest = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
+    assert 0 < longest < device
+    # the edge again, now of the host: it fits, one more quarter does not
+    args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", host)
+    assert "fits: yes" in run_cli(*args, "--seq", longest)[1]
+    assert "fits: NO" in run_cli(*args, "--seq", int(longest * 1.25))[1]
+
+
 def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
     code, _ = run_cli(tmp_path / "missing-model", "--gpu-memory", 24)
     assert code == 2

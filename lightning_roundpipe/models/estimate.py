@@ -138,6 +138,8 @@ class Estimate:
     optimizer_seconds: float = 0.0
     #: the gradient all-reduce per step (``servers > 1`` only)
     reduction: ReductionEstimate | None = None
+    #: what bounds ``longest_seq``: "device memory" or "host memory"
+    longest_bound: str = "device memory"
 
     @property
     def cluster_tokens_per_second(self) -> float:
@@ -169,7 +171,8 @@ class Estimate:
             f"boundary activations {gib(self.host['activations'])})"
             + ("" if self.host_memory is None else f" of {gib(self.host_memory)}"),
             f"fits: {'yes' if self.fits else 'NO'}",
-            f"longest sequence at micro-batch 1: {self.longest_seq} tokens",
+            f"longest sequence at micro-batch 1: {self.longest_seq} tokens "
+            f"(bounded by {self.longest_bound})",
             f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
             f"(weight uploads need {self.upload_seconds:.3g} s per step)",
         ]
@@ -323,24 +326,36 @@ def estimate(
         )
         return decision.plan, decision.peaks
 
-    def fits(s: int) -> bool:
-        try:
-            _, peaks = plan_at(s, 1)
-        except PlanError:
-            return False
-        return max(peaks) <= limit
-
     state = sum(
         p.numel() * (HOST_TRAINABLE if p.requires_grad else HOST_FROZEN) for p in model.parameters()
     )
+
+    def boundaries(s: int, b: int, plan: Any) -> int:
+        """Host bytes of a step's boundary activations: every forward stage's
+        input for every micro-batch (hidden states and positions)."""
+        return (s * b) * (config.hidden_size * size + 8) * len(plan.forward) * m
+
+    def fits(s: int, host: bool = True) -> bool:
+        """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
+        ``host``, the host memory when it is given)."""
+        try:
+            plan, peaks = plan_at(s, 1)
+        except PlanError:
+            return False
+        if max(peaks) > limit:
+            return False
+        return not host or host_memory is None or state + boundaries(s, 1, plan) <= host_memory
+
     ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
     longest = longest_sequence(fits, 1, max(ceiling, 1 << 22))
+    # which memory bounds it: the host, where the devices would take more
+    bound = "host memory" if host_memory is not None and fits(longest + 1, host=False) else None
+    bound = bound or "device memory"
     notes = []
     if seq is None:
         seq = max(1, min(longest, ceiling) if longest else 1)
     plan, peaks = plan_at(seq, micro_batch)
-    boundary = (seq * micro_batch) * (config.hidden_size * size + 8)
-    acts = boundary * len(plan.forward) * m
+    acts = boundaries(seq, micro_batch, plan)
     host = {"state": float(state), "activations": float(acts), "total": float(state + acts)}
     fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
     timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
@@ -385,6 +400,7 @@ def estimate(
         host=host,
         host_memory=None if host_memory is None else int(host_memory),
         longest_seq=longest,
+        longest_bound=bound,
         step_seconds=step,
         tokens_per_second=seq * micro_batch * m / step if step > 0 else math.inf,
         upload_seconds=upload,
