@@ -141,8 +141,11 @@ def test_out_of_memory_in_a_backward_stage_is_retried_or_reported(oom_when, asyn
     # a limit that gives a two-layer backward stage in the asynchronous plan
     # (2,1,1|1|1,1,2): it is cut. The synchronous plan's backward stages have
     # one layer each and its micro-batches one sample each: no smaller plan
-    # exists, so the failure is reported after one attempt
-    opts = dict(async_optimizer=async_mode, device_memory_limit=136512)
+    # exists, so the failure is reported after one attempt. Never tiled, the
+    # activations are predicted not to fit any plan, so the plan is kept until
+    # the (injected) failure (tiled, one-layer stages are predicted to fit and
+    # chosen before the first step)
+    opts = dict(async_optimizer=async_mode, device_memory_limit=136512, tile_memory=None)
     if not async_mode:
         hits = oom_when(lambda layers, size, it, stage: stage.kind == "backward" and not hits)
         with pytest.raises(WorkerError, match=r"failed in stage B\d+ .*OutOfMemoryError"):
