@@ -147,3 +147,19 @@ def test_experts_benchmark_table():
     lines = table.splitlines()
     assert lines[0].startswith("| experts implementation | own fwd+bwd (ms)")
     assert [ln.split("|")[1].strip() for ln in lines[2:]] == ["eager", "grouped_mm"]
+
+
+def test_activation_per_token_measures_a_block_untiled_and_tiled():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=224,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=500,
+    )
+    per_token = load("activation_per_token").saved_per_token(config)
+    # tiling keeps a block's input-sized values, not its MLP's and norms' working set
+    assert 0 < per_token["tiled"] < per_token["never tiled"] / 2

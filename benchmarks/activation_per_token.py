@@ -1,0 +1,113 @@
+"""What one decoder block keeps for its backward per token, untiled and
+tiled, and the longest sequence the estimate predicts from it, for
+Llama-3.1-8B with LoRA (r = 32) in bf16.
+
+    python benchmarks/activation_per_token.py [--gpu-memory 80] [--host-memory 128]
+        [--append docs/benchmarks.md]
+
+The model is built from its config on the meta device (nothing downloaded);
+the block's saved bytes are measured by the same short CPU probes the planner
+uses (``lightning_roundpipe.models.memory``), reported per token in bytes and
+in hidden-sized bf16 values. The baseline is the untiled block in the same
+run. The longest sequence at micro-batch 1 on one GPU comes from ``plan
+estimate``: bounded by the GPU alone, and with the host memory as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
+from lightning_roundpipe.models.causal_lm import CausalLMAdapter
+from lightning_roundpipe.models.estimate import _materialise, _meta_model, estimate
+
+GIB = 2**30
+LORA_RANK = 32
+
+
+def llama_8b() -> transformers.LlamaConfig:
+    """Llama-3.1-8B's shape (public config values)."""
+    return transformers.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
+def saved_per_token(config: transformers.LlamaConfig) -> dict[str, float]:
+    """Bytes per token one block keeps for its backward, never tiled and with
+    the tiling a long sequence gets (the slope of the probes' polynomial)."""
+    small = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
+    adapter = CausalLMAdapter(_meta_model(small, LORA_RANK), "model")
+    copies: dict[int, torch.nn.Module] = {}
+
+    def real(layer: torch.nn.Module) -> torch.nn.Module:
+        if id(layer) not in copies:
+            copies[id(layer)] = _materialise(layer, torch.bfloat16)
+        return copies[id(layer)]
+
+    out = {}
+    tiles = adapter.tiles_for(1, torch.bfloat16)  # the smallest tiles: always tiled
+    for label, chosen in (("never tiled", {}), ("tiled", tiles)):
+        act = adapter.activation_model(torch.bfloat16, chosen, loss=True, prepare=real)
+        out[label] = act.saved[1][1]  # the block's bytes per token
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB")
+    parser.add_argument("--host-memory", type=float, default=128.0, help="GiB")
+    parser.add_argument("--append", type=Path)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", FutureWarning)
+    transformers.logging.set_verbosity_error()
+    config = llama_8b()
+    hidden_bytes = config.hidden_size * 2
+    per_token = saved_per_token(config)
+    rows = [
+        "| block | saved per token (KiB) | hidden-sized bf16 values | vs never tiled |",
+        "|---|---:|---:|---:|",
+    ]
+    base = per_token["never tiled"]
+    for label, b in per_token.items():
+        rows.append(f"| {label} | {b / 1024:.1f} | {b / hidden_bytes:.2f} | {b / base:.2f}x |")
+    kw = dict(gpu_memory=args.gpu_memory * GIB, lora_rank=LORA_RANK, precision="bf16-mixed")
+    device = estimate(config, **kw, name="llama-3.1-8b")
+    both = estimate(config, **kw, host_memory=args.host_memory * GIB, name="llama-3.1-8b")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
+    out = (
+        f"### Activation memory per token of a Llama-3.1-8B block ({datetime.date.today()})\n\n"
+        f"`python benchmarks/activation_per_token.py --gpu-memory {args.gpu_memory:g} "
+        f"--host-memory {args.host_memory:g}` on {machine} (probes on CPU, model from its "
+        f"config; LoRA r={LORA_RANK} on every linear layer, bf16-mixed).\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        f"Longest sequence at micro-batch 1 predicted by `plan estimate` on one "
+        f"{args.gpu_memory:g} GiB GPU: {device.longest_seq} tokens bounded by device "
+        f"memory alone; {both.longest_seq} tokens with {args.host_memory:g} GiB of host "
+        f"memory ({both.longest_bound}).\n"
+    )
+    emit(out, args.append)
+
+
+if __name__ == "__main__":
+    main()
