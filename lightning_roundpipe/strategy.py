@@ -94,8 +94,10 @@ class RoundPipeStrategy(ParallelStrategy):
             torch profiler records.
         layers: attribute path of the layer stack (``"model"``, ``"net"``) when
             automatic detection needs help.
-        device_memory_limit: bytes one stage may use on a GPU (default: from the
-            free memory at start).
+        device_memory_limit: bytes one stage may use on a GPU (default: half
+            the free memory at start, the rest holding the next stage's
+            prefetched weights; more when long sequences need it and the
+            weights fit a smaller share).
         tile_memory: bytes one sequence tile may take on a device: Hugging
             Face causal LMs then compute the loss over chunks of tokens (the
             full-vocabulary logits never exist) and each decoder block's MLP

@@ -106,6 +106,34 @@ def test_a_plan_that_would_not_fit_is_replaced_before_the_first_step(caplog):
     assert "before the first step" in caplog.text
 
 
+def test_long_sequences_let_stages_take_more_than_half_of_the_gpu(caplog):
+    """On a GPU the limit is half of a worker's free memory (the other half
+    holds the next stage's prefetched weights). When the activations of even
+    one layer need more, a stage may take more and the next stage's weights
+    less: the engine's limit grows before the first step, the run goes on
+    and later decisions keep that limit. (CPU workers have no such budget:
+    the test gives the engine the one a GPU would.)"""
+    model = tiny("llama", max_position_embeddings=512, num_hidden_layers=4)
+    adapter = CausalLMAdapter(model, "model")
+    ids = torch.randint(0, 101, (2, 512))
+    with RoundPipeEngine(
+        adapter.layers(), ["cpu"], 1, device_memory_limit=3_000_000, tile_memory=None
+    ) as eng:
+        eng._budget = 6_000_000  # what a GPU with 6 MB free would give
+        adapter.attach(eng)
+        try:
+            with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
+                for _ in range(3):  # past the profiler's measurements
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    eng.synchronize()
+        finally:
+            adapter.detach()
+        # 0.9 x 6 MB less a quarter of it for the next stage's weights
+        assert eng.memory_limit == 3_900_000
+        assert 3_000_000 < max(eng.predicted_peaks) <= 3_900_000
+    assert "the next stage's weights need at most 1.5e+06" in caplog.text
+
+
 def fit_peak(seq: int) -> tuple[int, int]:
     """Measured peak growth and predicted peak stage memory of a one-step fit
     of 2 sequences on one CPU worker (fp32, loss chunked, MLPs tiled)."""

@@ -140,6 +140,8 @@ class Estimate:
     reduction: ReductionEstimate | None = None
     #: what bounds ``longest_seq``: "device memory" or "host memory"
     longest_bound: str = "device memory"
+    #: half of a GPU's usable bytes: a stage's share when its weights matter
+    half_budget: int = 0
 
     @property
     def cluster_tokens_per_second(self) -> float:
@@ -161,7 +163,12 @@ class Estimate:
         lines = [
             f"model: {self.model}, {self.parameters / 1e9:.3g}B parameters "
             f"({self.trainable / 1e9:.3g}B trainable)",
-            f"GPUs: {self.gpus}, a stage may use {gib(self.stage_limit)} of each",
+            f"GPUs: {self.gpus}, a stage may use {gib(self.stage_limit)} of each"
+            + (
+                " (more than half: the next stage's weights, prefetched meanwhile, need less)"
+                if self.stage_limit > self.half_budget + 1
+                else ""
+            ),
             f"setting: {self.micro_batch} x {self.seq} tokens per micro-batch, "
             f"{self.num_microbatches} micro-batches per step",
             f"plan: {self.plan}",
@@ -287,7 +294,8 @@ def estimate(
     adapter = CausalLMAdapter(model, "model")
     layers = adapter.layers()
     sizes = estimate_costs(layers, dtype)
-    limit = int((gpu_memory - CUDA_CONTEXT) // 2)
+    budget_all = gpu_memory - CUDA_CONTEXT  # a worker's device bytes
+    limit = int(budget_all // 2)  # a stage and the next one, prefetched
     if limit <= 0:
         raise ValueError(f"gpu_memory must be more than {CUDA_CONTEXT} bytes, got {gpu_memory}")
     budget = limit // 8  # tile_memory="auto"
@@ -308,7 +316,10 @@ def estimate(
             models[key] = adapter.activation_model(dtype, applied, loss=True, prepare=real)
         return models[key]
 
-    def plan_at(s: int, b: int) -> tuple[Any, list[float]]:
+    def plan_at(s: int, b: int) -> tuple[Any, list[float], float]:
+        """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
+        the bytes a stage may use with it (more than half the GPU when long
+        sequences leave the next stage's weights less room)."""
         act = activations(s * b)
         start = initial_plan(
             sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
@@ -323,8 +334,9 @@ def estimate(
             user_plan=False,
             async_optimizer=async_optimizer,
             memory_limit=limit,
+            device_budget=budget_all,
         )
-        return decision.plan, decision.peaks
+        return decision.plan, decision.peaks, decision.memory_limit
 
     state = sum(
         p.numel() * (HOST_TRAINABLE if p.requires_grad else HOST_FROZEN) for p in model.parameters()
@@ -339,10 +351,10 @@ def estimate(
         """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
         ``host``, the host memory when it is given)."""
         try:
-            plan, peaks = plan_at(s, 1)
+            plan, peaks, room = plan_at(s, 1)
         except PlanError:
             return False
-        if max(peaks) > limit:
+        if max(peaks) > room:
             return False
         return not host or host_memory is None or state + boundaries(s, 1, plan) <= host_memory
 
@@ -354,7 +366,7 @@ def estimate(
     notes = []
     if seq is None:
         seq = max(1, min(longest, ceiling) if longest else 1)
-    plan, peaks = plan_at(seq, micro_batch)
+    plan, peaks, room = plan_at(seq, micro_batch)
     acts = boundaries(seq, micro_batch, plan)
     host = {"state": float(state), "activations": float(acts), "total": float(state + acts)}
     fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
@@ -391,7 +403,7 @@ def estimate(
         parameters=params,
         trainable=trainable,
         gpus=gpus,
-        stage_limit=limit,
+        stage_limit=int(room),
         seq=seq,
         micro_batch=micro_batch,
         num_microbatches=m,
@@ -401,6 +413,7 @@ def estimate(
         host_memory=None if host_memory is None else int(host_memory),
         longest_seq=longest,
         longest_bound=bound,
+        half_budget=limit,
         step_seconds=step,
         tokens_per_second=seq * micro_batch * m / step if step > 0 else math.inf,
         upload_seconds=upload,

@@ -161,12 +161,37 @@ class Predicted:
         reason: what was decided and why, for the log.
         warning: whether the reason is worth a warning (a plan predicted not
             to fit that is kept).
+        memory_limit: the bytes a stage may use from now on: the one given,
+            or, with a ``device_budget``, a larger one that leaves room for
+            the next stage's weights only.
+        weight_cap: with such a limit, the weight bytes no stage may exceed
+            (the room left for the prefetched next stage); None otherwise.
     """
 
     plan: StagePlan
     peaks: list[float]
     reason: str
     warning: bool = False
+    memory_limit: float | None = None
+    weight_cap: float | None = None
+
+
+#: fractions of the device budget kept for the next stage's prefetched weights
+#: when a stage's activations need more than half of it (the first is the
+#: default split, a stage and its successor with half each)
+_RESERVES = (1 / 2, 1 / 4, 1 / 8, 1 / 16)
+#: of the device budget, what a stage with a smaller reserve may use at most:
+#: a margin for what the prediction does not model (allocator fragmentation,
+#: kernel workspaces)
+_USABLE = 0.9
+
+
+def _max_weights(plan: StagePlan, estimates: LayerCosts) -> float:
+    """The largest stage's weight bytes (its weights and gradients where
+    weights are unknown)."""
+    if estimates.weight_bytes is None:
+        return max(plan.stage_memory(estimates), default=0.0)
+    return max((estimates.stage_weight_bytes(st.start, st.stop) for st in plan.stages), default=0)
 
 
 def plan_for_activations(
@@ -181,14 +206,25 @@ def plan_for_activations(
     async_optimizer: bool,
     memory_limit: float | None,
     size_limit: float | None = None,
+    device_budget: float | None = None,
 ) -> Predicted:
     """Keep ``current`` if every slot's predicted peak (:func:`stage_peaks`)
     fits ``memory_limit``; otherwise, unless the plan was given, the best plan
     whose stages fit with each layer's saved and transient activations added
-    up (a bound on every stage's peak)."""
+    up (a bound on every stage's peak).
+
+    ``device_budget``: the device bytes a worker has in all (``memory_limit``
+    is then its half: a stage and the next one, prefetched while it runs).
+    Long sequences make a stage's activations large and its weights small in
+    comparison, so when nothing fits half the budget a stage may take more of
+    it, leaving the next stage's weights a smaller share (a quarter, an
+    eighth, a sixteenth; the plan's stages must then keep their weights
+    within that share); the result says which limit and cap hold from then on."""
     peaks = stage_peaks(current, estimates, saved, transient)
     if memory_limit is None or max(peaks) <= memory_limit:
-        return Predicted(current, peaks, f"plan {current} fits the predicted activations")
+        return Predicted(
+            current, peaks, f"plan {current} fits the predicted activations", False, memory_limit
+        )
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     label = current.stages[worst].label
     assert estimates.memory is not None
@@ -204,23 +240,56 @@ def plan_for_activations(
         memory=[m + a + t for m, a, t in zip(estimates.memory, saved, transient, strict=True)],
         weight_bytes=estimates.weight_bytes,
     )
-    if not user_plan:
+    splits: list[tuple[float, float | None]] = [(memory_limit, None)]
+    if device_budget is not None:
+        splits += [
+            (_USABLE * device_budget - r * device_budget, r * device_budget) for r in _RESERVES[1:]
+        ]
+    for limit, cap in splits:
+        if cap is not None and max(peaks) <= limit and _max_weights(current, estimates) <= cap:
+            return Predicted(
+                current,
+                peaks,
+                f"{why}; kept, with stages of up to {limit:.4g} bytes (the next stage's "
+                f"weights need at most {cap:.4g})",
+                False,
+                limit,
+                cap,
+            )
+        if user_plan:
+            continue
         try:
             plan = choose_plan(
                 bounded,
                 num_devices,
                 num_microbatches,
                 async_optimizer=async_optimizer,
-                memory_limit=memory_limit,
+                memory_limit=limit,
             )
         except PlanError:
-            plan = None
+            continue
         # (the cap learned from an out-of-memory error bounds weights and gradients)
-        if plan is not None and (
-            size_limit is None or max(plan.stage_memory(estimates)) <= size_limit
-        ):
-            new = stage_peaks(plan, estimates, saved, transient)
-            return Predicted(plan, new, f"{why}; re-planned to {plan} before the first step")
+        if size_limit is not None and max(plan.stage_memory(estimates)) > size_limit:
+            continue
+        if cap is not None and _max_weights(plan, estimates) > cap:
+            continue
+        new = stage_peaks(plan, estimates, saved, transient)
+        where = (
+            ""
+            if cap is None
+            else (
+                f" with stages of up to {limit:.4g} bytes (the next stage's weights need at "
+                f"most {cap:.4g})"
+            )
+        )
+        return Predicted(
+            plan,
+            new,
+            f"{why}; re-planned to {plan}{where} before the first step",
+            False,
+            limit,
+            cap,
+        )
     if user_plan:
         fix = "kept as given: give a plan with smaller stages or plan=None"
     else:
@@ -228,7 +297,7 @@ def plan_for_activations(
             "no plan fits: raise num_microbatches, shorten the sequences, lower tile_memory "
             "or raise device_memory_limit"
         )
-    return Predicted(current, peaks, f"{why}; {fix}", warning=True)
+    return Predicted(current, peaks, f"{why}; {fix}", True, memory_limit)
 
 
 @dataclass(frozen=True)
@@ -261,11 +330,15 @@ def after_measurement(
     memory_limit: int | None,
     size_limit: int | None,
     margin: float,
+    weight_cap: float | None = None,
 ) -> Measured:
     """Keep ``current`` or switch to the measured best plan: switch when the
     current plan's stages exceed ``memory_limit`` with their measured
     activations, or when the best plan's simulated step is shorter by more
-    than ``margin``. A plan the user gave is never changed (only warned about)."""
+    than ``margin``. A plan the user gave is never changed (only warned about).
+    ``weight_cap``: no stage's weights may exceed it (the room a limit past
+    half the device leaves for the next stage, :func:`plan_for_activations`);
+    a best plan over it is not taken."""
     n, m, limit = num_devices, num_microbatches, memory_limit
     over = None
     if limit is not None and measured.memory is not None:
@@ -303,6 +376,13 @@ def after_measurement(
             f"activations ({exc}); raise num_microbatches (smaller micro-batches) or "
             "device_memory_limit",
             warning=True,
+        )
+    if weight_cap is not None and _max_weights(best, estimates) > weight_cap:
+        return Measured(
+            current,
+            False,
+            f"kept plan {current} after measuring: the best plan {best} has a stage whose "
+            f"weights exceed the {weight_cap:.4g} bytes left for the next stage's",
         )
     kw = {"async_optimizer": async_optimizer, "round_size": round_size}
     old_t = simulated_period(measured, current, n, m, **kw)

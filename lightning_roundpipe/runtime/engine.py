@@ -136,7 +136,9 @@ class RoundPipeEngine:
             with a description of what never arrived.
         device_memory_limit: bytes a stage may use on a CUDA device (default:
             half of the free memory at start, the other half being for the
-            prefetched next stage and activations).
+            prefetched next stage; when predicted activations fit no plan in
+            that half, more of it, the next stage's weights kept within the
+            rest: :func:`~lightning_roundpipe.plan.decide.plan_for_activations`).
         size_limit: a cap on each stage's size-based estimate (weights and
             gradients, the unit of :func:`estimate_costs`) on top of
             ``device_memory_limit``, kept when re-partitioning from measurements.
@@ -294,6 +296,15 @@ class RoundPipeEngine:
         self._user_plan = user_plan
         self._costs = costs
         self._limit = limit
+        # the memory limit the tiles are sized from (the stage limit may grow
+        # for long sequences, the tiles stay)
+        self._tile_limit = limit
+        # a worker's device bytes in all when the limit is half of them (from
+        # the GPUs' free memory); None when the limit was given or on CPU
+        self._budget = 2 * limit if limit is not None and device_memory_limit is None else None
+        # with a stage limit past half the budget: what no stage's weights may
+        # exceed (the room left for the next stage, prefetched)
+        self._weight_cap: float | None = None
         self.replan_margin = replan_margin
         self.size_limit = size_limit
         self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
@@ -516,6 +527,7 @@ class RoundPipeEngine:
             memory_limit=self._limit,
             size_limit=self.size_limit,
             margin=self.replan_margin,
+            weight_cap=self._weight_cap,
         )
         (log.warning if decision.warning else log.info)("RoundPipe %s", decision.reason)
         self._set_plan(decision.plan, costs)
@@ -571,7 +583,13 @@ class RoundPipeEngine:
             async_optimizer=self.async_optimizer,
             memory_limit=self._limit,
             size_limit=self.size_limit,
+            device_budget=self._budget,
         )
+        if decision.memory_limit != self._limit:
+            # long sequences: stages take more of the device, the prefetched
+            # next stage's weights less (the limit holds for measurements too)
+            self._limit = int(decision.memory_limit)
+            self._weight_cap = decision.weight_cap
         if decision.plan != self.plan:
             self._wait_tasks()  # an iteration boundary with nothing in flight
             self._set_plan(decision.plan)
@@ -606,9 +624,9 @@ class RoundPipeEngine:
         tm = self.options.tile_memory
         if tm != "auto":
             return tm
-        if self._limit is None:  # CPU workers without a limit: the host's memory
+        if self._tile_limit is None:  # CPU workers without a limit: the host's memory
             return _CPU_TILE_MEMORY
-        return max(1, self._limit // 8)
+        return max(1, self._tile_limit // 8)
 
     @property
     def bytes_moved(self) -> int:

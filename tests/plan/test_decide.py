@@ -119,3 +119,49 @@ def test_plan_for_activations_keeps_a_fitting_plan_and_replaces_one_that_would_n
     # nothing fits: one layer with its activations is over the limit
     none = plan_for_activations(plan, est, [50.0] * 8, transient, 2, 4, memory_limit=40, **kw)
     assert none.warning and "no plan fits: raise num_microbatches, shorten" in none.reason
+
+
+def test_long_sequences_let_a_stage_use_more_than_half_of_the_device():
+    """With the device budget known, activations that fit no plan in half of
+    it get a larger limit that leaves the next stage's (small) weights the
+    rest; the limit and the weight cap come back for later decisions."""
+    from lightning_roundpipe.plan.decide import plan_for_activations
+
+    est = costs()  # 10 bytes of weights (and gradients) per layer
+    plan = StagePlan.parse("4,3|1|3,4", 8)
+    kw = dict(user_plan=False, async_optimizer=True, memory_limit=100)
+    saved, transient = [100.0] * 8, [5.0] * 8  # one layer: 115 > 100
+    half = plan_for_activations(plan, est, saved, transient, 2, 4, **kw)
+    assert half.warning and "no plan fits" in half.reason and half.memory_limit == 100
+    more = plan_for_activations(plan, est, saved, transient, 2, 4, **kw, device_budget=200)
+    # 0.9 x 200 less a quarter of it for the next stage's weights
+    assert not more.warning and more.memory_limit == pytest.approx(130)
+    assert more.weight_cap == pytest.approx(50)
+    assert max(more.peaks) <= 130 and more.plan != plan
+    assert "(the next stage's weights need at most 50)" in more.reason
+    # a given plan that fits the larger limit is kept, without a warning
+    ones = StagePlan.parse("1,1,1,1,1,1,1|1|1,1,1,1,1,1,1", 8)
+    given = plan_for_activations(
+        ones, est, saved, transient, 2, 4, **{**kw, "user_plan": True}, device_budget=200
+    )
+    assert given.plan is ones and not given.warning and given.memory_limit == pytest.approx(130)
+    # stages whose weights exceed what is left for the next one: nothing fits
+    heavy = costs(memory=60.0)
+    big = plan_for_activations(ones, heavy, [50.0] * 8, transient, 2, 4, **kw, device_budget=200)
+    assert big.warning and big.memory_limit == 100 and big.weight_cap is None
+    # activations that fit half the device: the half it is
+    small = plan_for_activations(plan, est, [1.0] * 8, transient, 2, 4, **kw, device_budget=200)
+    assert small.plan is plan and small.memory_limit == 100 and small.weight_cap is None
+
+
+def test_after_measurement_keeps_stages_within_the_weight_cap():
+    est = costs()
+    current = StagePlan.parse("1,1,1,1,1,1,1|1|1,1,1,1,1,1,1", 8)
+    kw = dict(async_optimizer=True, round_size=None, memory_limit=1000, size_limit=None)
+    free = after_measurement(current, est, est, 2, 4, user_plan=False, margin=0.0, **kw)
+    assert free.changed and max(free.plan.stage_memory(est)) > 15  # larger stages are better
+    capped = after_measurement(
+        current, est, est, 2, 4, user_plan=False, margin=0.0, weight_cap=15, **kw
+    )
+    assert not capped.changed and capped.plan is current
+    assert "exceed the 15 bytes left for the next stage's" in capped.reason
