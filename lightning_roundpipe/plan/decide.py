@@ -207,6 +207,7 @@ def plan_for_activations(
     memory_limit: float | None,
     size_limit: float | None = None,
     device_budget: float | None = None,
+    weight_cap: float | None = None,
 ) -> Predicted:
     """Keep ``current`` if every slot's predicted peak (:func:`stage_peaks`)
     fits ``memory_limit``; otherwise, unless the plan was given, the best plan
@@ -219,11 +220,20 @@ def plan_for_activations(
     comparison, so when nothing fits half the budget a stage may take more of
     it, leaving the next stage's weights a smaller share (a quarter, an
     eighth, a sixteenth; the plan's stages must then keep their weights
-    within that share); the result says which limit and cap hold from then on."""
+    within that share); the result says which limit and cap hold from then on.
+    ``weight_cap``: the cap that holds now (from such an earlier decision)."""
     peaks = stage_peaks(current, estimates, saved, transient)
-    if memory_limit is None or max(peaks) <= memory_limit:
+    if memory_limit is None or (
+        max(peaks) <= memory_limit
+        and (weight_cap is None or _max_weights(current, estimates) <= weight_cap)
+    ):
         return Predicted(
-            current, peaks, f"plan {current} fits the predicted activations", False, memory_limit
+            current,
+            peaks,
+            f"plan {current} fits the predicted activations",
+            False,
+            memory_limit,
+            weight_cap,
         )
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     label = current.stages[worst].label
@@ -240,10 +250,12 @@ def plan_for_activations(
         memory=[m + a + t for m, a, t in zip(estimates.memory, saved, transient, strict=True)],
         weight_bytes=estimates.weight_bytes,
     )
-    splits: list[tuple[float, float | None]] = [(memory_limit, None)]
+    splits: list[tuple[float, float | None]] = [(memory_limit, weight_cap)]
     if device_budget is not None:
         splits += [
-            (_USABLE * device_budget - r * device_budget, r * device_budget) for r in _RESERVES[1:]
+            (_USABLE * device_budget - r * device_budget, r * device_budget)
+            for r in _RESERVES[1:]
+            if weight_cap is None or r * device_budget < weight_cap
         ]
     for limit, cap in splits:
         if cap is not None and max(peaks) <= limit and _max_weights(current, estimates) <= cap:
@@ -297,7 +309,7 @@ def plan_for_activations(
             "no plan fits: raise num_microbatches, shorten the sequences, lower tile_memory "
             "or raise device_memory_limit"
         )
-    return Predicted(current, peaks, f"{why}; {fix}", True, memory_limit)
+    return Predicted(current, peaks, f"{why}; {fix}", True, memory_limit, weight_cap)
 
 
 @dataclass(frozen=True)

@@ -584,6 +584,7 @@ class RoundPipeEngine:
             memory_limit=self._limit,
             size_limit=self.size_limit,
             device_budget=self._budget,
+            weight_cap=self._weight_cap,
         )
         if decision.memory_limit != self._limit:
             # long sequences: stages take more of the device, the prefetched

@@ -152,6 +152,15 @@ def test_long_sequences_let_a_stage_use_more_than_half_of_the_device():
     # activations that fit half the device: the half it is
     small = plan_for_activations(plan, est, [1.0] * 8, transient, 2, 4, **kw, device_budget=200)
     assert small.plan is plan and small.memory_limit == 100 and small.weight_cap is None
+    # later calls keep the larger limit and its cap: a plan within both is
+    # kept, one with heavier stages is replaced by one within the cap
+    later = {**kw, "memory_limit": 130, "device_budget": 200, "weight_cap": 50}
+    within = plan_for_activations(plan, est, [1.0] * 8, transient, 2, 4, **later)
+    assert within.plan is plan and (within.memory_limit, within.weight_cap) == (130, 50)
+    heavy_stages = StagePlan.parse("7|1|7", 8)  # 70 bytes of weights in a stage
+    cut = plan_for_activations(heavy_stages, est, [1.0] * 8, transient, 2, 4, **later)
+    assert cut.plan != heavy_stages and cut.weight_cap == 50
+    assert max(est.stage_weight_bytes(st.start, st.stop) for st in cut.plan.stages) <= 50
 
 
 def test_after_measurement_keeps_stages_within_the_weight_cap():
