@@ -152,6 +152,23 @@ def test_the_tile_budget_follows_the_option():
             assert eng.tile_budget == budget
 
 
+def test_a_tiled_block_calls_its_norms_and_mlp_any_way_and_restores_them():
+    """While a block runs tiled, a norm or MLP called with one positional
+    tensor is tiled (same values); any other call (a keyword argument) runs
+    untiled; afterwards the modules' own forwards are back."""
+    block = CausalLMAdapter(tiny("qwen3"), "model").layers()[1]
+    norm, mlp = block.layer.input_layernorm, block.layer.mlp
+    h = torch.randn(2, 10, norm.weight.shape[0])
+    want_norm, want_mlp = norm(h), mlp(h)
+    with block._tiled_mlp(h, 4):
+        assert "forward" in norm.__dict__ and "forward" in mlp.__dict__
+        torch.testing.assert_close(norm(h), want_norm)
+        torch.testing.assert_close(norm(hidden_states=h), want_norm)
+        torch.testing.assert_close(mlp(h), want_mlp)
+        torch.testing.assert_close(mlp(x=h), want_mlp)
+    assert "forward" not in norm.__dict__ and "forward" not in mlp.__dict__
+
+
 # ------------------------------------------------------------ in a fit
 # 7 KB: loss chunks of 3-4 tokens and MLP tiles of 2-8 positions per row at the
 # tiny models' widths in fp32 and bf16 (20 tokens per micro-batch: uneven

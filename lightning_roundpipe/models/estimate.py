@@ -138,7 +138,8 @@ class Estimate:
     optimizer_seconds: float = 0.0
     #: the gradient all-reduce per step (``servers > 1`` only)
     reduction: ReductionEstimate | None = None
-    #: what bounds ``longest_seq``: "device memory" or "host memory"
+    #: what bounds ``longest_seq``: "device memory", "host memory" or the
+    #: search's ceiling
     longest_bound: str = "device memory"
     #: half of a GPU's usable bytes: a stage's share when its weights matter
     half_budget: int = 0
@@ -359,10 +360,15 @@ def estimate(
         return not host or host_memory is None or state + boundaries(s, 1, plan) <= host_memory
 
     ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
-    longest = longest_sequence(fits, 1, max(ceiling, 1 << 22))
+    search = max(ceiling, 1 << 22)
+    longest = longest_sequence(fits, 1, search)
     # which memory bounds it: the host, where the devices would take more
-    bound = "host memory" if host_memory is not None and fits(longest + 1, host=False) else None
-    bound = bound or "device memory"
+    if longest >= search:  # neither memory: the search's own ceiling
+        bound = f"the search's ceiling, {search} tokens"
+    elif host_memory is not None and fits(longest + 1, host=False):
+        bound = "host memory"
+    else:
+        bound = "device memory"
     notes = []
     if seq is None:
         seq = max(1, min(longest, ceiling) if longest else 1)

@@ -74,6 +74,14 @@ def _norms(block: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
     return out
 
 
+def _one_tensor(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The call's tensor when a module is called with exactly one positional
+    tensor (what tiling handles); None for any other call."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return None
+
+
 def _width(norm: nn.Module, x: torch.Tensor) -> int:
     """The last dimension ``norm`` normalises (its weight's size; ``x``'s when
     it has none)."""
@@ -323,26 +331,26 @@ class _Decoder(nn.Module):
         if mlp is not None:
             forward = mlp.forward  # (an instance attribute, if one is set, is kept)
 
-            def tiled_mlp(x: torch.Tensor, *args: Any, forward=forward, **kwargs: Any) -> Any:
-                if args or kwargs or x.dim() < 2:
-                    return forward(x, *args, **kwargs)
-                return tiled(forward, trainable(mlp), x, per_row, dim=x.dim() - 2)
+            def tiled_mlp(*args: Any, _forward=forward, **kwargs: Any) -> Any:
+                x = _one_tensor(args, kwargs)
+                if x is None or x.dim() < 2:
+                    return _forward(*args, **kwargs)
+                return tiled(_forward, trainable(mlp), x, per_row, dim=x.dim() - 2)
 
             wrap(mlp, tiled_mlp)
         for norm in _norms(self.layer, mlp):
 
-            def tiled_norm(
-                x: torch.Tensor, *args: Any, norm=norm, forward=norm.forward, **kwargs: Any
-            ) -> Any:
-                if args or kwargs or x.dim() < 2 or x.shape[-1] != _width(norm, x):
-                    return forward(x, *args, **kwargs)
+            def tiled_norm(*args: Any, _norm=norm, _forward=norm.forward, **kwargs: Any) -> Any:
+                x = _one_tensor(args, kwargs)
+                if x is None or x.dim() < 2 or x.shape[-1] != _width(_norm, x):
+                    return _forward(*args, **kwargs)
                 # rows of the last dimension, as many per tile as ``tile``
                 # tokens of the block's input have
                 rows = x.reshape(-1, x.shape[-1])
                 per_tile = max(1, tile * rows.shape[0] // tokens)
                 if rows.shape[0] <= per_tile:
-                    return forward(x)
-                return tiled(forward, trainable(norm), rows, per_tile, dim=0).reshape(x.shape)
+                    return _forward(x)
+                return tiled(_forward, trainable(_norm), rows, per_tile, dim=0).reshape(x.shape)
 
             wrap(norm, tiled_norm)
         try:

@@ -186,6 +186,26 @@ _RESERVES = (1 / 2, 1 / 4, 1 / 8, 1 / 16)
 _USABLE = 0.9
 
 
+def _layer_weights(estimates: LayerCosts) -> list[float]:
+    """Each layer's weight bytes (weights and gradients where unknown)."""
+    assert estimates.memory is not None
+    return list(estimates.weight_bytes or estimates.memory)
+
+
+def _within(
+    costs: LayerCosts, limit: float, caps: Sequence[tuple[Sequence[float], float | None]]
+) -> LayerCosts:
+    """``costs`` with a per-layer memory figure that also bounds other sums:
+    stages within ``limit`` by ``max(memory, value * limit / cap)`` keep each
+    ``(values, cap)`` pair's values within its cap too (unset caps ignored)."""
+    assert costs.memory is not None
+    memory = list(costs.memory)
+    for values, cap in caps:
+        if cap is not None:
+            memory = [max(a, v * limit / cap) for a, v in zip(memory, values, strict=True)]
+    return LayerCosts(costs.forward, costs.backward, memory=memory, weight_bytes=costs.weight_bytes)
+
+
 def _max_weights(plan: StagePlan, estimates: LayerCosts) -> float:
     """The largest stage's weight bytes (its weights and gradients where
     weights are unknown)."""
@@ -270,9 +290,16 @@ def plan_for_activations(
             )
         if user_plan:
             continue
+        # the partitioner sees one figure per layer that keeps the stages
+        # within the weight cap and the out-of-memory size cap as well
+        sized = _within(
+            bounded,
+            limit,
+            [(_layer_weights(estimates), cap), (list(estimates.memory), size_limit)],
+        )
         try:
             plan = choose_plan(
-                bounded,
+                sized,
                 num_devices,
                 num_microbatches,
                 async_optimizer=async_optimizer,
@@ -369,9 +396,13 @@ def after_measurement(
             "out-of-memory error: give a plan with smaller stages or raise num_microbatches",
             warning=True,
         )
+    # with a weight cap, a figure per layer that keeps the stages within it too
+    sized = measured
+    if weight_cap is not None and limit is not None and measured.memory is not None:
+        sized = _within(measured, limit, [(_layer_weights(estimates), weight_cap)])
     try:
         best = plan_for_measured(
-            measured,
+            sized,
             estimates,
             n,
             m,
@@ -394,7 +425,14 @@ def after_measurement(
             current,
             False,
             f"kept plan {current} after measuring: the best plan {best} has a stage whose "
-            f"weights exceed the {weight_cap:.4g} bytes left for the next stage's",
+            f"weights exceed the {weight_cap:.4g} bytes left for the next stage's"
+            + (
+                ""
+                if over is None
+                else f"; stage {over[0]} needs about {over[1]} bytes with its "
+                f"measured activations, over the limit of {limit}: expect an out-of-memory error"
+            ),
+            warning=over is not None,
         )
     kw = {"async_optimizer": async_optimizer, "round_size": round_size}
     old_t = simulated_period(measured, current, n, m, **kw)

@@ -172,5 +172,45 @@ def test_after_measurement_keeps_stages_within_the_weight_cap():
     capped = after_measurement(
         current, est, est, 2, 4, user_plan=False, margin=0.0, weight_cap=15, **kw
     )
+    # the best plan within the cap is the one-layer plan already running
     assert not capped.changed and capped.plan is current
-    assert "exceed the 15 bytes left for the next stage's" in capped.reason
+
+
+def test_the_partitioner_is_given_the_weight_cap_not_only_checked_against_it():
+    """Uneven layers: the fastest plan at the larger limit has stages over the
+    weight cap; a plan within both exists and is the one chosen."""
+    from lightning_roundpipe.plan.decide import plan_for_activations, stage_peaks
+
+    fwd, weights = [1.0] * 8, [20.0] * 7 + [10.0]
+    est = LayerCosts(fwd, [2 * f for f in fwd], memory=weights, weight_bytes=weights)
+    saved, transient = [5.0] * 7 + [95.0], [0.0] * 7 + [5.0]  # a heavy last layer
+    plan = StagePlan.parse("4,3|1|3,4", 8)
+    kw = dict(user_plan=False, async_optimizer=True, memory_limit=100, device_budget=200)
+    new = plan_for_activations(plan, est, saved, transient, 2, 4, **kw)
+    assert not new.warning and (new.memory_limit, new.weight_cap) == (130, 50)
+    assert max(stage_peaks(new.plan, est, saved, transient)) <= 130
+    assert max(est.stage_weight_bytes(s.start, s.stop) for s in new.plan.stages) <= 50
+
+
+def test_after_measurement_re_partitions_within_the_weight_cap_or_warns():
+    fwd = [1.0] * 8
+    est = LayerCosts(fwd, [2 * f for f in fwd], memory=[10.0] * 8, weight_bytes=[10.0] * 8)
+    kw = dict(async_optimizer=True, round_size=None, size_limit=None, margin=0.1)
+    # the current plan is over the limit with its measured activations; one
+    # within the limit and the cap exists
+    measured = LayerCosts(fwd, [2 * f for f in fwd], memory=[30.0] * 8, weight_bytes=[10.0] * 8)
+    current = StagePlan.parse("4,3|1|3,4", 8)
+    d = after_measurement(
+        current, measured, est, 2, 4, user_plan=False, memory_limit=100, weight_cap=25, **kw
+    )
+    assert d.changed and max(d.plan.stage_memory(measured)) <= 100
+    assert max(est.stage_weight_bytes(s.start, s.stop) for s in d.plan.stages) <= 25
+    # one layer alone is over the limit: kept, with a warning
+    heavy = LayerCosts(
+        fwd, [2 * f for f in fwd], memory=[60.0] * 7 + [140.0], weight_bytes=[10.0] * 8
+    )
+    ones = StagePlan.parse("1,1,1,1,1,1,1|1|1,1,1,1,1,1,1", 8)
+    d = after_measurement(
+        ones, heavy, est, 2, 4, user_plan=False, memory_limit=130, weight_cap=15, **kw
+    )
+    assert not d.changed and d.warning
