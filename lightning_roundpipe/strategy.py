@@ -101,7 +101,8 @@ class RoundPipeStrategy(ParallelStrategy):
         tile_memory: bytes one sequence tile may take on a device: Hugging
             Face causal LMs then compute the loss over chunks of tokens (the
             full-vocabulary logits never exist) and each decoder block's MLP
-            over sequence tiles, whenever a micro-batch would need more.
+            and norms over sequence tiles, whenever a micro-batch would need
+            more.
             ``"auto"`` (default): an eighth of a stage's device memory (128 MiB
             on CPU workers); ``None``: never tile. The result is the same either
             way.

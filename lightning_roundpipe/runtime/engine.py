@@ -161,7 +161,7 @@ class RoundPipeEngine:
             new engine to go on.
         tile_memory: bytes the transient working set of one sequence tile may
             take on a device: the LM loss then runs over chunks of tokens and
-            per-token layers (a decoder block's MLP) over sequence tiles whenever
+            per-token layers (a decoder block's MLP and norms) over sequence tiles whenever
             a micro-batch's whole working set would be larger (model adapters
             read :attr:`tile_budget`). ``"auto"`` (default): an eighth of a
             stage's device memory (``device_memory_limit``, or half the free
