@@ -134,6 +134,33 @@ def test_long_sequences_let_stages_take_more_than_half_of_the_gpu(caplog):
     assert "the next stage's weights need at most 1.5e+06" in caplog.text
 
 
+@pytest.mark.parametrize("plan", ["4|2|1,1,1,1", "2,2|2|2,2", "1,1,1,1|2|4"])
+def test_the_estimated_host_boundaries_are_what_a_step_keeps(plan):
+    """The estimate's host memory for boundary activations counts every stage
+    input a stage reads (the backward stages' too, which larger forward
+    stages save from inside): what the engine measures a step keeping, up to
+    the positions, which the estimate counts per sequence, the engine per
+    micro-batch."""
+    from lightning_roundpipe.models.estimate import boundary_bytes
+    from lightning_roundpipe.plan import StagePlan
+
+    model = tiny("llama", num_hidden_layers=4)
+    adapter = CausalLMAdapter(model, "model")
+    ids = torch.randint(0, 101, (4, 24))
+    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2, plan=plan, tile_memory=None) as eng:
+        adapter.attach(eng)
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+            eng.synchronize()
+        finally:
+            adapter.detach()
+        kept = eng._boundary_per_sample * 4  # the step's 4 sequences
+    predicted = 2 * boundary_bytes(
+        StagePlan.parse(plan, 6), 2 * 24, model.config.hidden_size, 4
+    )  # 2 micro-batches of 2 sequences, fp32
+    assert kept <= predicted <= 1.05 * kept
+
+
 def fit_peak(seq: int) -> tuple[int, int]:
     """Measured peak growth and predicted peak stage memory of a one-step fit
     of 2 sequences on one CPU worker (fp32, loss chunked, MLPs tiled)."""

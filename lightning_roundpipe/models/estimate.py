@@ -35,6 +35,7 @@ from torch import nn
 
 from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
 from ..plan.decide import initial_plan, plan_for_activations
+from ..plan.schedule import readers_of
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .causal_lm import CausalLMAdapter
@@ -248,6 +249,16 @@ def _gradient_bytes(layers: list[nn.Module]) -> list[int]:
     return out
 
 
+def boundary_bytes(plan: Any, tokens: int, hidden: int, element: int) -> int:
+    """Host bytes one micro-batch of ``tokens`` tokens keeps between stages
+    under ``plan``: the hidden states (``element`` bytes each) and positions
+    at every stage input some stage reads, the backward stages' inputs
+    included (with forward stages larger than backward ones, the forward pass
+    saves those from inside its stages)."""
+    cuts = [k for k in readers_of(plan.stages) if k > 0]
+    return tokens * (hidden * element + 8) * len(cuts)
+
+
 def estimate(
     config: Any,
     *,
@@ -344,9 +355,7 @@ def estimate(
     )
 
     def boundaries(s: int, b: int, plan: Any) -> int:
-        """Host bytes of a step's boundary activations: every forward stage's
-        input for every micro-batch (hidden states and positions)."""
-        return (s * b) * (config.hidden_size * size + 8) * len(plan.forward) * m
+        return boundary_bytes(plan, s * b, int(config.hidden_size), size) * m
 
     def fits(s: int, host: bool = True) -> bool:
         """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
