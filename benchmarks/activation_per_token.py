@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit
 
 from lightning_roundpipe.models.causal_lm import CausalLMAdapter
-from lightning_roundpipe.models.estimate import _materialise, _meta_model, estimate
+from lightning_roundpipe.models.estimate import _meta_model, estimate, materialiser
 
 GIB = 2**30
 LORA_RANK = 32
@@ -57,12 +57,7 @@ def saved_per_token(config: transformers.LlamaConfig) -> dict[str, float]:
     the tiling a long sequence gets (the slope of the probes' polynomial)."""
     small = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
     adapter = CausalLMAdapter(_meta_model(small, LORA_RANK), "model")
-    copies: dict[int, torch.nn.Module] = {}
-
-    def real(layer: torch.nn.Module) -> torch.nn.Module:
-        if id(layer) not in copies:
-            copies[id(layer)] = _materialise(layer, torch.bfloat16)
-        return copies[id(layer)]
+    real = materialiser(torch.bfloat16)
 
     out = {}
     tiles = adapter.tiles_for(1, torch.bfloat16)  # the smallest tiles: always tiled

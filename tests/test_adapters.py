@@ -6,6 +6,7 @@ per-micro-batch term otherwise, the whole batch's in evaluation), LoRA on
 attention and experts, the model's experts implementation; refusals of what
 the pipeline does not implement; the layer-stack choice; ``describe_layers``."""
 
+import contextlib
 import copy
 import math
 import threading
@@ -340,15 +341,23 @@ def test_dropout_before_the_first_block_is_the_models_in_evaluation():
         torch.testing.assert_close(got.logits, expected.logits)
 
 
-def attached(model, fn, devices=2, microbatches=2, plan=None):
+@contextlib.contextmanager
+def attached_engine(model, devices=2, microbatches=2, **engine_kwargs):
+    """The model's adapter attached to an engine on CPU workers for the
+    block: yields ``(adapter, engine)``; detached and closed after it."""
     adapter = CausalLMAdapter(model, "model")
-    with RoundPipeEngine(adapter.layers(), ["cpu"] * devices, microbatches, plan=plan) as eng:
+    with RoundPipeEngine(adapter.layers(), ["cpu"] * devices, microbatches, **engine_kwargs) as eng:
         adapter.attach(eng)
         try:
-            out = fn()
-            eng.synchronize()
+            yield adapter, eng
         finally:
             adapter.detach()
+
+
+def attached(model, fn, devices=2, microbatches=2, plan=None):
+    with attached_engine(model, devices, microbatches, plan=plan) as (_, eng):
+        out = fn()
+        eng.synchronize()
     return out
 
 

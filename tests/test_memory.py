@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_adapters import tiny
+from test_adapters import attached_engine, tiny
 from test_tiling import peak_growth
 
 from lightning_roundpipe.models import CausalLMAdapter
@@ -88,19 +88,13 @@ def test_a_plan_that_would_not_fit_is_replaced_before_the_first_step(caplog):
     """Weights alone fit one stage; with the activations of 512-token
     sequences the engine splits the layers before anything runs."""
     model = tiny("llama", max_position_embeddings=512, num_hidden_layers=4)
-    adapter = CausalLMAdapter(model, "model")
     ids = torch.randint(0, 101, (2, 512))
-    with RoundPipeEngine(
-        adapter.layers(), ["cpu"], 1, device_memory_limit=5_000_000, tile_memory=None
-    ) as eng:
+    opts = dict(device_memory_limit=5_000_000, tile_memory=None)
+    with attached_engine(model, 1, 1, **opts) as (_, eng):
         start = str(eng.plan)
-        adapter.attach(eng)
-        try:
-            with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
-                model(input_ids=ids, labels=ids).loss.backward()
-                eng.synchronize()
-        finally:
-            adapter.detach()
+        with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
+            model(input_ids=ids, labels=ids).loss.backward()
+            eng.synchronize()
         assert str(eng.plan) != start
         assert max(eng.predicted_peaks) <= 5_000_000
     assert "before the first step" in caplog.text
@@ -114,20 +108,14 @@ def test_long_sequences_let_stages_take_more_than_half_of_the_gpu(caplog):
     and later decisions keep that limit. (CPU workers have no such budget:
     the test gives the engine the one a GPU would.)"""
     model = tiny("llama", max_position_embeddings=512, num_hidden_layers=4)
-    adapter = CausalLMAdapter(model, "model")
     ids = torch.randint(0, 101, (2, 512))
-    with RoundPipeEngine(
-        adapter.layers(), ["cpu"], 1, device_memory_limit=3_000_000, tile_memory=None
-    ) as eng:
+    opts = dict(device_memory_limit=3_000_000, tile_memory=None)
+    with attached_engine(model, 1, 1, **opts) as (_, eng):
         eng._budget = 6_000_000  # what a GPU with 6 MB free would give
-        adapter.attach(eng)
-        try:
-            with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
-                for _ in range(3):  # past the profiler's measurements
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    eng.synchronize()
-        finally:
-            adapter.detach()
+        with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
+            for _ in range(3):  # past the profiler's measurements
+                model(input_ids=ids, labels=ids).loss.backward()
+                eng.synchronize()
         # 0.9 x 6 MB less a quarter of it for the next stage's weights
         assert eng.memory_limit == 3_900_000
         assert 3_000_000 < max(eng.predicted_peaks) <= 3_900_000
@@ -145,15 +133,10 @@ def test_the_estimated_host_boundaries_are_what_a_step_keeps(plan):
     from lightning_roundpipe.plan import StagePlan
 
     model = tiny("llama", num_hidden_layers=4)
-    adapter = CausalLMAdapter(model, "model")
     ids = torch.randint(0, 101, (4, 24))
-    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2, plan=plan, tile_memory=None) as eng:
-        adapter.attach(eng)
-        try:
-            model(input_ids=ids, labels=ids).loss.backward()
-            eng.synchronize()
-        finally:
-            adapter.detach()
+    with attached_engine(model, plan=plan, tile_memory=None) as (_, eng):
+        model(input_ids=ids, labels=ids).loss.backward()
+        eng.synchronize()
         kept = eng._boundary_per_sample * 4  # the step's 4 sequences
     predicted = 2 * boundary_bytes(
         StagePlan.parse(plan, 6), 2 * 24, model.config.hidden_size, 4

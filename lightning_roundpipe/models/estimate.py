@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,19 @@ def _materialise(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
             else:
                 t.zero_()
     return out
+
+
+def materialiser(dtype: torch.dtype) -> Callable[[nn.Module], nn.Module]:
+    """``prepare`` for the activation probes of a model on the meta device:
+    each layer's CPU copy with random values in ``dtype``, made once."""
+    copies: dict[int, nn.Module] = {}
+
+    def real(layer: nn.Module) -> nn.Module:
+        if id(layer) not in copies:
+            copies[id(layer)] = _materialise(layer, dtype)
+        return copies[id(layer)]
+
+    return real
 
 
 @dataclass(frozen=True)
@@ -314,12 +328,7 @@ def estimate(
     size = torch.empty(0, dtype=dtype).element_size()
     tiles = adapter.tiles_for(budget, dtype)
     models: dict[tuple, ActivationModel] = {}
-    copies: dict[int, nn.Module] = {}
-
-    def real(layer: nn.Module) -> nn.Module:
-        if id(layer) not in copies:
-            copies[id(layer)] = _materialise(layer, dtype)
-        return copies[id(layer)]
+    real = materialiser(dtype)
 
     def activations(tokens: int) -> ActivationModel:
         applied = applied_tiles(tiles, tokens)

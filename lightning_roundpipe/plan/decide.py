@@ -177,9 +177,9 @@ class Predicted:
 
 
 #: fractions of the device budget kept for the next stage's prefetched weights
-#: when a stage's activations need more than half of it (the first is the
-#: default split, a stage and its successor with half each)
-_RESERVES = (1 / 2, 1 / 4, 1 / 8, 1 / 16)
+#: when a stage's activations need more than half of it (by default a stage
+#: and its successor have half each)
+_RESERVES = (1 / 4, 1 / 8, 1 / 16)
 #: of the device budget, what a stage with a smaller reserve may use at most:
 #: a margin for what the prediction does not model (allocator fragmentation,
 #: kernel workspaces)
@@ -209,9 +209,16 @@ def _within(
 def _max_weights(plan: StagePlan, estimates: LayerCosts) -> float:
     """The largest stage's weight bytes (its weights and gradients where
     weights are unknown)."""
-    if estimates.weight_bytes is None:
-        return max(plan.stage_memory(estimates), default=0.0)
-    return max((estimates.stage_weight_bytes(st.start, st.stop) for st in plan.stages), default=0)
+    weights = _layer_weights(estimates)
+    return max((sum(weights[st.start : st.stop]) for st in plan.stages), default=0.0)
+
+
+def _fits(
+    plan: StagePlan, peaks: Sequence[float], estimates: LayerCosts, limit: float, cap: float | None
+) -> bool:
+    """Every slot's peak within ``limit`` and, with a ``cap``, every stage's
+    weights within it."""
+    return max(peaks) <= limit and (cap is None or _max_weights(plan, estimates) <= cap)
 
 
 def plan_for_activations(
@@ -243,10 +250,7 @@ def plan_for_activations(
     within that share); the result says which limit and cap hold from then on.
     ``weight_cap``: the cap that holds now (from such an earlier decision)."""
     peaks = stage_peaks(current, estimates, saved, transient)
-    if memory_limit is None or (
-        max(peaks) <= memory_limit
-        and (weight_cap is None or _max_weights(current, estimates) <= weight_cap)
-    ):
+    if memory_limit is None or _fits(current, peaks, estimates, memory_limit, weight_cap):
         return Predicted(
             current,
             peaks,
@@ -274,11 +278,11 @@ def plan_for_activations(
     if device_budget is not None:
         splits += [
             (_USABLE * device_budget - r * device_budget, r * device_budget)
-            for r in _RESERVES[1:]
+            for r in _RESERVES
             if weight_cap is None or r * device_budget < weight_cap
         ]
     for limit, cap in splits:
-        if cap is not None and max(peaks) <= limit and _max_weights(current, estimates) <= cap:
+        if cap != weight_cap and _fits(current, peaks, estimates, limit, cap):
             return Predicted(
                 current,
                 peaks,
@@ -291,7 +295,8 @@ def plan_for_activations(
         if user_plan:
             continue
         # the partitioner sees one figure per layer that keeps the stages
-        # within the weight cap and the out-of-memory size cap as well
+        # within the weight cap and the size cap learned from an out-of-memory
+        # error (weights and gradients) as well
         sized = _within(
             bounded,
             limit,
@@ -306,11 +311,6 @@ def plan_for_activations(
                 memory_limit=limit,
             )
         except PlanError:
-            continue
-        # (the cap learned from an out-of-memory error bounds weights and gradients)
-        if size_limit is not None and max(plan.stage_memory(estimates)) > size_limit:
-            continue
-        if cap is not None and _max_weights(plan, estimates) > cap:
             continue
         new = stage_peaks(plan, estimates, saved, transient)
         where = (
