@@ -26,11 +26,14 @@ import lightning_roundpipe  # noqa: F401  (registers strategy="roundpipe")
 from lightning_roundpipe import RoundPipeStrategy
 
 
-def build(family: str, model_path: str | None, lora: bool = False) -> torch.nn.Module:
+def build(
+    family: str, model_path: str | None, lora: bool = False, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The model with its weights in ``dtype`` (LoRA adapters stay fp32)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     if model_path:
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     else:
         kw = dict(
             vocab_size=256,
@@ -42,7 +45,7 @@ def build(family: str, model_path: str | None, lora: bool = False) -> torch.nn.M
             max_position_embeddings=1024,
         )
         config = Qwen3Config(head_dim=16, **kw) if family == "qwen3" else LlamaConfig(**kw)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -62,10 +65,11 @@ class FineTune(L.LightningModule):
         model_path: str | None = None,
         lora: bool = False,
         lr: float = 2e-3,
+        base_dtype: str = "float32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = build(family, model_path, lora)
+        self.model = build(family, model_path, lora, getattr(torch, base_dtype))
 
     def training_step(self, batch, batch_idx):
         loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -105,7 +109,11 @@ def main(argv: list[str] | None = None, lora: bool = False) -> L.Trainer:
         enable_checkpointing=False,
         logger=False,
     )
-    trainer.fit(FineTune(args.family, args.model_path, lora), TinyTextData(batch_size=8))
+    # LoRA under bf16-mixed: a base loaded in bf16 is its own master copy (the
+    # host holds it once); full fine-tuning keeps fp32 weights for the optimizer
+    base = "bfloat16" if lora and gpu else "float32"
+    module = FineTune(args.family, args.model_path, lora, base_dtype=base)
+    trainer.fit(module, TinyTextData(batch_size=8))
     return trainer
 
 

@@ -848,10 +848,12 @@ class RoundPipeStrategy(ParallelStrategy):
             return None
         self._drain()
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        # trainable ones only: a frozen weight's master is the parameter itself
+        # (a LoRA base model would otherwise be saved, and cloned, twice)
         return {
             names[id(p)]: t.detach().clone()
             for p, t in zip(self.engine.parameters(), self.engine.stale_weights(), strict=True)
-            if id(p) in names
+            if id(p) in names and p.requires_grad
         }
 
     @override

@@ -245,6 +245,34 @@ def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(t
     assert "fits: NO" in run_cli(*args, "--seq", int(longest * 1.25))[1]
 
 
+def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):
+    """LoRA on a base loaded in fp32 keeps it twice on the host (the parameters
+    and the bf16 master copy); loaded in bf16 the parameters are the master
+    copy: the estimate says so, and the host-bounded sequence grows."""
+    pytest.importorskip("peft")
+    path = config_file(tmp_path, vocab_size=64000, hidden_size=512, head_dim=128)
+    args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--lora-rank", 4)
+    code, text = run_cli(*args)
+    assert code == 0, text
+    fp32 = gib_in(text, "(model state ")
+    note = text.split("are their own master copy: host state ")[1]
+    assert gib_in("x" + note, "x") < fp32
+    text = run_cli(*args, "--frozen-dtype", "bfloat16")[1]
+    bf16 = gib_in(text, "(model state ")
+    assert bf16 == gib_in("x" + note, "x") and "own master copy" not in text
+    # 2 bytes per frozen parameter instead of 4 + 2: about a third
+    assert 0.3 < bf16 / fp32 < 0.4
+    device = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
+    acts = gib_in(run_cli(*args, "--seq", device)[1], "boundary activations ")
+    host = fp32 + acts / 2  # bounds the fp32 base; the bf16 one has room to spare
+    longest = {}
+    for dtype, bound in (("float32", "host"), ("bfloat16", "device")):
+        text = run_cli(*args, "--host-memory", host, "--frozen-dtype", dtype)[1]
+        assert f"(bounded by {bound} memory)" in text
+        longest[dtype] = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
+    assert longest["float32"] < longest["bfloat16"] == device
+
+
 def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
     code, _ = run_cli(tmp_path / "missing-model", "--gpu-memory", 24)
     assert code == 2

@@ -47,9 +47,33 @@ __all__ = ["Estimate", "estimate", "load_config"]
 GiB = 2**30
 #: memory the CUDA context and allocator keep on a GPU before any tensor
 CUDA_CONTEXT = 1 * GiB
-#: host bytes per trainable parameter: fp32 master, compute-dtype copy, fp32
-#: gradient, two Adam states; per frozen parameter: the master and the copy
-HOST_TRAINABLE, HOST_FROZEN = 4 + 2 + 4 + 8, 4 + 2
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:.2f} GiB"
+
+
+def host_state_bytes(
+    model: nn.Module, precision: str, frozen_dtype: torch.dtype | None = None
+) -> int:
+    """Host bytes of the model's state under RoundPipe: per trainable parameter
+    the parameter, its master copy in the compute dtype, the fp32 gradient
+    buffer and two Adam moments (in the parameter's dtype); per frozen one the
+    parameter (in ``frozen_dtype``) and a master copy unless the parameter is
+    already in the compute dtype, then it is its own master. Parameters are
+    fp32 unless the precision is "-true" (Lightning converts the model)."""
+    compute = PRECISIONS[precision]
+    param = compute if precision.endswith("-true") else torch.float32
+    frozen = frozen_dtype or param
+
+    def size(dtype: torch.dtype) -> int:
+        return torch.empty(0, dtype=dtype).element_size()
+
+    trained = size(param) * 3 + size(compute) + 4
+    kept = size(frozen) + (0 if frozen == compute else size(compute))
+    return sum(p.numel() * (trained if p.requires_grad else kept) for p in model.parameters())
+
+
 #: host bytes an Adam step streams per trainable parameter (the fp32 master,
 #: its gradient and the two moments, read once; a simple memory-bound model
 #: of a fused step that leaves out the writes and the compute-dtype copy)
@@ -173,9 +197,6 @@ class Estimate:
         return max(self.stage_peaks) <= self.stage_limit and host_ok
 
     def report(self) -> str:
-        def gib(x: float) -> str:
-            return f"{x / GiB:.2f} GiB"
-
         lines = [
             f"model: {self.model}, {self.parameters / 1e9:.3g}B parameters "
             f"({self.trainable / 1e9:.3g}B trainable)",
@@ -291,6 +312,7 @@ def estimate(
     servers: int = 1,
     network_gbps: float = 100.0,
     optimizer_gbps: float = 20.0,
+    frozen_dtype: torch.dtype | None = None,
 ) -> Estimate:
     """Estimate RoundPipe on ``gpus`` GPUs of ``gpu_memory`` bytes with
     ``host_memory`` bytes of host memory (None: not checked) for a Hugging
@@ -299,7 +321,9 @@ def estimate(
     longest sequence at micro-batch 1, and the simulated step at ``tflops``
     sustained TFLOP/s per GPU (weight uploads at ``link_gbps`` GB/s).
     ``lora_rank``: LoRA adapters of that rank on every linear layer (peft),
-    the base frozen; else full fine-tuning.
+    the base frozen; else full fine-tuning. ``frozen_dtype``: the dtype the
+    frozen weights are loaded in (default fp32, or the compute dtype of a
+    "-true" precision); in the compute dtype they are their own master copy.
 
     ``servers`` replicas (one per server, data parallel) all-reduce their
     gradients over a ``network_gbps`` gigabit-per-second link each; the host
@@ -359,9 +383,7 @@ def estimate(
         )
         return decision.plan, decision.peaks, decision.memory_limit
 
-    state = sum(
-        p.numel() * (HOST_TRAINABLE if p.requires_grad else HOST_FROZEN) for p in model.parameters()
-    )
+    state = host_state_bytes(model, precision, frozen_dtype)
 
     def boundaries(s: int, b: int, plan: Any) -> int:
         return boundary_bytes(plan, s * b, int(config.hidden_size), size) * m
@@ -405,6 +427,13 @@ def estimate(
         notes.append(
             f"weight traffic ({upload:.3g} s per step at {link_gbps} GB/s per GPU link) exceeds "
             "compute: raise num_microbatches (more work per upload) or sequence length"
+        )
+    compute_state = host_state_bytes(model, precision, dtype)
+    if compute_state < state:
+        name = str(dtype).removeprefix("torch.")
+        notes.append(
+            f"frozen weights loaded in {name} (from_pretrained(..., dtype=torch.{name})) are "
+            f"their own master copy: host state {gib(compute_state)} instead of {gib(state)}"
         )
     if longest and longest >= ceiling:
         notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")

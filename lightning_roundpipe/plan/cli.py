@@ -161,6 +161,8 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
 
 def _cmd_estimate(args: argparse.Namespace, out) -> None:
     # (torch and transformers: the rest of the planning layer needs neither)
+    import torch
+
     from ..models.estimate import GiB, estimate, load_config
 
     if args.servers < 1:
@@ -189,6 +191,7 @@ def _cmd_estimate(args: argparse.Namespace, out) -> None:
         servers=args.servers,
         network_gbps=args.network_gbps,
         optimizer_gbps=args.optimizer_gbps,
+        frozen_dtype=None if args.frozen_dtype is None else getattr(torch, args.frozen_dtype),
     )
     out.write(result.report() + "\n")
 
@@ -234,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--microbatches", type=int, help="micro-batches per step (default: GPUs)")
     e.add_argument("--precision", default="bf16-mixed", help="as Trainer(precision=...)")
     e.add_argument("--lora-rank", type=int, help="LoRA of this rank on every linear layer")
+    e.add_argument(
+        "--frozen-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the frozen (LoRA base) weights are loaded in (default float32, or the "
+        "precision's for *-true); in the compute dtype they are held once on the host",
+    )
     e.add_argument(
         "--tflops", type=float, default=200.0, help="sustained TFLOP/s per GPU (default 200)"
     )

@@ -4,7 +4,10 @@
   name, dtype and identity (``state_dict`` keys do not change);
 * the **master copy**: the weights in the compute dtype in host memory that
   devices upload from: views into one flat buffer in layer order (page-locked
-  when CUDA is present), so a stage's weights go up as one copy;
+  when CUDA is present), so a stage's weights go up as one copy. A frozen
+  parameter already in the compute dtype (the base model of LoRA loaded in
+  bf16) is its own master copy: its data moves into the flat buffer instead of
+  being copied there, so the host holds such weights once, not twice;
 * per trainable parameter an fp32 **gradient buffer** on the host that device
   gradients are added into (also one flat buffer). The
   buffers live as long as the engine: the first gradient of a window is
@@ -21,8 +24,10 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import mmap
 import os
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +55,15 @@ def _count_registered(delta: int) -> None:
         _registered_bytes += delta
 
 
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory (as malloc would map; Python's
+    default is a shared mapping, whose pages ``MADV_DONTNEED`` does not free)."""
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if private is None:  # Windows: no flags
+        return mmap.mmap(-1, nbytes)
+    return mmap.mmap(-1, nbytes, flags=private | mmap.MAP_ANONYMOUS)
+
+
 class _Arena:
     """One flat host buffer holding many tensors, without rounding waste.
 
@@ -60,7 +74,14 @@ class _Arena:
     (``cudaHostRegister``) when ``pinned`` and unregistered on :meth:`release`.
     If registration fails the buffer stays pageable: transfers are slower but
     correct. Contiguous tensors are one contiguous byte range, so a run of
-    them is copied with one ``copy_``."""
+    them is copied with one ``copy_``.
+
+    The buffer is an anonymous memory map (zero-filled by the OS on first
+    touch) rather than a torch allocation, for two reasons: :meth:`own` can hand
+    out tensors with a storage of their own inside it (what a user's parameter
+    living here needs: ``torch.save`` and safetensors see one tensor per
+    storage), and :meth:`free` can return the pages nothing lives in any more
+    while such tensors keep the mapping."""
 
     ALIGN = 512
 
@@ -69,31 +90,25 @@ class _Arena:
         self.buffer: torch.Tensor | None = None
         self.offsets: list[int] = []
         self.registered = False
+        self._map: mmap.mmap | None = None
 
     def build(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
         """Copies of ``tensors`` in ``dtype``, as views into one buffer."""
-        views = self.allocate([t.shape for t in tensors], dtype, zero=False)
+        views = self.allocate([t.shape for t in tensors], dtype)
         for view, t in zip(views, tensors, strict=True):
             view.copy_(t)
         return views
 
-    def allocate(
-        self, shapes: Sequence[torch.Size], dtype: torch.dtype, zero: bool = True
-    ) -> list[torch.Tensor]:
-        """Tensors of ``shapes`` in ``dtype`` (zero-filled unless ``zero=False``:
-        the caller fills them), as views into one buffer."""
+    def allocate(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Zero-filled tensors of ``shapes`` in ``dtype``, as views into one buffer."""
         size = torch.empty(0, dtype=dtype).element_size()
         offsets, total = [], 0
         for shape in shapes:
             offsets.append(total)
             nbytes = math.prod(shape) * size
             total += -(-nbytes // self.ALIGN) * self.ALIGN
-        size_total = max(total, self.ALIGN)
-        buf = (
-            torch.zeros(size_total, dtype=torch.uint8)
-            if zero
-            else torch.empty(size_total, dtype=torch.uint8)
-        )
+        self._map = _anonymous(max(total, self.ALIGN))
+        buf = torch.frombuffer(self._map, dtype=torch.uint8)
         if self.enabled:
             # register from a short-lived thread: a failed CUDA runtime call leaves a
             # per-thread error flag that would surface at the caller's next kernel
@@ -124,14 +139,37 @@ class _Arena:
             for shape, off in zip(shapes, offsets, strict=True)
         ]
 
+    def own(self, view: torch.Tensor) -> torch.Tensor:
+        """The same memory as ``view`` (a contiguous view into the buffer), as a
+        tensor with a storage of its own: it keeps the mapping alive, and
+        saving it writes its bytes only, not the whole buffer."""
+        assert self._map is not None and self.buffer is not None and view.numel() > 0
+        start = view.data_ptr() - self.buffer.data_ptr()
+        nbytes = view.numel() * view.element_size()
+        memory = memoryview(self._map)[start : start + nbytes]
+        return torch.frombuffer(memory, dtype=torch.uint8).view(view.dtype).view(view.shape)
+
     @property
     def nbytes(self) -> int:
         """Page-locked bytes held (0 when pageable)."""
         return self.buffer.numel() if self.buffer is not None and self.registered else 0
 
-    def free(self) -> None:
+    def free(self, keep: Sequence[tuple[int, int]] = ()) -> None:
+        """Unpin and drop the buffer. ``keep``: byte ranges ``(offset, nbytes)``
+        of tensors from :meth:`own` that outlive it (a user's parameters): the
+        mapping stays as long as they do, so the whole pages outside them are
+        given back to the OS now."""
         self.release()
+        advise = getattr(mmap, "MADV_DONTNEED", None)
+        if keep and self._map is not None and advise is not None:
+            page, start = mmap.PAGESIZE, 0
+            for offset, nbytes in [*sorted(keep), (len(self._map), 0)]:
+                lo, hi = -(-start // page) * page, offset // page * page
+                if hi > lo:
+                    self._map.madvise(advise, lo, hi - lo)
+                start = max(start, offset + nbytes)
         self.buffer = None
+        self._map = None
 
     def release(self) -> None:
         if self.registered and self.buffer is not None:
@@ -148,7 +186,9 @@ class _Param:
 
     ``offset`` is the byte offset of its master copy in the master arena;
     ``filled`` says whether ``grad`` holds gradients of the current window
-    (the first one is copied in, so the buffer is never zero-filled)."""
+    (the first one is copied in, so the buffer is never zero-filled);
+    ``shared``: the parameter's data is its master copy (frozen, in the
+    compute dtype)."""
 
     index: int
     param: nn.Parameter
@@ -156,6 +196,7 @@ class _Param:
     grad: torch.Tensor | None
     offset: int = 0
     filled: bool = False
+    shared: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -198,6 +239,31 @@ class _Slot:
     path: str
     attr: str
     index: int  # parameter index, or buffer index within the layer
+
+
+def _tensors(layer: nn.Module):
+    yield from layer.parameters()
+    yield from (b for b in layer.buffers() if b is not None)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _shareable(p: nn.Parameter, dtype: torch.dtype, storages: Counter) -> bool:
+    """Whether the parameter's data can move into the arena as its own master
+    copy: frozen (nothing writes it), already in the compute dtype, a plain
+    tensor, and alone in its storage (no other tensor of the model sees it, so
+    no aliasing is broken when its data moves)."""
+    return (
+        not p.requires_grad
+        and p.dtype == dtype
+        and p.numel() > 0
+        and type(p) is nn.Parameter
+        and type(p.data) is torch.Tensor
+        and not p.is_sparse
+        and storages[_storage(p)] == 1
+    )
 
 
 def _split_name(name: str) -> tuple[str, str]:
@@ -332,6 +398,14 @@ class HostState:
             _Param(i, p, m, next(grads) if p.requires_grad else None, offset=off)
             for i, (p, m, off) in enumerate(zip(unique, masters, self.pool.offsets, strict=True))
         ]
+        # frozen weights in the compute dtype: the master is the parameter's data
+        distinct = {id(t): t for layer in layers for t in _tensors(layer)}
+        storages = Counter(_storage(t) for t in distinct.values())
+        for hp in self.params:
+            if _shareable(hp.param, compute_dtype, storages):
+                hp.master = self.pool.own(hp.master)
+                hp.param.data = hp.master
+                hp.shared = True
         self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
         self._spans: dict[tuple[int, int], Span] = {}
         self._stage_params: dict[tuple[int, int], list[_Param]] = {}
@@ -431,18 +505,22 @@ class HostState:
                 p.param.grad = None
 
     def refresh_masters(self) -> None:
-        """Copy the optimizer copy into the master copy (after a step)."""
+        """Copy the optimizer copy into the master copy (after a step; a
+        parameter whose data is its master has nothing to copy)."""
         with torch.no_grad():
             for p in self.params:
-                p.master.copy_(p.param.detach())
+                if p.master.data_ptr() != p.param.data_ptr():
+                    p.master.copy_(p.param.detach())
 
     def host_bytes(self) -> dict[str, int]:
-        """Host memory held by the engine, by kind (for reports)."""
-        masters = sum(p.master.numel() * p.master.element_size() for p in self.params)
-        grads = sum(p.grad.numel() * 4 for p in self.params if p.grad is not None)
+        """Host memory held by the engine, by kind (for reports): ``master``
+        the master copies, ``shared`` those that are the parameters' own data
+        (not an extra copy: part of ``master``), ``grad`` the gradient
+        buffers, ``pinned`` how much of it is page-locked."""
         return {
-            "master": masters,
-            "grad": grads,
+            "master": sum(p.nbytes for p in self.params),
+            "shared": sum(p.nbytes for p in self.params if p.shared),
+            "grad": sum(p.grad.numel() * 4 for p in self.params if p.grad is not None),
             "pinned": self.pool.nbytes + self.grad_pool.nbytes,
         }
 
@@ -454,12 +532,14 @@ class HostState:
         """Unpin and drop the master copies and gradient buffers (the engine is
         closed and its workers joined): a closed engine that something still
         refers to (an autograd graph, an exception's traceback) no longer holds
-        a copy of the model. The user's parameters are untouched."""
+        a copy of the model. The user's parameters keep their values: those
+        that are their own master copy keep their part of the buffer."""
+        keep = [(p.offset, p.nbytes) for p in self.params if p.shared]
         for p in self.params:
             p.master = p.master.new_empty(0)
             if p.grad is not None:
                 p.grad = p.grad.new_empty(0)
-        self.pool.free()
+        self.pool.free(keep)
         self.grad_pool.free()
 
 

@@ -50,3 +50,101 @@ def test_failed_registration_stays_pageable_and_uncounted(monkeypatch, caplog):
     assert "cudaHostRegister of 512 bytes failed" in caplog.text
     arena.release()
     assert pinned_bytes() == start
+
+
+# ------------------------------------------- frozen weights as their own master
+def _layers():
+    """Frozen bf16 weights (own storage, tied across layers, aliased with another
+    parameter), a frozen fp32 weight and a trainable bf16 one, small and large
+    ones interleaved so page boundaries fall inside and between them."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(40, 30).bfloat16(), nn.Linear(64, 64).bfloat16()  # b: 8 KiB + bias
+    c = nn.Linear(8, 8)  # fp32
+    tied = nn.Embedding(50, 16).bfloat16()
+    base = torch.randn(2, 24).bfloat16()
+    d, e = nn.Linear(24, 1, bias=False), nn.Linear(24, 1, bias=False)
+    d.weight, e.weight = nn.Parameter(base[:1]), nn.Parameter(base[1:])  # one storage
+    for p in [*a.parameters(), *c.parameters(), *tied.parameters(), d.weight, e.weight]:
+        p.requires_grad_(False)
+    return [nn.ModuleList([tied, a]), nn.ModuleList([b, c, d, e]), nn.ModuleList([tied])]
+
+
+def test_frozen_weights_in_the_compute_dtype_are_their_own_master_copy():
+    layers = _layers()
+    params = {id(p): p for layer in layers for p in layer.parameters()}
+    before = {i: p.detach().clone() for i, p in params.items()}
+    state = host.HostState(layers, torch.bfloat16)
+    shared = {id(hp.param) for hp in state.params if hp.shared}
+    tied, a = layers[0]
+    b = layers[1][0]
+    # frozen and bf16 and alone in their storage: the embedding (tied into two
+    # layers) and a's weight and bias; not the trainable b, the fp32 c, nor d and
+    # e, which share one storage
+    assert shared == {id(tied.weight), id(a.weight), id(a.bias)}
+    for hp in state.params:
+        assert params[id(hp.param)] is hp.param  # the same Parameter objects
+        torch.testing.assert_close(hp.param, before[id(hp.param)], atol=0, rtol=0)
+        torch.testing.assert_close(hp.master, before[id(hp.param)].bfloat16(), atol=0, rtol=0)
+        if hp.shared:  # its data is the master, in a storage of its own
+            assert hp.param.data_ptr() == hp.master.data_ptr()
+            assert hp.param.untyped_storage().nbytes() == hp.nbytes
+        else:
+            assert hp.param.data_ptr() != hp.master.data_ptr()
+    mem = state.host_bytes()
+    assert mem["shared"] == sum(hp.nbytes for hp in state.params if hp.shared) > 0
+    assert mem["master"] > mem["shared"]
+    # nothing to copy for them after a step; the others are refreshed
+    with torch.no_grad():
+        b.weight.add_(1)
+    state.refresh_masters()
+    torch.testing.assert_close(state.params[3].master, b.weight, atol=0, rtol=0)
+    state.free()
+    assert state.host_bytes()["master"] == 0
+
+
+def test_a_freed_arena_keeps_the_frozen_weights_and_returns_the_other_pages():
+    from torch import nn
+
+    torch.manual_seed(0)
+    small = [nn.Linear(3, 5).bfloat16().requires_grad_(False) for _ in range(3)]
+    big = nn.Linear(128, 96).bfloat16()  # trainable: 24 KiB, six pages of its own
+    layers = [nn.ModuleList([small[0], big, small[1]]), small[2]]
+    values = [p.detach().clone() for m in small for p in m.parameters()]
+    state = host.HostState(layers, torch.bfloat16)
+    mapping = state.pool._map
+    hp = next(hp for hp in state.params if hp.param is big.weight)
+    offset, nbytes = hp.offset, hp.nbytes
+    assert torch.frombuffer(mapping, dtype=torch.uint8)[offset : offset + nbytes].any()
+    state.free()
+    for v, p in zip(values, (p for m in small for p in m.parameters()), strict=True):
+        torch.testing.assert_close(p, v, atol=0, rtol=0)  # shared pages untouched
+    # the whole pages inside the trainable weight's master went back (read as zeros)
+    page = 4096
+    lo = -(-offset // page) * page
+    hi = (offset + nbytes) // page * page
+    assert hi - lo >= 4 * page
+    assert not torch.frombuffer(mapping, dtype=torch.uint8)[lo:hi].any()
+
+
+def test_frozen_weights_in_the_arena_save_like_ordinary_parameters(tmp_path):
+    import io
+
+    from safetensors.torch import load_file, save_file
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).bfloat16()
+    model.requires_grad_(False)
+    model[1].requires_grad_(True)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    state = host.HostState(list(model), torch.bfloat16)
+    assert sum(hp.shared for hp in state.params) == 2
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)  # each tensor's bytes, not the whole arena
+    assert len(buf.getvalue()) < 1.1 * sum(v.nbytes for v in expected.values()) + 4096
+    save_file(model.state_dict(), tmp_path / "m.safetensors")  # no "shared tensors" refusal
+    loaded = load_file(tmp_path / "m.safetensors")
+    for k, v in expected.items():
+        torch.testing.assert_close(loaded[k], v, atol=0, rtol=0)
+    state.free()
