@@ -749,9 +749,37 @@ class RoundPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------ out of memory
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._follow_trainable()
         if not self._retry.open:
             return super().training_step(*args, **kwargs)
         return self._retry.training_step(super().training_step, *args, **kwargs)
+
+    def _follow_trainable(self) -> None:
+        """A new engine when parameters were frozen or unfrozen since it was
+        built (Lightning's ``BaseFinetuning`` does so at epoch starts): the
+        engine fixes which weights get gradient buffers, traffic and updates.
+        Between steps only: the window's gradients would be lost."""
+        engine = self.engine
+        changed = engine.trainable_changed() if engine is not None else []
+        if not changed:
+            return
+        if engine.has_pending_gradients:
+            raise ValueError(
+                f"requires_grad of {changed[0]} changed in the middle of a gradient "
+                "accumulation window; freeze or unfreeze parameters between optimizer steps "
+                "(e.g. in on_train_epoch_start, as BaseFinetuning does)"
+            )
+        self._drain()
+        # the one-behind weights of what stays trainable (async): the run goes
+        # on exactly; a newly trainable weight was frozen, its master is current
+        stale = self._stale_by_name()
+        self._close()
+        self._rebuild(stale)
+        rank_zero_info(
+            f"RoundPipe: requires_grad of {len(changed)} parameter(s) changed "
+            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); "
+            "rebuilt the engine for the new set of trainable weights"
+        )
 
     def _rebuild(self, resumed: dict[str, Tensor] | None) -> None:
         """A new engine after a re-plan (the old one is closed), resuming an

@@ -364,6 +364,7 @@ class RoundPipeEngine:
             for name, p in layer.named_parameters():
                 names.setdefault(index[id(p)], given.get(id(p), f"layers[{i}].{name}"))
         self.nonfinite = nonfinite
+        self._names = names
         rt.optimizer = self._optimizer = OptimizerWorker(
             self._host,
             store,
@@ -994,6 +995,15 @@ class RoundPipeEngine:
             ``synchronize`` waits for them).
         """
         self._check()
+        changed = self.trainable_changed()
+        if changed:
+            raise ValueError(
+                f"requires_grad of {', '.join(changed[:3])}"
+                f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed after "
+                "the engine was built (it fixes which weights get gradient buffers and "
+                "updates); close it and build a new engine (RoundPipeStrategy does so itself "
+                "between steps)"
+            )
         later = isinstance(scale, str)
         if later and scale != "later":
             raise ValueError(f"scale must be a number or 'later', got {scale!r}")
@@ -1100,6 +1110,14 @@ class RoundPipeEngine:
             self._calls += 1
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
+
+    def trainable_changed(self) -> list[str]:
+        """Names of the parameters whose ``requires_grad`` is not what it was
+        when the engine was built (freezing or unfreezing, e.g. by Lightning's
+        ``BaseFinetuning``)."""
+        return [
+            self._names[p.index] for p in self._host.params if p.param.requires_grad != p.trainable
+        ]
 
     @property
     def has_pending_gradients(self) -> bool:

@@ -1012,3 +1012,16 @@ def test_an_fp16_overflow_in_input_gradients_skips_the_step():
         eng.input_grads(eng.iteration - 1)
         handle = eng.step(lambda: None).wait()
         assert handle.skipped and eng.scaler.scale == scale / 2
+
+
+def test_a_change_of_requires_grad_after_building_is_refused_by_name():
+    layers = mlp()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with engine(layers, 2, 2) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.step()
+        assert eng.trainable_changed() == []
+        layers[0].weight.requires_grad_(False)  # frozen after the engine was built
+        assert eng.trainable_changed() == ["layers[0].weight"]
+        with pytest.raises(ValueError, match=r"requires_grad of layers\[0\]\.weight changed after"):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 
 import lightning_roundpipe
@@ -115,6 +116,81 @@ def test_lora_on_a_bf16_base_holds_it_once_and_trains_like_the_default_strategy(
     stale = torch.load(ckpt, weights_only=False)["roundpipe_stale_weights"]
     trainable = {n for n, p in mod.named_parameters() if p.requires_grad}
     assert set(stale) == trainable
+
+
+class _Backbone(BaseFinetuning):
+    """Freezes the first layer before training (in its setup hook, before the
+    strategy's) and unfreezes it at epoch 1; freezes the last layer at the start
+    of epoch 0 (after the strategy built its engine)."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 0:
+            self.freeze(pl_module.net[4])
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer, lr=1e-2)
+
+
+def test_freezing_and_unfreezing_during_fit_trains_like_the_default_strategy(caplog):
+    # each change of the trainable set gets an engine for the new set
+    data = seq_data()
+    ref = SeqModule(extra=False)
+    fit(ref, data, "auto", max_epochs=2, callbacks=[_Backbone()])
+    mod = SeqModule(extra=False)
+    start = params(mod)
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append(params(pl_module)[:2])
+
+    with caplog.at_level("INFO"):
+        fit(mod, data, sync(2), devices=2, max_epochs=2, callbacks=[_Backbone(), Watch()])
+    assert_same(params(mod), params(ref))
+    # the first layer frozen through epoch 0, trained in epoch 1; the last never
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], start[:2], strict=True))
+    assert not torch.equal(seen[1][0], start[0])
+    assert torch.equal(params(mod)[4], start[4])
+    rebuilt = [r.message for r in caplog.records if "rebuilt the engine" in r.message]
+    assert len(rebuilt) == 2
+    assert "(net.4.weight, net.4.bias)" in rebuilt[0] and "(net.0.weight" in rebuilt[1]
+
+
+def test_asynchronous_training_follows_freezing_and_unfreezing():
+    mod = SeqModule(extra=False)
+    start = params(mod)
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append(params(pl_module)[:2])
+
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    fit(mod, seq_data(), strategy, devices=2, max_epochs=2, callbacks=[_Backbone(), Watch()])
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], start[:2], strict=True))
+    assert not torch.equal(seen[1][0], start[0])
+    assert not torch.equal(params(mod)[2], start[2])
+    assert torch.equal(params(mod)[4], start[4])
+
+
+def test_freezing_inside_an_accumulation_window_is_refused():
+    class Midway(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:  # the second of two accumulated batches
+                pl_module.net[0].requires_grad_(False)
+
+    with pytest.raises(ValueError, match="changed in the middle of a gradient accumulation"):
+        fit(
+            SeqModule(extra=False),
+            seq_data(),
+            sync(2),
+            devices=2,
+            max_steps=2,
+            accumulate_grad_batches=2,
+            callbacks=[Midway()],
+        )
 
 
 def test_loss_from_logits_in_training_step():
