@@ -87,7 +87,10 @@ def main() -> None:
         rows.append(f"| {label} | {b / 1024:.1f} | {b / hidden_bytes:.2f} | {b / base:.2f}x |")
     kw = dict(gpu_memory=args.gpu_memory * GIB, lora_rank=LORA_RANK, precision="bf16-mixed")
     device = estimate(config, **kw, name="llama-3.1-8b")
-    both = estimate(config, **kw, host_memory=args.host_memory * GIB, name="llama-3.1-8b")
+    host = dict(host_memory=args.host_memory * GIB, name="llama-3.1-8b")
+    both = estimate(config, **kw, **host)
+    # the base loaded in bf16: its own master copy, held once on the host
+    once = estimate(config, **kw, **host, frozen_dtype=torch.bfloat16)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
     out = (
         f"### Activation memory per token of a Llama-3.1-8B block ({datetime.date.today()})\n\n"
@@ -98,8 +101,10 @@ def main() -> None:
         + "\n\n"
         f"Longest sequence at micro-batch 1 predicted by `plan estimate` on one "
         f"{args.gpu_memory:g} GiB GPU: {device.longest_seq} tokens bounded by device "
-        f"memory alone; {both.longest_seq} tokens with {args.host_memory:g} GiB of host "
-        f"memory ({both.longest_bound}).\n"
+        f"memory alone; with {args.host_memory:g} GiB of host memory {both.longest_seq} "
+        f"tokens ({both.longest_bound}; model state {both.host['state'] / GIB:.1f} GiB, "
+        f"the base loaded in fp32) or {once.longest_seq} tokens ({once.longest_bound}; "
+        f"model state {once.host['state'] / GIB:.1f} GiB, the base loaded in bf16).\n"
     )
     emit(out, args.append)
 

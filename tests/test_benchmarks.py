@@ -163,3 +163,30 @@ def test_activation_per_token_measures_a_block_untiled_and_tiled():
     per_token = load("activation_per_token").saved_per_token(config)
     # tiling keeps a block's input-sized values, not its MLP's and norms' working set
     assert 0 < per_token["tiled"] < per_token["never tiled"] / 2
+
+
+def test_frozen_base_measures_both_bases_in_their_own_processes():
+    pytest.importorskip("peft")
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "frozen_base.py"),
+            "--hidden",
+            "256",
+            "--layers",
+            "2",
+            "--vocab",
+            "1000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    rows = [ln for ln in done.stdout.splitlines() if ln.startswith(("| float32", "| bfloat16"))]
+    assert len(rows) == 2
+    shared = [float(r.split("|")[-2]) for r in rows]
+    assert shared[0] == 0 and shared[1] > 0  # only the bf16 base is its own master
