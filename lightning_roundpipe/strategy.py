@@ -247,6 +247,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._final_stale: dict[str, Tensor] | None = None
         self._chaos: Callable[[str], None] | None = None
         self._stale: dict[str, Tensor] | None = None
+        # an engine rebuilt within a fit goes on from these: iteration, loss scale
+        self._carried: tuple[int, dict[str, float]] | None = None
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
         # out-of-memory re-planning during the fit's first training batch
@@ -476,6 +478,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._check_optimizers()
         self.setup_precision_plugin()
         self._retry.reset()
+        self._carried = None
         self._build_engine(trainer)
 
     def _check_optimizers(self) -> None:
@@ -569,6 +572,8 @@ class RoundPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
             self._resume_stale()
+            if self._carried is not None:  # a rebuild within the fit: go on counting
+                self.engine.continue_from(*self._carried)
             self._retry.arm()
 
     def _check_outside_parameters(self, adapter: Any) -> None:
@@ -591,22 +596,24 @@ class RoundPipeStrategy(ParallelStrategy):
                 "layer stack"
             )
 
-    def _outside_reducer(self, adapter: Any) -> Callable[[], None] | None:
+    def _outside_reducer(self, adapter: Any) -> Callable[[], None]:
         """Several servers, synchronous optimizer: the gradients of optimized
         parameters outside the pipeline (which autograd on this thread
         computes) averaged over the servers, on the training loop's process
         group, before Lightning's pre-step hooks and clipping see them."""
         inside = {id(p) for layer in adapter.layers() for p in layer.parameters()}
-        outside = [
-            p
-            for g in self.optimizers[0].param_groups
-            for p in g["params"]
-            if id(p) not in inside and p.requires_grad
-        ]
-        if not outside:
-            return None
+        optimizer = self.optimizers[0]
 
         def average() -> None:
+            # read per step: BaseFinetuning adds groups and unfreezes parameters
+            outside = [
+                p
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if id(p) not in inside and p.requires_grad
+            ]
+            if not outside:
+                return
             grads = [p.grad for p in outside]
             flat = torch.cat(
                 [
@@ -773,6 +780,8 @@ class RoundPipeStrategy(ParallelStrategy):
         # the one-behind weights of what stays trainable (async): the run goes
         # on exactly; a newly trainable weight was frozen, its master is current
         stale = self._stale_by_name()
+        # iteration numbers (dropout masks) and the fp16 loss scale go on too
+        self._carried = (engine.iteration, engine.scaler.state_dict())
         self._close()
         self._rebuild(stale)
         rank_zero_info(

@@ -1111,6 +1111,18 @@ class RoundPipeEngine:
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
 
+    def continue_from(self, iteration: int, scaler: dict[str, float]) -> None:
+        """Go on with another engine's counters: a new engine of a run that
+        continues (the strategy builds one when the trainable parameters
+        change). The next training call is number ``iteration`` (its dropout
+        masks those of the uninterrupted run) and the fp16 loss scale is
+        ``scaler`` (:meth:`LossScaler.state_dict`). Call before the first
+        ``forward_backward``."""
+        if self._iteration:
+            raise RuntimeError("continue_from() must be called before the first forward_backward")
+        self._iteration = iteration
+        self.scaler.load_state_dict(scaler)
+
     def trainable_changed(self) -> list[str]:
         """Names of the parameters whose ``requires_grad`` is not what it was
         when the engine was built (freezing or unfreezing, e.g. by Lightning's
@@ -1280,7 +1292,9 @@ class RoundPipeEngine:
     def stale_weights(self) -> list[torch.Tensor]:
         """The master copies (the weights the next window computes with; in
         asynchronous mode one update behind the parameters), one per distinct
-        parameter in :meth:`parameters` order. Call after :meth:`synchronize`."""
+        parameter in :meth:`parameters` order. Call after :meth:`synchronize`;
+        they are views of the engine's host memory, valid while it is open
+        (clone what must outlive it)."""
         kept = self._training_masters or {}
         return [kept.get(p.index, p.master) for p in self._host.params]
 
@@ -1314,7 +1328,10 @@ class RoundPipeEngine:
                         f"saved weight of shape {tuple(t.shape)} does not fit parameter "
                         f"{p.index} of shape {tuple(p.master.shape)}"
                     )
-                p.master.copy_(t)
+                # a frozen weight never changes (its master may be the parameter
+                # itself: a weight saved while it trained must not overwrite it)
+                if p.trainable:
+                    p.master.copy_(t)
         # numbering as if a window 0 had run: window 1 is next, the G copy of
         # window 0 is done, and update 0's P copy (parameters -> masters) is pending
         self._window = 1

@@ -92,13 +92,6 @@ class _Arena:
         self.registered = False
         self._map: mmap.mmap | None = None
 
-    def build(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Copies of ``tensors`` in ``dtype``, as views into one buffer."""
-        views = self.allocate([t.shape for t in tensors], dtype)
-        for view, t in zip(views, tensors, strict=True):
-            view.copy_(t)
-        return views
-
     def allocate(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
         """Zero-filled tensors of ``shapes`` in ``dtype``, as views into one buffer."""
         size = torch.empty(0, dtype=dtype).element_size()
@@ -246,7 +239,11 @@ def _tensors(layer: nn.Module):
     yield from (b for b in layer.buffers() if b is not None)
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a plain strided tensor's storage starts (None for others: sparse,
+    subclasses, whose storage is not one buffer; they are never moved)."""
+    if t.layout != torch.strided or type(t.data) is not torch.Tensor:
+        return None
     return t.untyped_storage().data_ptr()
 
 
@@ -261,8 +258,8 @@ def _shareable(p: nn.Parameter, dtype: torch.dtype, storages: Counter) -> bool:
         and p.numel() > 0
         and type(p) is nn.Parameter
         and type(p.data) is torch.Tensor
-        and not p.is_sparse
-        and storages[_storage(p)] == 1
+        and (at := _storage(p)) is not None
+        and storages[at] == 1
     )
 
 
@@ -390,7 +387,22 @@ class HostState:
                     index[id(p)] = len(unique)
                     unique.append(p)
         self._first.append(len(unique))
-        masters = self.pool.build([p.detach() for p in unique], compute_dtype)
+        distinct = {id(t): t for layer in layers for t in _tensors(layer)}
+        storages = Counter(_storage(t) for t in distinct.values())
+        del distinct
+        # the arena's pages are committed as they are written: one parameter at
+        # a time, a frozen one in the compute dtype moved (its master is its
+        # data; its old storage is freed as it goes), so the host never holds
+        # such weights twice
+        masters = self.pool.allocate([p.shape for p in unique], compute_dtype)
+        shared = []
+        with torch.no_grad():
+            for i, (p, m) in enumerate(zip(unique, masters, strict=True)):
+                m.copy_(p.detach())
+                if _shareable(p, compute_dtype, storages):
+                    masters[i] = self.pool.own(m)
+                    p.data = masters[i]
+                    shared.append(i)
         trainable = [p for p in unique if p.requires_grad]
         # zero-filled once here; later windows copy their first gradient in
         grads = iter(self.grad_pool.allocate([p.shape for p in trainable], torch.float32))
@@ -398,14 +410,8 @@ class HostState:
             _Param(i, p, m, next(grads) if p.requires_grad else None, offset=off)
             for i, (p, m, off) in enumerate(zip(unique, masters, self.pool.offsets, strict=True))
         ]
-        # frozen weights in the compute dtype: the master is the parameter's data
-        distinct = {id(t): t for layer in layers for t in _tensors(layer)}
-        storages = Counter(_storage(t) for t in distinct.values())
-        for hp in self.params:
-            if _shareable(hp.param, compute_dtype, storages):
-                hp.master = self.pool.own(hp.master)
-                hp.param.data = hp.master
-                hp.shared = True
+        for i in shared:
+            self.params[i].shared = True
         self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
         self._spans: dict[tuple[int, int], Span] = {}
         self._stage_params: dict[tuple[int, int], list[_Param]] = {}

@@ -1025,3 +1025,20 @@ def test_a_change_of_requires_grad_after_building_is_refused_by_name():
         assert eng.trainable_changed() == ["layers[0].weight"]
         with pytest.raises(ValueError, match=r"requires_grad of layers\[0\]\.weight changed after"):
             eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+
+
+def test_resuming_never_overwrites_a_frozen_weight():
+    # a checkpoint saved while a layer trained, resumed with it frozen: its
+    # saved one-behind weight is older than the parameter and must not win
+    layers = mlp()
+    for layer in layers:
+        layer.to(torch.bfloat16)
+    layers[0].requires_grad_(False)
+    frozen = layers[0].weight.detach().clone()
+    with engine(layers, 2, 2, precision="bf16-true", async_optimizer=True) as eng:
+        stale = [t + 1 for t in eng.stale_weights()]
+        eng.resume(stale)
+        torch.testing.assert_close(layers[0].weight, frozen, atol=0, rtol=0)
+        trained = eng._host.params[2]
+        assert trained.trainable
+        torch.testing.assert_close(trained.master, stale[2], atol=0, rtol=0)

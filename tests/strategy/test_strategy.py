@@ -145,7 +145,9 @@ def test_freezing_and_unfreezing_during_fit_trains_like_the_default_strategy(cap
     class Watch(L.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
             seen.append(params(pl_module)[:2])
+            counts.append(trainer.strategy.engine.iteration)
 
+    counts = []
     with caplog.at_level("INFO"):
         fit(mod, data, sync(2), devices=2, max_epochs=2, callbacks=[_Backbone(), Watch()])
     assert_same(params(mod), params(ref))
@@ -153,6 +155,8 @@ def test_freezing_and_unfreezing_during_fit_trains_like_the_default_strategy(cap
     assert all(torch.equal(a, b) for a, b in zip(seen[0], start[:2], strict=True))
     assert not torch.equal(seen[1][0], start[0])
     assert torch.equal(params(mod)[4], start[4])
+    # the rebuilt engines go on numbering iterations (dropout masks)
+    assert counts == [8, 16]
     rebuilt = [r.message for r in caplog.records if "rebuilt the engine" in r.message]
     assert len(rebuilt) == 2
     assert "(net.4.weight, net.4.bias)" in rebuilt[0] and "(net.0.weight" in rebuilt[1]
