@@ -65,12 +65,8 @@ def host_state_bytes(
     compute = PRECISIONS[precision]
     param = compute if precision.endswith("-true") else torch.float32
     frozen = frozen_dtype or param
-
-    def size(dtype: torch.dtype) -> int:
-        return torch.empty(0, dtype=dtype).element_size()
-
-    trained = size(param) * 3 + size(compute) + 4
-    kept = size(frozen) + (0 if frozen == compute else size(compute))
+    trained = param.itemsize * 3 + compute.itemsize + 4
+    kept = frozen.itemsize + (0 if frozen == compute else compute.itemsize)
     return sum(p.numel() * (trained if p.requires_grad else kept) for p in model.parameters())
 
 

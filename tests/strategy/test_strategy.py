@@ -133,30 +133,38 @@ class _Backbone(BaseFinetuning):
             self.unfreeze_and_add_param_group(pl_module.net[0], optimizer, lr=1e-2)
 
 
+class _EpochEnds(L.Callback):
+    """The first layer's weights and the engine's iteration count at each epoch end."""
+
+    def __init__(self):
+        self.first, self.counts = [], []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.first.append(params(pl_module)[:2])
+        self.counts.append(trainer.strategy.engine.iteration)
+
+
+def _frozen_then_trained(mod, start, ends):
+    """The first layer frozen through epoch 0 and trained in epoch 1, the last
+    never trained; the rebuilt engines go on numbering iterations (dropout masks)."""
+    assert all(torch.equal(a, b) for a, b in zip(ends.first[0], start[:2], strict=True))
+    assert not torch.equal(ends.first[1][0], start[0])
+    assert not torch.equal(params(mod)[2], start[2])
+    assert torch.equal(params(mod)[4], start[4])
+    assert ends.counts == [8, 16]
+
+
 def test_freezing_and_unfreezing_during_fit_trains_like_the_default_strategy(caplog):
     # each change of the trainable set gets an engine for the new set
     data = seq_data()
     ref = SeqModule(extra=False)
     fit(ref, data, "auto", max_epochs=2, callbacks=[_Backbone()])
     mod = SeqModule(extra=False)
-    start = params(mod)
-    seen = []
-
-    class Watch(L.Callback):
-        def on_train_epoch_end(self, trainer, pl_module):
-            seen.append(params(pl_module)[:2])
-            counts.append(trainer.strategy.engine.iteration)
-
-    counts = []
+    start, ends = params(mod), _EpochEnds()
     with caplog.at_level("INFO"):
-        fit(mod, data, sync(2), devices=2, max_epochs=2, callbacks=[_Backbone(), Watch()])
+        fit(mod, data, sync(2), devices=2, max_epochs=2, callbacks=[_Backbone(), ends])
     assert_same(params(mod), params(ref))
-    # the first layer frozen through epoch 0, trained in epoch 1; the last never
-    assert all(torch.equal(a, b) for a, b in zip(seen[0], start[:2], strict=True))
-    assert not torch.equal(seen[1][0], start[0])
-    assert torch.equal(params(mod)[4], start[4])
-    # the rebuilt engines go on numbering iterations (dropout masks)
-    assert counts == [8, 16]
+    _frozen_then_trained(mod, start, ends)
     rebuilt = [r.message for r in caplog.records if "rebuilt the engine" in r.message]
     assert len(rebuilt) == 2
     assert "(net.4.weight, net.4.bias)" in rebuilt[0] and "(net.0.weight" in rebuilt[1]
@@ -164,19 +172,10 @@ def test_freezing_and_unfreezing_during_fit_trains_like_the_default_strategy(cap
 
 def test_asynchronous_training_follows_freezing_and_unfreezing():
     mod = SeqModule(extra=False)
-    start = params(mod)
-    seen = []
-
-    class Watch(L.Callback):
-        def on_train_epoch_end(self, trainer, pl_module):
-            seen.append(params(pl_module)[:2])
-
+    start, ends = params(mod), _EpochEnds()
     strategy = RoundPipeStrategy(num_microbatches=2)
-    fit(mod, seq_data(), strategy, devices=2, max_epochs=2, callbacks=[_Backbone(), Watch()])
-    assert all(torch.equal(a, b) for a, b in zip(seen[0], start[:2], strict=True))
-    assert not torch.equal(seen[1][0], start[0])
-    assert not torch.equal(params(mod)[2], start[2])
-    assert torch.equal(params(mod)[4], start[4])
+    fit(mod, seq_data(), strategy, devices=2, max_epochs=2, callbacks=[_Backbone(), ends])
+    _frozen_then_trained(mod, start, ends)
 
 
 def test_freezing_inside_an_accumulation_window_is_refused():
