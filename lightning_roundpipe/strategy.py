@@ -81,8 +81,15 @@ class RoundPipeStrategy(ParallelStrategy):
         activation_memory: host bytes one round's stage-boundary activations
             may take (default: a quarter of the host memory available at
             setup). Hugging Face models estimate them from the batch before the
-            first step; other models measure them in the first step.
-        plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``), or
+            first step; other models measure them in the first step. For
+            Hugging Face models it also bounds one micro-batch's boundary
+            values (default there: 80% of the available host memory): at
+            sequences whose one-layer stages would keep more, the plan gets
+            fewer, larger backward stages that recompute one layer at a time
+            (a layered plan, ``"...|layered"``).
+        plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``, with
+            ``"|layered"`` appended: backward stages that recompute one layer
+            at a time), or
             ``"auto"`` for the plan with the shortest simulated step among the
             partitioner's best.
         trace_dir: record the real start and end of every stage on every

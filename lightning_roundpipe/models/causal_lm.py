@@ -309,7 +309,11 @@ class CausalLMAdapter(_Adapter):
             packed="packed" in inputs,
             router="router" in inputs,
         )
-        engine.expect_activations(model.saved_bytes(seq, micro), model.transient_bytes(seq, micro))
+        # one layer input of a micro-batch: the batch's share
+        boundary = self.boundary_estimate(engine.compute_dtype)(inputs) * micro / batch.shape[0]
+        engine.expect_activations(
+            model.saved_bytes(seq, micro), model.transient_bytes(seq, micro), boundary
+        )
         self._expected = shape
 
     def _cache(self, past_key_values: Any, use_cache: bool | None) -> bool:

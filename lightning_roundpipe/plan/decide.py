@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .costs import LayerCosts, PlanError
-from .partition import partition
+from .partition import frontier, partition
 from .policy import choose_plan, simulated_period
 from .stages import StagePlan
 
@@ -35,6 +35,7 @@ __all__ = [
     "OutOfMemory",
     "after_measurement",
     "after_out_of_memory",
+    "host_need",
     "initial_plan",
     "plan_for_activations",
     "plan_for_measured",
@@ -138,17 +139,37 @@ def plan_for_measured(
 
 
 def stage_peaks(
-    plan: StagePlan, estimates: LayerCosts, saved: Sequence[float], transient: Sequence[float]
+    plan: StagePlan,
+    estimates: LayerCosts,
+    saved: Sequence[float],
+    transient: Sequence[float],
+    inputs: Sequence[float] | None = None,
 ) -> list[float]:
     """Predicted peak device memory of each slot of ``plan``: its weights and
     gradients (``estimates.memory``), for a stage that runs backward (a
     backward or the fused stage) everything its layers ``saved``, and the
-    largest ``transient`` among its layers (one layer works at a time)."""
+    largest ``transient`` among its layers (one layer works at a time). A
+    layered backward or fused stage keeps the ``inputs`` (bytes of each layer's input
+    value) of its layers above the first instead, and one layer's saved and
+    transient bytes at a time."""
+    if plan.layered and inputs is None:
+        raise PlanError(f"the peaks of layered plan {plan} need the bytes of each layer's input")
     out = []
     for st, size in zip(plan.stages, plan.stage_memory(estimates), strict=True):
-        kept = sum(saved[st.start : st.stop]) if st.kind != "forward" else 0.0
-        out.append(size + kept + max(transient[st.start : st.stop], default=0.0))
+        a, b = st.start, st.stop
+        if st.layered and st.kind != "forward" and inputs is not None:
+            work = max((saved[i] + transient[i] for i in range(a, b)), default=0.0)
+            out.append(size + sum(inputs[a + 1 : b]) + work)
+            continue
+        kept = sum(saved[a:b]) if st.kind != "forward" else 0.0
+        out.append(size + kept + max(transient[a:b], default=0.0))
     return out
+
+
+def host_need(plan: StagePlan, boundary: float) -> float:
+    """Host bytes of one micro-batch's boundary values under ``plan``, each
+    ``boundary`` bytes (:meth:`~.stages.StagePlan.boundaries_per_microbatch`)."""
+    return plan.boundaries_per_microbatch() * boundary
 
 
 @dataclass(frozen=True)
@@ -221,6 +242,80 @@ def _fits(
     return max(peaks) <= limit and (cap is None or _max_weights(plan, estimates) <= cap)
 
 
+def _host_fits(plan: StagePlan, boundary: float | None, host_limit: float | None) -> bool:
+    return boundary is None or host_limit is None or host_need(plan, boundary) <= host_limit
+
+
+def _plan_within_host(
+    estimates: LayerCosts,
+    saved: Sequence[float],
+    transient: Sequence[float],
+    inputs: Sequence[float],
+    boundary: float,
+    host_limit: float,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool,
+    limit: float,
+    cap: float | None,
+    size_limit: float | None,
+) -> StagePlan | None:
+    """The plan with the shortest simulated step whose stages fit ``limit``
+    (weights within ``cap`` and the size cap) and whose boundary values of
+    one micro-batch fit ``host_limit``, among the partitioner's frontier
+    (one plan per slot count, fewer slots: fewer boundary values) of plain
+    plans and of layered ones, or None.
+
+    Layered plans are partitioned with a per-layer figure that bounds their
+    peaks: a layered stage keeps its layers' inputs and one layer's saved
+    and transient bytes, so stages within ``limit`` less the largest layer's
+    working set by the sum of each layer's weights and input fit; its
+    backward time is charged a second forward of every layer (the exact
+    times, one layer less per stage, rank the candidates)."""
+    assert estimates.memory is not None
+    n, m = num_devices, num_microbatches
+    weights = _layer_weights(estimates)
+    caps = [(weights, cap), (list(estimates.memory), size_limit)]
+    plain = LayerCosts(
+        estimates.forward,
+        estimates.backward,
+        memory=[w + a + t for w, a, t in zip(estimates.memory, saved, transient, strict=True)],
+        weight_bytes=estimates.weight_bytes,
+    )
+    work = max(a + t for a, t in zip(saved, transient, strict=True))
+    layered = LayerCosts(
+        estimates.forward,
+        [b + f for b, f in zip(estimates.backward, estimates.forward, strict=True)],
+        memory=[w + x for w, x in zip(estimates.memory, inputs, strict=True)],
+        weight_bytes=estimates.weight_bytes,
+    )
+    candidates: list[StagePlan] = []
+    for costs, room, flag in ((plain, limit, False), (layered, limit - work, True)):
+        if room <= 0:
+            continue
+        try:
+            found = frontier(_within(costs, room, caps), room)
+        except PlanError:
+            continue
+        candidates += [StagePlan(p.forward, p.fused, p.backward, flag) for p in found]
+    fitting = [
+        p
+        for p in candidates
+        if _fits(p, stage_peaks(p, estimates, saved, transient, inputs), estimates, limit, cap)
+        and host_need(p, boundary) <= host_limit
+    ]
+    if not fitting:
+        return None
+    # the formula's best few (as choose_plan does), then the simulated step
+    ranked = sorted(
+        fitting,
+        key=lambda p: ((m * p.num_slots + n * (n - 1)) * p.max_stage_time(estimates), str(p)),
+    )[:6]
+    kw = {"async_optimizer": async_optimizer}
+    return min(ranked, key=lambda p: simulated_period(estimates, p, n, m, **kw))
+
+
 def plan_for_activations(
     current: StagePlan,
     estimates: LayerCosts,
@@ -235,6 +330,8 @@ def plan_for_activations(
     size_limit: float | None = None,
     device_budget: float | None = None,
     weight_cap: float | None = None,
+    boundary: float | None = None,
+    host_limit: float | None = None,
 ) -> Predicted:
     """Keep ``current`` if every slot's predicted peak (:func:`stage_peaks`)
     fits ``memory_limit``; otherwise, unless the plan was given, the best plan
@@ -248,9 +345,22 @@ def plan_for_activations(
     it, leaving the next stage's weights a smaller share (a quarter, an
     eighth, a sixteenth; the plan's stages must then keep their weights
     within that share); the result says which limit and cap hold from then on.
-    ``weight_cap``: the cap that holds now (from such an earlier decision)."""
-    peaks = stage_peaks(current, estimates, saved, transient)
-    if memory_limit is None or _fits(current, peaks, estimates, memory_limit, weight_cap):
+    ``weight_cap``: the cap that holds now (from such an earlier decision).
+
+    ``boundary``: bytes of one layer-input value of a micro-batch (a causal
+    LM's hidden states and positions: the same at every layer), and
+    ``host_limit``: the host bytes one micro-batch's boundary values may
+    take. A plan that keeps more is replaced too: by the best plan with fewer
+    boundary values, whose backward stages are larger and, where their
+    activations would not fit the device, layered (each recomputes and
+    differentiates one layer at a time, keeping its layers' inputs;
+    :class:`~.stages.StagePlan`)."""
+    inputs = None if boundary is None else [float(boundary)] * len(saved)
+    peaks = stage_peaks(current, estimates, saved, transient, inputs)
+    host_ok = _host_fits(current, boundary, host_limit)
+    if memory_limit is None or (
+        _fits(current, peaks, estimates, memory_limit, weight_cap) and host_ok
+    ):
         return Predicted(
             current,
             peaks,
@@ -262,10 +372,18 @@ def plan_for_activations(
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     label = current.stages[worst].label
     assert estimates.memory is not None
-    why = (
-        f"stage {label} of plan {current} is predicted to need {peaks[worst]:.4g} bytes "
-        f"with its activations, over the {memory_limit:.4g} a stage may use"
-    )
+    if peaks[worst] > memory_limit or host_ok:
+        why = (
+            f"stage {label} of plan {current} is predicted to need {peaks[worst]:.4g} bytes "
+            f"with its activations, over the {memory_limit:.4g} a stage may use"
+        )
+    else:
+        assert boundary is not None and host_limit is not None
+        why = (
+            f"plan {current} keeps {current.boundaries_per_microbatch()} boundary values of "
+            f"{boundary:.4g} bytes per micro-batch on the host, over the {host_limit:.4g} "
+            "they may take (activation_memory)"
+        )
     # every layer counted with its own transient: a bound on any stage's peak
     # (exact for one-layer stages), which the partitioner can add up
     bounded = LayerCosts(
@@ -282,7 +400,7 @@ def plan_for_activations(
             if weight_cap is None or r * device_budget < weight_cap
         ]
     for limit, cap in splits:
-        if cap != weight_cap and _fits(current, peaks, estimates, limit, cap):
+        if cap != weight_cap and host_ok and _fits(current, peaks, estimates, limit, cap):
             return Predicted(
                 current,
                 peaks,
@@ -303,7 +421,7 @@ def plan_for_activations(
             [(_layer_weights(estimates), cap), (list(estimates.memory), size_limit)],
         )
         try:
-            plan = choose_plan(
+            plan: StagePlan | None = choose_plan(
                 sized,
                 num_devices,
                 num_microbatches,
@@ -311,8 +429,36 @@ def plan_for_activations(
                 memory_limit=limit,
             )
         except PlanError:
-            continue
-        new = stage_peaks(plan, estimates, saved, transient)
+            plan = None
+        host = ""
+        if plan is None or not _host_fits(plan, boundary, host_limit):
+            if plan is None or inputs is None or boundary is None or host_limit is None:
+                continue
+            # fewer boundary values: larger backward stages, layered where
+            # their activations would not fit the device otherwise
+            plan = _plan_within_host(
+                estimates,
+                saved,
+                transient,
+                inputs,
+                boundary,
+                host_limit,
+                num_devices,
+                num_microbatches,
+                async_optimizer=async_optimizer,
+                limit=limit,
+                cap=cap,
+                size_limit=size_limit,
+            )
+            if plan is None:
+                continue
+            host = (
+                f" ({plan.boundaries_per_microbatch()} boundary values per micro-batch on the "
+                f"host, within {host_limit:.4g} bytes"
+                + ("; backward stages recompute one layer at a time" if plan.layered else "")
+                + ")"
+            )
+        new = stage_peaks(plan, estimates, saved, transient, inputs)
         where = (
             ""
             if cap is None
@@ -324,7 +470,7 @@ def plan_for_activations(
         return Predicted(
             plan,
             new,
-            f"{why}; re-planned to {plan}{where} before the first step",
+            f"{why}; re-planned to {plan}{where}{host} before the first step",
             False,
             limit,
             cap,
@@ -336,6 +482,8 @@ def plan_for_activations(
             "no plan fits: raise num_microbatches, shorten the sequences, lower tile_memory "
             "or raise device_memory_limit"
         )
+        if not host_ok:
+            fix += " or activation_memory (host memory)"
     return Predicted(current, peaks, f"{why}; {fix}", True, memory_limit, weight_cap)
 
 
@@ -370,6 +518,8 @@ def after_measurement(
     size_limit: int | None,
     margin: float,
     weight_cap: float | None = None,
+    boundary: float | None = None,
+    host_limit: float | None = None,
 ) -> Measured:
     """Keep ``current`` or switch to the measured best plan: switch when the
     current plan's stages exceed ``memory_limit`` with their measured
@@ -377,8 +527,18 @@ def after_measurement(
     than ``margin``. A plan the user gave is never changed (only warned about).
     ``weight_cap``: no stage's weights may exceed it (the room a limit past
     half the device leaves for the next stage, :func:`plan_for_activations`);
-    a best plan over it is not taken."""
+    a best plan over it is not taken. Nor is one whose boundary values of a
+    micro-batch (``boundary`` bytes each) exceed ``host_limit``; a layered
+    plan (chosen for host memory, :func:`plan_for_activations`) is kept: the
+    measured costs do not model its layer-by-layer backward."""
     n, m, limit = num_devices, num_microbatches, memory_limit
+    if current.layered:
+        return Measured(
+            current,
+            False,
+            f"kept the layered plan {current} after measuring (it keeps the boundary values "
+            "within the host memory they may take)",
+        )
     over = None
     if limit is not None and measured.memory is not None:
         need = current.stage_memory(measured)
@@ -419,6 +579,15 @@ def after_measurement(
             f"activations ({exc}); raise num_microbatches (smaller micro-batches) or "
             "device_memory_limit",
             warning=True,
+        )
+    if not _host_fits(best, boundary, host_limit):
+        assert boundary is not None
+        return Measured(
+            current,
+            False,
+            f"kept plan {current} after measuring: the best plan {best} keeps "
+            f"{host_need(best, boundary):.4g} bytes of boundary values per micro-batch on the "
+            f"host, over the {host_limit:.4g} they may take (activation_memory)",
         )
     if weight_cap is not None and _max_weights(best, estimates) > weight_cap:
         return Measured(

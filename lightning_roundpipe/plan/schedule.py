@@ -83,6 +83,9 @@ class Task:
         ordered: the task waits for the previous task of the same slot (an
             earlier round, or the previous iteration), so updates of running
             statistics arrive in micro-batch order.
+        layered: a backward or fused stage of a layered plan: it recomputes and
+            differentiates one layer at a time
+            (:class:`~lightning_roundpipe.plan.stages.StagePlan`).
     """
 
     round: int
@@ -97,6 +100,7 @@ class Task:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     ordered: bool = False
+    layered: bool = False
 
     @property
     def microbatches(self) -> range:
@@ -117,7 +121,8 @@ class Task:
         )
         out = f"{self} {layers} reads {','.join(self.reads) or '-'}"
         out += f" writes {','.join(self.writes) or '-'}"
-        return out + (" ordered" if self.ordered else "")
+        out += " ordered" if self.ordered else ""
+        return out + (" layered" if self.layered and self.stop - self.start > 1 else "")
 
     @staticmethod
     def parse_short(text: str) -> tuple[int, str, int, int, int]:
@@ -363,6 +368,8 @@ class Clock:
         costs, d, free = self.costs, task.device, self.free
         fwd = costs.forward_time(task.start, task.stop)
         bwd = costs.backward_time(task.start, task.stop)
+        if task.layered and task.kind != "forward":  # the second forward, layer by layer
+            bwd += costs.forward_time(task.start, task.stop - 1)
         ready = max(it.submitted, self._weights_ready(it.window, task.start, task.stop))
         if task.ordered:
             ready = max(ready, self._slot_end.get(task.slot, 0.0))
@@ -508,6 +515,7 @@ def lower(
                     st.stop,
                     *io[i],
                     ordered=st.index in ordered,
+                    layered=st.layered,
                 )
                 for i, st in enumerate(stages)
             ]

@@ -12,6 +12,16 @@ A RoundPipe iteration runs, for every micro-batch, the *stage slots*
 Forward and backward cuts are independent ("asymmetric"). The compact text
 form lists forward counts, the fused count and the backward counts from the
 top: ``"7,7,7,7|1|3,3,3,3,3,3,3,3,2,2"``.
+
+A *layered* plan (text form ending in ``"|layered"``) trades compute for host
+memory at long sequences: each backward stage (and the fused one) first runs
+its layers but the top one forward without autograd, keeping every layer's
+input on the device, then recomputes and differentiates one layer at a time
+from the top. Multi-layer backward stages then fit the device, so the host
+keeps one boundary value per backward stage instead of one per layer, at the
+price of a second forward of every layer of such a stage but its top one;
+the device holds the stage's layer inputs and one layer's autograd state
+(not every layer's).
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ class Stage:
         label: ``"F3"``, ``"B1"`` (the fused stage) or ``"B4"``.
         kind: ``"forward"``, ``"fused"`` or ``"backward"``.
         start, stop: the layer range ``[start, stop)``.
+        layered: a backward or fused stage that recomputes and
+            differentiates one layer at a time (see the module's text).
     """
 
     index: int
@@ -43,6 +55,7 @@ class Stage:
     kind: StageKind
     start: int
     stop: int
+    layered: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -52,7 +65,14 @@ class Stage:
         """Time of this stage for one micro-batch."""
         if self.kind == "forward":
             return costs.forward_time(self.start, self.stop)
-        return costs.recompute_backward_time(self.start, self.stop)
+        return costs.recompute_backward_time(self.start, self.stop) + self.extra_forward(costs)
+
+    def extra_forward(self, costs: LayerCosts) -> float:
+        """The second forward a layered backward or fused stage runs: every
+        layer but its top one (0 for other stages)."""
+        if self.kind == "forward" or not self.layered:
+            return 0.0
+        return costs.forward_time(self.start, self.stop - 1)
 
     def memory(self, costs: LayerCosts) -> float:
         """Device memory of this stage for one micro-batch (0 when unknown)."""
@@ -80,6 +100,8 @@ class StagePlan:
         fused: number of layers in the fused stage (the top ``fused`` layers).
         backward: layer counts of the backward stages after the fused one,
             from the top down.
+        layered: backward stages and the fused one recompute and
+            differentiate one layer at a time (see the module's text).
 
     The plan is validated on construction: counts are positive and both the
     forward and the backward counts cover the layers below the fused stage.
@@ -88,8 +110,11 @@ class StagePlan:
     forward: tuple[int, ...]
     fused: int
     backward: tuple[int, ...]
+    layered: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layered, bool):
+            raise PlanError(f"layered must be True or False, got {self.layered!r}")
         object.__setattr__(self, "forward", _counts("forward", self.forward))
         object.__setattr__(self, "backward", _counts("backward", self.backward))
         if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 1:
@@ -108,19 +133,24 @@ class StagePlan:
     # ------------------------------------------------------------- text form
     def __str__(self) -> str:
         fwd, bwd = ",".join(map(str, self.forward)), ",".join(map(str, self.backward))
-        return f"{fwd}|{self.fused}|{bwd}"
+        return f"{fwd}|{self.fused}|{bwd}" + ("|layered" if self.layered else "")
 
     @classmethod
     def parse(cls, text: str, num_layers: int | None = None) -> StagePlan:
-        """Parse the compact form ``"forward counts|fused count|backward counts"``.
+        """Parse the compact form ``"forward counts|fused count|backward counts"``
+        (with ``"|layered"`` appended: a layered plan).
 
         If ``num_layers`` is given the plan is also checked against it.
         """
         parts = text.strip().split("|")
+        layered = len(parts) == 4 and parts[3].strip() == "layered"
+        if layered:
+            parts = parts[:3]
         if len(parts) != 3:
             raise PlanError(
                 f"cannot parse plan {text!r}: expected three '|'-separated parts "
-                "'forward counts|fused count|backward counts', e.g. '3,3|1|2,2,2'"
+                "'forward counts|fused count|backward counts', e.g. '3,3|1|2,2,2', "
+                "optionally followed by '|layered'"
             )
 
         def ints(part: str, what: str) -> list[int]:
@@ -138,7 +168,12 @@ class StagePlan:
         fused = ints(parts[1], "fused")
         if len(fused) != 1:
             raise PlanError(f"cannot parse plan {text!r}: the fused part must be one integer")
-        plan = cls(tuple(ints(parts[0], "forward")), fused[0], tuple(ints(parts[2], "backward")))
+        plan = cls(
+            tuple(ints(parts[0], "forward")),
+            fused[0],
+            tuple(ints(parts[2], "backward")),
+            layered,
+        )
         if num_layers is not None:
             plan.validate(num_layers)
         return plan
@@ -234,10 +269,25 @@ class StagePlan:
         for i, (a, b) in enumerate(self.forward_stages):
             out.append(Stage(len(out), f"F{i + 1}", "forward", a, b))
         a, b = self.fused_stage
-        out.append(Stage(len(out), "B1", "fused", a, b))
+        out.append(Stage(len(out), "B1", "fused", a, b, self.layered))
         for j, (a, b) in enumerate(self.backward_stages):
-            out.append(Stage(len(out), f"B{j + 2}", "backward", a, b))
+            out.append(Stage(len(out), f"B{j + 2}", "backward", a, b, self.layered))
         return out
+
+    def kept_boundaries(self) -> list[int]:
+        """The layers whose input a micro-batch keeps on the host from its
+        forward until a backward (or the fused) stage reads it: every such
+        stage's first layer but layer 0 (the batch's own input)."""
+        return sorted({st.start for st in self.stages if st.kind != "forward" and st.start > 0})
+
+    def boundaries_per_microbatch(self) -> int:
+        """Boundary values one micro-batch holds on the host at most: the
+        :meth:`kept_boundaries` until its backward and, while its forward
+        runs, the input of a forward stage that no backward stage reads and
+        the next one being written."""
+        kept = set(self.kept_boundaries())
+        forward_only = {st.start for st in self.stages if st.start > 0} - kept
+        return len(kept) + min(2, len(forward_only))
 
     def validate(self, num_layers: int) -> None:
         """Raise :class:`PlanError` unless the plan covers exactly ``num_layers``."""
@@ -279,6 +329,8 @@ class StagePlan:
                 "fused": "forward+loss+backward",
                 "backward": "recompute+backward",
             }[st.kind]
+            if st.layered and st.num_layers > 1:
+                what += " by layer"
             line = f"  {st.label:>4}  {what:<22} {rng}"
             if costs is not None:
                 line += f"  time {st.time(costs):.4g}"

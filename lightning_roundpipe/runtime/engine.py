@@ -34,11 +34,11 @@ from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
 from ..plan.decide import after_measurement, initial_plan, plan_for_activations, stage_peaks
 from ..plan.policy import RoundChoice, choose_round, exposed_uploads
 from ..plan.replicas import gradient_buckets
-from ..plan.schedule import Placement, readers_of
+from ..plan.schedule import Placement
 from ..plan.stages import Stage
 from .device import as_device, check_uniform, host_to_device_bandwidth, pin, stage_memory_limit
 from .gradients import CallerGradients
-from .host import HostState, _Param, host_available
+from .host import HOST_ACTIVATION_SHARE, HostState, _Param, host_available
 from .nested import (
     batch_size_of,
     map_tensors,
@@ -102,7 +102,12 @@ class RoundPipeEngine:
             may take (default: a quarter of the host memory available when the
             engine starts). The size of a micro-batch's activations comes from
             ``activation_estimate`` until the first training iteration has
-            measured it.
+            measured it. It also bounds one micro-batch's boundary values when
+            :meth:`expect_activations` plans for long sequences (default
+            there: 80% of the available host memory): a plan over it is
+            replaced by one with fewer, larger backward stages, layered where
+            their activations would not fit the device
+            (:class:`~lightning_roundpipe.plan.StagePlan`).
         activation_estimate: bytes of one stage-boundary value of a micro-batch,
             given that micro-batch's input (a model adapter knows it: hidden
             size x tokens); None: measured in the first iteration.
@@ -320,6 +325,15 @@ class RoundPipeEngine:
             if activation_memory is not None
             else (available // 4 if available else None)
         )
+        # what one micro-batch's boundary values may take on the host before
+        # a plan with fewer boundaries is chosen (expect_activations)
+        self._host_limit = (
+            activation_memory
+            if activation_memory is not None
+            else (int(available * HOST_ACTIVATION_SHARE) if available else None)
+        )
+        #: bytes of one boundary value of a micro-batch (expect_activations)
+        self._boundary: float | None = None
         self.activation_estimate = activation_estimate
         self.placement = placement
         self.fit_to_batch = fit_to_batch
@@ -529,6 +543,8 @@ class RoundPipeEngine:
             size_limit=self.size_limit,
             margin=self.replan_margin,
             weight_cap=self._weight_cap,
+            boundary=self._boundary,
+            host_limit=self._host_limit,
         )
         (log.warning if decision.warning else log.info)("RoundPipe %s", decision.reason)
         self._set_plan(decision.plan, costs)
@@ -557,21 +573,35 @@ class RoundPipeEngine:
         the free memory of the GPUs); None: no limit (CPU workers)."""
         return self._limit
 
-    def expect_activations(self, saved: Sequence[float], transient: Sequence[float]) -> list[float]:
+    def expect_activations(
+        self,
+        saved: Sequence[float],
+        transient: Sequence[float],
+        boundary: float | None = None,
+    ) -> list[float]:
         """Tell the engine the activation memory its layers are predicted to
         need for the coming micro-batches: ``saved[i]`` bytes layer ``i`` keeps
         for its backward, ``transient[i]`` bytes it works with on top while it
         runs (model adapters predict them from the call's shape, see
-        :mod:`lightning_roundpipe.models.memory`). Before per-layer
-        measurements exist, a plan whose stages would not fit the memory limit
-        is replaced now, before anything runs (a given plan is kept, with a
-        warning). Returns each slot's predicted peak device memory
+        :mod:`lightning_roundpipe.models.memory`), and ``boundary`` bytes of
+        one layer's input value (the same at every layer; None: not known).
+        Before per-layer measurements exist, a plan whose stages would not fit
+        the memory limit, or whose boundary values of one micro-batch would
+        not fit ``activation_memory`` on the host, is replaced now, before
+        anything runs (a given plan is kept, with a warning; see
+        :func:`~lightning_roundpipe.plan.decide.plan_for_activations`).
+        Returns each slot's predicted peak device memory
         (:attr:`predicted_peaks`)."""
         n = self._costs.num_layers
         if len(saved) != n or len(transient) != n:
             raise ValueError(f"expect_activations needs one value per pipeline layer ({n})")
-        if self._replanned:  # measured activations decide the plan from now on
-            self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient)
+        if boundary is not None and not boundary >= 0:
+            raise ValueError(f"boundary must be a number of bytes >= 0, got {boundary!r}")
+        self._boundary = boundary
+        inputs = None if boundary is None else [float(boundary)] * n
+        if self._replanned or (self.plan.layered and boundary is None):
+            # measured activations decide the plan from now on
+            self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient, inputs)
             return self.predicted_peaks
         decision = plan_for_activations(
             self.plan,
@@ -586,6 +616,8 @@ class RoundPipeEngine:
             size_limit=self.size_limit,
             device_budget=self._budget,
             weight_cap=self._weight_cap,
+            boundary=boundary,
+            host_limit=self._host_limit,
         )
         if decision.memory_limit != self._limit:
             # long sequences: stages take more of the device, the prefetched
@@ -836,8 +868,7 @@ class RoundPipeEngine:
         if self._boundary_per_sample is not None:  # measured in an earlier iteration
             per_mb = int(self._boundary_per_sample * largest)
         elif self.activation_estimate is not None:
-            # every boundary value a forward stage writes may be held at once
-            kept = sum(1 for layer in readers_of(self.plan.stages) if layer > 0)
+            kept = self.plan.boundaries_per_microbatch()
             per_mb = int(self.activation_estimate(mbs[0]) * kept)
         self.round = choose_round(m, boundary_bytes=per_mb, budget=self.activation_memory)
         return self.round.round_size

@@ -549,6 +549,13 @@ class HostState:
         self.grad_pool.free()
 
 
+#: of the host memory available when an engine starts (its model state
+#: already allocated), what one micro-batch's stage-boundary activations may
+#: take by default before a plan with fewer boundaries is chosen (the rest:
+#: pinned staging buffers, the data pipeline, the allocator's slack)
+HOST_ACTIVATION_SHARE = 0.8
+
+
 def host_available() -> int | None:
     """Host memory available now, in bytes (None where the OS does not say)."""
     try:

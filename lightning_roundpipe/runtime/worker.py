@@ -610,15 +610,17 @@ class Worker:
         save: Callable[[int, Any], None] | None = None,
         timer: LayerTimer | None = None,
         finish: Callable[[Any], Any] | None = None,
+        first: int | None = None,
     ) -> Any:
-        """Run the stage's layers on ``x``. ``finish`` (the loss) runs on the
-        last layer's output as part of that layer: with its random numbers,
-        inside its guard, in its measured time (a chunked loss computes the
-        head there)."""
-        t, call = job.task, job.call
+        """Run ``replicas`` (the stage's layers from layer ``first``, default
+        its first) on ``x``. ``finish`` (the loss) runs on the last layer's
+        output as part of that layer: with its random numbers, inside its
+        guard, in its measured time (a chunked loss computes the head there)."""
+        job_start = job.task.start if first is None else first
+        call = job.call
         last = len(replicas) - 1
         for off, rep in enumerate(replicas):
-            layer = t.start + off
+            layer = job_start + off
             self._layer = layer
             self.protocol.chaos("forward")
             seed = layer_seed(call.seed, call.iteration, layer, j)
@@ -718,11 +720,86 @@ class Worker:
         grads = [None if v is None else v.grad for v in leaves]
         self._save(job, name, j, grads, fresh=False)
 
+    def _first_pass(self, job: Job, j: int, replicas: list[LayerReplica], x: Any) -> list[Any]:
+        """A layered stage (:class:`~lightning_roundpipe.plan.stages.StagePlan`)
+        starts with its layers but the top one forward without autograd, each on
+        a copy of its input (a layer may write its input in place), and keeps
+        every layer's input for the recompute one layer at a time. Without
+        layering: just the stage input."""
+        t = job.task
+        inputs = [x]
+        if not t.layered or len(replicas) < 2:
+            return inputs
+
+        def copy(v: torch.Tensor) -> torch.Tensor:
+            return v.clone() if v.is_floating_point() or v.is_complex() else v
+
+        with torch.no_grad():
+            for off in range(len(replicas) - 1):
+                with self.ctx.on(self.ctx.compute):
+                    value = map_tensors(copy, inputs[-1])
+                out = self._layers(job, j, replicas[off : off + 1], value, first=t.start + off)
+                inputs.append(out)
+        return inputs
+
+    def _top_input(self, job: Job, inputs: list[Any]) -> tuple[int, Any, list]:
+        """Where the autograd part of a stage starts (its first layer, or a
+        layered stage's top one), its input and that input's leaves."""
+        t = job.task
+        base = t.start + len(inputs) - 1
+        value = inputs.pop()
+        if base > 0 or job.call.input_grad:  # the layer below (or the caller) needs its gradient
+            return (base, *self._leaves(value))
+        return base, value, []
+
+    def _differentiate(self, out: Any, g: list, timer: LayerTimer | None, boundary: int) -> None:
+        """Backward from ``out`` with the gradient ``g`` of its tensors (the
+        output of the layers below ``boundary``)."""
+        outs, grads = [], []
+        for o, gg in zip(flatten_tensors(out), g, strict=True):
+            if gg is not None and o.requires_grad:
+                outs.append(o)
+                grads.append(gg)
+        if outs:
+            with self.ctx.on(self.ctx.compute):
+                if timer is not None:
+                    timer.boundary[boundary] = timer.watch.mark()
+                self.protocol.chaos("backward")
+                with self._guard():
+                    torch.autograd.backward(outs, grads)
+
+    def _descend(
+        self,
+        job: Job,
+        j: int,
+        replicas: list[LayerReplica],
+        inputs: list[Any],
+        leaves: list,
+        timer: LayerTimer | None,
+    ) -> list:
+        """The rest of a layered stage below its top layer: from the top down,
+        each layer recomputed from the input its first pass kept, with
+        autograd, and differentiated at once (one layer's autograd state on
+        the device at a time). Returns the stage input's leaves."""
+        t = job.task
+        while inputs:
+            g = [None if v is None else v.grad for v in leaves]
+            layer, x, leaves = self._top_input(job, inputs)
+            with torch.enable_grad():
+                rep = replicas[layer - t.start : layer - t.start + 1]
+                out = self._layers(job, j, rep, x, timer=timer, first=layer)
+                del x
+                self._differentiate(out, g, timer, layer + 1)
+            del out, g
+            if timer is not None:
+                timer.boundary.setdefault(layer, timer.watch.mark())
+        return leaves
+
     def _fused(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
         t, call = job.task, job.call
-        x = self._fetch(job, t.reads[0], j)
-        x, leaves = self._leaves(x) if t.start > 0 or call.input_grad else (x, [])
-        timer = self._timer(job, leaves)
+        inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
+        base, x, leaves = self._top_input(job, inputs)
+        timer = self._timer(job, leaves, base)
         mark = self._mark()
         labels, loss_fn, finish = call.labels[j], call.loss_fn, None
         if loss_fn is not None:
@@ -735,7 +812,9 @@ class Worker:
                 return loss_fn(out, labels)
 
         with torch.enable_grad():
-            loss = self._layers(job, j, replicas, x, timer=timer, finish=finish)
+            top = replicas[base - t.start :]
+            loss = self._layers(job, j, top, x, timer=timer, finish=finish, first=base)
+            del x
             with self.ctx.on(self.ctx.compute), self._guard():
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     what = (
@@ -759,48 +838,44 @@ class Worker:
                     # in fp32: an fp16 loss times a 2^16 loss scale would overflow
                     with self._guard():
                         (weighted.float() * call.scale).backward()
+            del loss, weighted
+        leaves = self._descend(job, j, replicas, inputs, leaves, timer)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)
         self._fetch_ahead(job, nxt)
 
     def _backward(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
-        t, call = job.task, job.call
-        x = self._fetch(job, t.reads[0], j)
-        x, leaves = self._leaves(x) if t.start > 0 or call.input_grad else (x, [])
-        timer = self._timer(job, leaves)
+        t = job.task
+        inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
+        base, x, leaves = self._top_input(job, inputs)
+        timer = self._timer(job, leaves, base)
         mark = self._mark()
         with torch.enable_grad():
             # recompute from the saved input: it is there long before the gradient
-            out = self._layers(job, j, replicas, x, timer=timer)
+            out = self._layers(job, j, replicas[base - t.start :], x, timer=timer, first=base)
+            del x
             self._record(job, j, "R", mark)
             self._fetch_ahead(job, nxt)  # the next input goes up meanwhile
             g = self._fetch(job, t.reads[1], j)
             mark = self._mark()
-            outs, grads = [], []
-            for o, gg in zip(flatten_tensors(out), g, strict=True):
-                if gg is not None and o.requires_grad:
-                    outs.append(o)
-                    grads.append(gg)
-            if outs:
-                with self.ctx.on(self.ctx.compute):
-                    if timer is not None:
-                        timer.boundary[t.stop] = timer.watch.mark()
-                    self.protocol.chaos("backward")
-                    with self._guard():
-                        torch.autograd.backward(outs, grads)
+            self._differentiate(out, g, timer, t.stop)
+            del out, g
+        leaves = self._descend(job, j, replicas, inputs, leaves, timer)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)
 
     # ------------------------------------------------------------ profiling
-    def _timer(self, job: Job, leaves: list | None = None) -> LayerTimer | None:
+    def _timer(
+        self, job: Job, leaves: list | None = None, start: int | None = None
+    ) -> LayerTimer | None:
         if job.call.profiler is None:
             return None
         timer = LayerTimer(Stopwatch(self.ctx.is_cuda, self.ctx.compute))
         first = next((v for v in leaves or () if v is not None), None)
-        if first is not None:  # the stage's backward ends when its input's gradient arrives
-            first.register_hook(timer.hook(job.task.start))
+        if first is not None:  # the backward from ``start`` up ends when its input gradient arrives
+            first.register_hook(timer.hook(job.task.start if start is None else start))
         return timer
 
     def _report(self, job: Job, timer: LayerTimer | None) -> None:

@@ -41,7 +41,16 @@ def engine(layers, n, m, plan=None, **kw):
 
 
 # -------------------------------------------------------------------- MLP
-MLP_PLANS = [None, "|7|", "1,1,1,1,1,1|1|1,1,1,1,1,1", "4,2|1|3,3", "2,2,2|1|1,2,3", "6|1|6"]
+MLP_PLANS = [
+    None,
+    "|7|",
+    "1,1,1,1,1,1|1|1,1,1,1,1,1",
+    "4,2|1|3,3",
+    "2,2,2|1|1,2,3",
+    "6|1|6",
+    "4,2|1|3,3|layered",
+    "|7||layered",
+]
 
 
 @pytest.mark.parametrize("plan", MLP_PLANS)
@@ -85,6 +94,8 @@ TRANSFORMER_PLANS = [
     "3,2|1|2,2,1",
     "2,3|1|1,1,3",
     "1,2|3|1,2",
+    "1,2|3|1,2|layered",
+    "3,2|1|2,3|layered",
 ]
 
 
@@ -105,7 +116,13 @@ def test_transformer_with_dropout_matches_seeded_reference(plan, n):
 def test_dropout_results_do_not_depend_on_device_count_or_plan():
     ids, labels = lm_batch(8)
     results = []
-    for n, plan in [(1, "|6|"), (4, "1,1,1,1,1|1|1,1,1,1,1"), (2, "3,2|1|2,2,1"), (3, None)]:
+    for n, plan in [
+        (1, "|6|"),
+        (4, "1,1,1,1,1|1|1,1,1,1,1"),
+        (2, "3,2|1|2,2,1"),
+        (3, None),
+        (2, "3,2|1|3,2|layered"),
+    ]:
         layers = transformer(dropout=0.3)
         with engine(layers, n, 4, plan, seed=3) as eng:
             for _ in range(2):  # second iteration: new masks, still device-independent
@@ -154,7 +171,9 @@ def test_frozen_parameters_get_no_gradient_or_buffer():
 
 
 # ------------------------------------------------- tuple / dict activations
-@pytest.mark.parametrize("plan", [None, "1,1,1,1,1|1|1,1,1,1,1", "2,3|1|3,2", "|6|"])
+@pytest.mark.parametrize(
+    "plan", [None, "1,1,1,1,1|1|1,1,1,1,1", "2,3|1|3,2", "|6|", "2,3|1|3,2|layered"]
+)
 @pytest.mark.parametrize("n", [1, 3])
 def test_tuple_and_dict_activations(plan, n):
     layers = structured()
@@ -836,9 +855,9 @@ def test_synchronize_waits_for_calls_queued_behind_a_step():
         assert ran == ["scheduler"]
 
 
-class _ScaleInPlace(nn.Module):
-    def forward(self, x):
-        return x.mul_(2.0)
+class _SquashInPlace(nn.Module):
+    def forward(self, x):  # its gradient depends on the input: a changed input shows
+        return x.mul_(2.0).tanh() * 1.0  # (the next layer writes its input in place)
 
 
 def _in_place_layers():
@@ -848,7 +867,7 @@ def _in_place_layers():
             nn.Linear(8, 16),
             nn.ReLU(inplace=True),
             nn.Linear(16, 16),
-            _ScaleInPlace(),
+            _SquashInPlace(),
             nn.Hardtanh(inplace=True),
             nn.Linear(16, 4),
         )
@@ -856,13 +875,24 @@ def _in_place_layers():
 
 
 @pytest.mark.parametrize(
-    "plan", ["1,1,1,1,1|1|1,1,1,1,1", "2,1,2|1|1,1,1,1,1", "|6|", "1,2|3|2,1", "4|2|1,3"]
+    "plan",
+    [
+        "1,1,1,1,1|1|1,1,1,1,1",
+        "2,1,2|1|1,1,1,1,1",
+        "|6|",
+        "1,2|3|2,1",
+        "4|2|1,3",
+        "4|2|1,3|layered",
+        "1,4|1|5|layered",
+        "|6||layered",
+    ],
 )
 @pytest.mark.parametrize("n", [1, 3])
 def test_layers_that_change_their_input_in_place(plan, n):
     """A layer that writes its input in place (ReLU(inplace=True), x.mul_())
     at the start of any stage, or right after a boundary saved inside one, never
-    changes a value another task reads: results equal plain PyTorch."""
+    changes a value another task reads, nor (in a layered stage) the input its
+    first pass kept for the recompute: results equal plain PyTorch."""
     layers = _in_place_layers()
     ref = nn.Sequential(*copy.deepcopy(layers))
     x, y = torch.randn(8, 8), torch.randn(8, 4)
