@@ -37,6 +37,7 @@ from torch import nn
 from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
 from ..plan.decide import initial_plan, plan_for_activations
 from ..plan.schedule import readers_of
+from ..runtime.host import HOST_ACTIVATION_SHARE
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .causal_lm import CausalLMAdapter
@@ -282,12 +283,15 @@ def _gradient_bytes(layers: list[nn.Module]) -> list[int]:
 
 def boundary_bytes(plan: Any, tokens: int, hidden: int, element: int) -> int:
     """Host bytes one micro-batch of ``tokens`` tokens keeps between stages
-    under ``plan``: the hidden states (``element`` bytes each) and positions
-    at every stage input some stage reads, the backward stages' inputs
-    included (with forward stages larger than backward ones, the forward pass
-    saves those from inside its stages)."""
-    cuts = [k for k in readers_of(plan.stages) if k > 0]
-    return tokens * (hidden * element + 8) * len(cuts)
+    under ``plan`` at most: the hidden states (``element`` bytes each) and
+    positions of every boundary value it holds
+    (:meth:`~..plan.StagePlan.boundaries_per_microbatch`)."""
+    return _value_bytes(tokens, hidden, element) * plan.boundaries_per_microbatch()
+
+
+def _value_bytes(tokens: int, hidden: int, element: int) -> int:
+    """One layer input of a micro-batch: hidden states and positions."""
+    return tokens * (hidden * element + 8)
 
 
 def estimate(
@@ -357,10 +361,19 @@ def estimate(
             models[key] = adapter.activation_model(dtype, applied, loss=True, prepare=real)
         return models[key]
 
-    def plan_at(s: int, b: int) -> tuple[Any, list[float], float]:
+    state = host_state_bytes(model, precision, frozen_dtype)
+    hidden = int(config.hidden_size)
+    # what a micro-batch's boundary values may take on the host: the engine's
+    # default share of what the model state leaves, split over the batch
+    host_room = (
+        None if host_memory is None else HOST_ACTIVATION_SHARE * max(0.0, host_memory - state) / m
+    )
+
+    def plan_at(s: int, b: int, host: bool = True) -> tuple[Any, list[float], float]:
         """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
         the bytes a stage may use with it (more than half the GPU when long
-        sequences leave the next stage's weights less room)."""
+        sequences leave the next stage's weights less room); with ``host``,
+        a plan whose boundary values fit the host (layered if need be)."""
         act = activations(s * b)
         start = initial_plan(
             sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
@@ -376,24 +389,26 @@ def estimate(
             async_optimizer=async_optimizer,
             memory_limit=limit,
             device_budget=budget_all,
+            boundary=_value_bytes(s * b, hidden, size),
+            host_limit=host_room if host else None,
         )
         return decision.plan, decision.peaks, decision.memory_limit
 
-    state = host_state_bytes(model, precision, frozen_dtype)
-
     def boundaries(s: int, b: int, plan: Any) -> int:
-        return boundary_bytes(plan, s * b, int(config.hidden_size), size) * m
+        return boundary_bytes(plan, s * b, hidden, size) * m
 
     def fits(s: int, host: bool = True) -> bool:
         """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
         ``host``, the host memory when it is given)."""
         try:
-            plan, peaks, room = plan_at(s, 1)
+            plan, peaks, room = plan_at(s, 1, host)
         except PlanError:
             return False
         if max(peaks) > room:
             return False
-        return not host or host_memory is None or state + boundaries(s, 1, plan) <= host_memory
+        if not host or host_room is None:
+            return True
+        return boundary_bytes(plan, s, hidden, size) <= host_room
 
     ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
     search = max(ceiling, 1 << 22)
@@ -430,6 +445,14 @@ def estimate(
         notes.append(
             f"frozen weights loaded in {name} (from_pretrained(..., dtype=torch.{name})) are "
             f"their own master copy: host state {gib(compute_state)} instead of {gib(state)}"
+        )
+    if plan.layered:
+        extra = sum(st.extra_forward(timed) for st in plan.stages)
+        notes.append(
+            f"layered plan: its backward stages recompute one layer at a time (a second "
+            f"forward: {extra / (sum(plan.stage_times(timed)) - extra):.0%} more compute) so "
+            f"that a micro-batch keeps {plan.boundaries_per_microbatch()} boundary values on "
+            "the host"
         )
     if longest and longest >= ceiling:
         notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")

@@ -268,9 +268,10 @@ def _plan_within_host(
     plans and of layered ones, or None.
 
     Layered plans are partitioned with a per-layer figure that bounds their
-    peaks: a layered stage keeps its layers' inputs and one layer's saved
-    and transient bytes, so stages within ``limit`` less the largest layer's
-    working set by the sum of each layer's weights and input fit; its
+    peaks: a layered stage of ``k`` layers keeps ``k - 1`` layer inputs and
+    one layer's saved and transient bytes, so stages within ``limit`` less
+    the largest layer's working set plus the smallest input, by the sum of
+    each layer's weights and input, fit; its
     backward time is charged a second forward of every layer (the exact
     times, one layer less per stage, rank the candidates)."""
     assert estimates.memory is not None
@@ -291,7 +292,10 @@ def _plan_within_host(
         weight_bytes=estimates.weight_bytes,
     )
     candidates: list[StagePlan] = []
-    for costs, room, flag in ((plain, limit, False), (layered, limit - work, True)):
+    # a layered stage of k layers keeps k - 1 inputs: the sum of k figures
+    # overcounts one, which the room gives back
+    room = limit - work + min(inputs, default=0.0)
+    for costs, room, flag in ((plain, limit, False), (layered, room, True)):
         if room <= 0:
             continue
         try:

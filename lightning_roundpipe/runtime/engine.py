@@ -734,6 +734,18 @@ class RoundPipeEngine:
         return write_trace(self._rt.trace, directory, iterations, measured_costs=measured)
 
     @property
+    def boundary_bytes(self) -> int:
+        """Host bytes of the stage-boundary values the last training
+        iteration's forward stages wrote for later stages (0 before any; call
+        after :meth:`synchronize`). With one micro-batch and one device it is
+        about what the host held at the iteration's peak."""
+        sched = self._last_train
+        if sched is None:
+            return 0
+        with self._rt.store.lock:
+            return int(self._rt.kept.get(sched.iteration, 0))
+
+    @property
     def last_schedule(self) -> Schedule | None:
         """The schedule of the last training iteration (with the clock's
         prediction of its timeline when recording a trace)."""

@@ -214,3 +214,103 @@ def test_after_measurement_re_partitions_within_the_weight_cap_or_warns():
         ones, heavy, est, 2, 4, user_plan=False, memory_limit=130, weight_cap=15, **kw
     )
     assert not d.changed and d.warning
+
+
+# ------------------------------------------------------------ layered plans
+def test_a_layered_stage_keeps_its_layers_inputs_and_one_layers_working_set():
+    from lightning_roundpipe.plan.decide import stage_peaks
+
+    est = costs()
+    saved, transient, inputs = [1.0] * 8, [0.5] * 7 + [3.0], [2.0] * 8
+    plain = StagePlan.parse("4,3|1|3,4", 8)
+    layered = StagePlan.parse("4,3|1|3,4|layered", 8)
+    # forward and one-layer stages as before; B2 (layers 4-6): 30 + 2 inputs
+    # (layers 5, 6) + one layer's 1 + 0.5; B3 (layers 0-3): 40 + 3 x 2 + 1.5
+    assert stage_peaks(layered, est, saved, transient, inputs) == [40.5, 30.5, 14, 35.5, 47.5]
+    assert stage_peaks(plain, est, saved, transient, inputs) == stage_peaks(
+        plain, est, saved, transient
+    )
+    with pytest.raises(PlanError, match="need the bytes of each layer's input"):
+        stage_peaks(layered, est, saved, transient)
+
+
+def test_host_need_counts_the_boundaries_a_micro_batch_keeps():
+    from lightning_roundpipe.plan.decide import host_need
+
+    ones = StagePlan.parse("1,1,1,1,1,1,1|1|1,1,1,1,1,1,1", 8)
+    # layers 1..7 kept for backward stages; no forward-only boundary
+    assert ones.kept_boundaries() == list(range(1, 8))
+    assert host_need(ones, 10.0) == 70.0
+    # "4,3|1|2,2,3": backward stages start at 7 (fused), 5, 3, 0 -> 7, 5, 3 kept;
+    # forward stage F2 reads layer 4's input, which no backward stage reads
+    plan = StagePlan.parse("4,3|1|2,2,3", 8)
+    assert plan.kept_boundaries() == [3, 5, 7] and plan.boundaries_per_microbatch() == 4
+
+
+def test_host_memory_that_one_layer_stages_exceed_gets_a_layered_plan():
+    """One-layer stages fit the device but keep too many boundary values on
+    the host; plain multi-layer backward stages would not fit the device, so
+    the plan gets layered backward stages that fit both, and the reason says
+    so. The time it costs is charged: the plan's stages take longer."""
+    from lightning_roundpipe.plan.decide import host_need, plan_for_activations, stage_peaks
+
+    est = costs(n=10, memory=1.0)
+    ones = StagePlan.parse("1,1,1,1,1,1,1,1,1|1|1,1,1,1,1,1,1,1,1", 10)
+    saved, transient, boundary = [20.0] * 10, [10.0] * 10, 5.0
+    kw = dict(user_plan=False, async_optimizer=True, memory_limit=45.0, boundary=boundary)
+    # one-layer stages: 31 bytes each; two plain layers would need 52 > 45
+    fine = plan_for_activations(ones, est, saved, transient, 1, 1, **kw, host_limit=1000.0)
+    assert fine.plan is ones and not fine.warning
+    tight = plan_for_activations(ones, est, saved, transient, 1, 1, **kw, host_limit=25.0)
+    plan = tight.plan
+    assert plan.layered and not tight.warning
+    assert host_need(plan, boundary) <= 25.0 < host_need(ones, boundary)
+    assert max(stage_peaks(plan, est, saved, transient, [boundary] * 10)) <= 45.0
+    assert max(tight.peaks) <= 45.0
+    assert "boundary values of 5 bytes per micro-batch on the host, over the 25" in tight.reason
+    assert "backward stages recompute one layer at a time" in tight.reason
+    # the second forward is in the stage times the simulator and clock use
+    bwd = [st for st in plan.stages if st.kind == "backward" and st.num_layers > 1]
+    assert bwd and all(
+        st.time(est) == est.recompute_backward_time(st.start, st.stop)
+        + est.forward_time(st.start, st.stop - 1)
+        for st in bwd
+    )
+    # a host limit nothing meets: kept, with a warning naming the option
+    none = plan_for_activations(ones, est, saved, transient, 1, 1, **kw, host_limit=4.0)
+    assert none.plan is ones and none.warning
+    assert "raise device_memory_limit or activation_memory (host memory)" in none.reason
+
+
+def test_host_memory_with_room_on_the_device_gets_plain_larger_stages():
+    """Where plain multi-layer backward stages fit the device, the plan with
+    fewer boundary values needs no second forward."""
+    from lightning_roundpipe.plan.decide import host_need, plan_for_activations
+
+    est = costs(n=10, memory=1.0)
+    ones = StagePlan.parse("1,1,1,1,1,1,1,1,1|1|1,1,1,1,1,1,1,1,1", 10)
+    kw = dict(user_plan=False, async_optimizer=True, memory_limit=200.0, boundary=5.0)
+    got = plan_for_activations(ones, est, [20.0] * 10, [10.0] * 10, 1, 1, **kw, host_limit=25.0)
+    assert not got.plan.layered and host_need(got.plan, 5.0) <= 25.0 and max(got.peaks) <= 200
+
+
+def test_after_measurement_keeps_a_layered_plan_and_the_host_limit():
+    est = costs()
+    layered = StagePlan.parse("4,3|1|3,4|layered", 8)
+    kw = dict(
+        user_plan=False,
+        async_optimizer=True,
+        round_size=None,
+        memory_limit=None,
+        size_limit=None,
+        margin=0.05,
+    )
+    kept = after_measurement(layered, est, est, 2, 4, **kw)
+    assert kept.plan is layered and not kept.changed and "kept the layered plan" in kept.reason
+    # a measured best plan whose boundary values exceed the host limit is not taken
+    slow = StagePlan.parse("7|1|7", 8)
+    best = after_measurement(slow, est, est, 2, 4, **kw)
+    assert best.changed and best.plan == StagePlan.parse("4|4|4")  # one boundary value
+    held = after_measurement(slow, est, est, 2, 4, **kw, boundary=10.0, host_limit=5.0)
+    assert held.plan is slow and not held.changed
+    assert "keeps 10 bytes of boundary values per micro-batch on the host, over the 5" in held.reason

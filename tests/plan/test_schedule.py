@@ -125,6 +125,21 @@ def test_recompute_starts_before_the_gradient_arrives():
     assert segs[("B2", "B")].start >= segs[("B1", "B")].end
 
 
+def test_the_clock_charges_a_layered_stage_its_second_forward():
+    costs = LayerCosts([1, 1, 1, 3], [2, 2, 2, 6])
+    times = {}
+    for text in ("2|2|2", "2|2|2|layered"):
+        clock = Clock(costs, 1, record=True)
+        sched = lower(StagePlan.parse(text), 1, 1, clock=clock)
+        layered = text.endswith("layered")
+        assert [t.layered for t in sched.tasks] == [False, layered, layered]
+        times[text] = {(s.stage, s.kind): s.end - s.start for s in clock.segments}
+    # the fused stage (layers 2-3) and B2 (layers 0-1): backward plus one layer's forward
+    assert times["2|2|2|layered"][("B1", "B")] == times["2|2|2"][("B1", "B")] + 1
+    assert times["2|2|2|layered"][("B2", "B")] == times["2|2|2"][("B2", "B")] + 1
+    assert times["2|2|2|layered"][("B2", "R")] == times["2|2|2"][("B2", "R")]
+
+
 def test_async_weights_wait_for_the_step_two_windows_back():
     costs = LayerCosts.uniform(3)
     plan = StagePlan.parse("2|1|1,1")

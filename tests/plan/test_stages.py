@@ -59,6 +59,7 @@ def test_describe_mentions_every_stage():
     ("text", "match"),
     [
         ("3,3|1", "expected three '|'-separated parts"),
+        ("3,3|1|3,3|tiled", "optionally followed by '|layered'"),
         ("3,a|1|3,3", "forward part '3,a' is not a comma-separated list of integers"),
         ("3|1,1|3", "the fused part must be one integer"),
         ("3,3|0|3,3", "the fused stage has 0 layers; it needs at least one layer"),
@@ -118,3 +119,21 @@ def test_from_ranges_checks_contiguity_and_coverage(forward, fused, backward, ma
     else:
         with pytest.raises(PlanError, match=match):
             StagePlan.from_ranges(forward, fused, backward)
+
+
+def test_layered_plans_round_trip_and_charge_the_second_forward():
+    plan = StagePlan.parse("3,2|2|2,3|layered", 7)
+    assert plan.layered and str(plan) == "3,2|2|2,3|layered"
+    assert StagePlan.parse(str(plan)) == plan != StagePlan.parse("3,2|2|2,3")
+    costs = LayerCosts([1, 2, 3, 4, 5, 6, 7], [10, 20, 30, 40, 50, 60, 70])
+    stages = {st.label: st for st in plan.stages}
+    assert [st.layered for st in plan.stages] == [False, False, True, True, True]
+    # forward stages as before; the fused stage and the backward ones run a
+    # second forward of every layer but their top one
+    assert stages["F1"].time(costs) == 6
+    assert stages["B1"].time(costs) == 6 + 7 + 60 + 70 + 6
+    assert stages["B2"].time(costs) == 4 + 5 + 40 + 50 + 4
+    assert stages["B3"].time(costs) == 1 + 2 + 3 + 10 + 20 + 30 + 1 + 2
+    assert "B3  recompute+backward by layer layers 0-2" in plan.describe()
+    with pytest.raises(PlanError, match="layered must be True or False"):
+        StagePlan((3,), 1, (3,), "yes")
