@@ -376,6 +376,22 @@ def test_router_loss_with_one_microbatch_trains_like_the_model(kind):
     trains_like_the_default_strategy(LM(model), sync(microbatches=1, plan="2,1|1|1,2"))
 
 
+@pytest.mark.parametrize(
+    ("kind", "plan"),
+    [("llama", "2|2|2|layered"), ("qwen3", "1|3|1|layered"), ("qwen3_moe", "1,2|1|3|layered")],
+)
+def test_layered_stages_train_like_the_default_strategy(kind, plan):
+    """Stages that recompute and differentiate one layer at a time (a plan
+    for too little host memory): the same losses and weights, the router
+    loss's statistics crossing layers inside such a stage too (one
+    micro-batch: the router loss of several is each one's own term)."""
+    if kind in MOE_AUX:
+        model, microbatches = tiny(kind, output_router_logits=True), 1
+    else:
+        model, microbatches = tiny(kind), 2
+    trains_like_the_default_strategy(LM(model), sync(microbatches=microbatches, plan=plan))
+
+
 def test_router_loss_of_several_microbatches_is_each_microbatchs_weighted_term():
     model = tiny("qwen3_moe", output_router_logits=True)
     ref = copy.deepcopy(model)

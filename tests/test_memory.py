@@ -122,26 +122,64 @@ def test_long_sequences_let_stages_take_more_than_half_of_the_gpu(caplog):
     assert "the next stage's weights need at most 1.5e+06" in caplog.text
 
 
-@pytest.mark.parametrize("plan", ["4|2|1,1,1,1", "2,2|2|2,2", "1,1,1,1|2|4"])
-def test_the_estimated_host_boundaries_are_what_a_step_keeps(plan):
-    """The estimate's host memory for boundary activations counts every stage
-    input a stage reads (the backward stages' too, which larger forward
-    stages save from inside): what the engine measures a step keeping, up to
-    the positions, which the estimate counts per sequence, the engine per
-    micro-batch."""
+@pytest.mark.parametrize(
+    "plan", ["4|2|1,1,1,1", "2,2|2|2,2", "1,1,1,1|2|4", "1,1,1,1|2|4|layered", "4|2|2,2|layered"]
+)
+def test_the_estimated_host_boundaries_bound_what_a_step_holds(plan):
+    """The estimate's host memory for boundary activations counts the inputs
+    of the backward stages (and the fused one) that a micro-batch keeps until
+    its backward, plus two values in flight between forward stages: at
+    least the most a step holds at once, and no more than every value it
+    writes, up to the positions, which the estimate counts per sequence, the
+    engine per micro-batch."""
     from lightning_roundpipe.models.estimate import boundary_bytes
     from lightning_roundpipe.plan import StagePlan
 
     model = tiny("llama", num_hidden_layers=4)
     ids = torch.randint(0, 101, (4, 24))
-    with attached_engine(model, plan=plan, tile_memory=None) as (_, eng):
+    # one device: both micro-batches' forward stages run before their backward
+    with attached_engine(model, 1, 2, plan=plan, tile_memory=None) as (_, eng):
         model(input_ids=ids, labels=ids).loss.backward()
         eng.synchronize()
-        kept = eng._boundary_per_sample * 4  # the step's 4 sequences
+        written, peak = eng.boundary_bytes, eng.boundary_peak
     predicted = 2 * boundary_bytes(
         StagePlan.parse(plan, 6), 2 * 24, model.config.hidden_size, 4
     )  # 2 micro-batches of 2 sequences, fp32
-    assert kept <= predicted <= 1.05 * kept
+    assert 0 < peak <= predicted <= 1.05 * written
+    if "4|2|" in plan:  # no forward-only boundary: all of it is held at once
+        assert predicted <= 1.05 * peak
+
+
+def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog):
+    """A block with its activations fits a stage, two plain ones do not; with
+    host memory (activation_memory) for fewer boundary values than one-layer
+    stages keep, the engine plans larger, layered backward stages before the
+    first step: the step holds fewer boundary bytes and its loss and
+    gradients equal plain PyTorch's."""
+    import copy
+
+    model = tiny("llama", max_position_embeddings=512, num_hidden_layers=6)
+    ids = torch.randint(0, 101, (2, 512))
+    ref = copy.deepcopy(model)
+    expected = ref(input_ids=ids, labels=ids).loss
+    expected.backward()
+    held = {}
+    for budget in (None, 400_000):  # one-layer stages keep 7 values of 139 KB
+        run = copy.deepcopy(model)
+        opts = dict(device_memory_limit=4_500_000, tile_memory=None, activation_memory=budget)
+        with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
+            with attached_engine(run, 1, 1, profile_iterations=0, **opts) as (_, eng):
+                loss = run(input_ids=ids, labels=ids).loss
+                loss.backward()
+                eng.synchronize()
+                assert eng.plan.layered == (budget is not None)
+                assert max(eng.predicted_peaks) <= 4_500_000
+                held[budget] = eng.boundary_peak
+        torch.testing.assert_close(loss, expected)
+        for (name, p), q in zip(run.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert 0 < held[400_000] <= 400_000 < held[None]
+    assert "backward stages recompute one layer at a time" in caplog.text
 
 
 def fit_peak(seq: int) -> tuple[int, int]:

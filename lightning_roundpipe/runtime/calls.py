@@ -119,6 +119,9 @@ class Runtime:
         self.done_keys: set[tuple] = set()
         self.written: set[tuple] = set()  # jobs whose running statistics are on the host
         self.kept: dict[int, int] = {}  # iteration -> bytes of boundary values written
+        # bytes of training boundary values on the host now, and the most so far
+        self.held = 0
+        self.held_peak = 0
         self.forbid_host_sync = False
         self.hooks: list[Any] = []  # on the user's parameters; removed at close
         self.closed = False
@@ -128,6 +131,12 @@ class Runtime:
             self.done += 1
             self.done_keys.add(job.key)
             self.store.lock.notify_all()
+
+    def hold(self, nbytes: int) -> None:
+        """Boundary values of ``nbytes`` bytes are now kept on the host (negative:
+        released by their last reader). Caller holds the store's lock."""
+        self.held += nbytes
+        self.held_peak = max(self.held_peak, self.held)
 
     def mark_written(self, job: Job) -> None:
         with self.store.lock:

@@ -746,6 +746,14 @@ class RoundPipeEngine:
             return int(self._rt.kept.get(sched.iteration, 0))
 
     @property
+    def boundary_peak(self) -> int:
+        """The most host bytes of training stage-boundary values held at once
+        since the engine started (written by a stage, not yet taken by their
+        last reader)."""
+        with self._rt.store.lock:
+            return int(self._rt.held_peak)
+
+    @property
     def last_schedule(self) -> Schedule | None:
         """The schedule of the last training iteration (with the clock's
         prediction of its timeline when recording a trace)."""

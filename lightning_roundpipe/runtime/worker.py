@@ -536,7 +536,7 @@ class Worker:
         if key not in self._ahead:
             self._ahead[key] = self._upload_input(job, key, name, j)
 
-    def _upload_input(self, job: Job, key: tuple, name: str, j: int) -> tuple[Any, Any]:
+    def _upload_input(self, job: Job, key: Key, name: str, j: int) -> tuple[Any, Any]:
         """Take a value from the store and start its upload; returns it and the
         event that says it is on the device."""
         ctx = self.ctx
@@ -563,6 +563,9 @@ class Worker:
 
         dev = map_tensors(up, host)
         self.rt.traffic.add(job.call.iteration, "acts_up", nbytes)
+        if last and job.call.train and key.kind == "act" and key.layer > 0:  # a stage wrote it
+            with self.store.lock:
+                self.rt.hold(-nbytes)
         return dev, ctx.record(ctx.act_up)
 
     def _save(self, job: Job, name: str, j: int, value: Any, fresh: bool) -> None:
@@ -590,6 +593,7 @@ class Worker:
         if key.kind == "act" and call.train:
             with self.store.lock:  # host memory the round's activations take
                 self.rt.kept[call.iteration] = self.rt.kept.get(call.iteration, 0) + nbytes
+                self.rt.hold(nbytes)
 
         def publish() -> None:
             self.protocol.chaos("download")

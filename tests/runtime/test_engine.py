@@ -1072,3 +1072,92 @@ def test_resuming_never_overwrites_a_frozen_weight():
         trained = eng._host.params[2]
         assert trained.trainable
         torch.testing.assert_close(trained.master, stale[2], atol=0, rtol=0)
+
+
+_CALLS: list = []  # (module level: the engine's replicas are deep copies)
+
+
+class _Logged(nn.Module):
+    """A layer that logs its forward calls (with or without autograd) and the
+    arrival of its output's gradient."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = torch.tanh(self.lin(x))
+        grad = torch.is_grad_enabled()
+        _CALLS.append(("fwd" if grad else "nograd", self.index))
+        if grad:
+            out.register_hook(lambda g: _CALLS.append(("bwd", self.index)))
+        return out
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(layered):
+    log = _CALLS
+    torch.manual_seed(0)
+    layers = [_Logged(i) for i in range(4)]
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    log.clear()
+    plan = "3|1|3" + ("|layered" if layered else "")
+    with engine(layers, 1, 1, plan, profile_iterations=0) as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, ref)
+    b2 = log[log.index(("bwd", 3)) + 1 :]  # after the fused stage: B2, layers 0-2
+    if layered:
+        # a first pass without autograd, then each layer's recompute right
+        # before its backward: one layer's autograd state at a time
+        assert b2 == [
+            ("nograd", 0),
+            ("nograd", 1),
+            ("fwd", 2),
+            ("bwd", 2),
+            ("fwd", 1),
+            ("bwd", 1),
+            ("fwd", 0),
+            ("bwd", 0),
+        ]
+    else:
+        assert b2 == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
+
+
+def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
+    """expect_activations with a boundary size and an activation_memory the
+    one-layer plan's boundary values exceed: the engine installs a layered
+    plan before the first step, its iteration keeps fewer boundary bytes on
+    the host, and training gives the same result as plain PyTorch."""
+    layers = transformer(num_blocks=6, dropout=0.0)
+    ref = copy.deepcopy(layers)
+    ids, labels = lm_batch(4)
+    expected = reference(ref, ids, labels, lm_loss, 1)
+    n = len(layers)
+    # one layer with its activations: 2e6 bytes; two plain layers 3e6, over the
+    # limit; a layered stage of k layers 2e6 + (k - 1) inputs of 2e5: three at most
+    saved, transient = [10**6] * n, [10**6] * n
+    kept = {}
+    for budget in (None, 600_000):  # one-layer stages keep 7 inputs: 1.4e6
+        kw = {"device_memory_limit": 2_500_000, "activation_memory": budget}
+        model = copy.deepcopy(layers)
+        with engine(model, 1, 1, None, profile_iterations=0, **kw) as eng:
+            peaks = eng.expect_activations(saved, transient, boundary=200_000)
+            assert max(peaks) <= 2_500_000
+            assert eng.plan.layered == (budget is not None)
+            assert eng.plan.boundaries_per_microbatch() * 200_000 <= (budget or 10**9)
+            assert max(st.num_layers for st in eng.plan.stages if st.kind != "forward") <= 3
+            loss = eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+            eng.synchronize()
+            kept[budget] = eng.boundary_bytes
+        torch.testing.assert_close(loss, expected)
+        assert_grads_equal(model, ref)
+    assert 0 < kept[600_000] < kept[None] / 2
+    with pytest.raises(ValueError, match="boundary must be a number of bytes >= 0"):
+        with engine(mlp(), 1, 1) as eng:
+            eng.expect_activations([0] * 7, [0] * 7, boundary=-1)
