@@ -167,14 +167,16 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog)
     for budget in (None, 400_000):  # one-layer stages keep 7 values of 139 KB
         run = copy.deepcopy(model)
         opts = dict(device_memory_limit=4_500_000, tile_memory=None, activation_memory=budget)
-        with caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"):
-            with attached_engine(run, 1, 1, profile_iterations=0, **opts) as (_, eng):
-                loss = run(input_ids=ids, labels=ids).loss
-                loss.backward()
-                eng.synchronize()
-                assert eng.plan.layered == (budget is not None)
-                assert max(eng.predicted_peaks) <= 4_500_000
-                held[budget] = eng.boundary_peak
+        with (
+            caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"),
+            attached_engine(run, 1, 1, profile_iterations=0, **opts) as (_, eng),
+        ):
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            eng.synchronize()
+            assert eng.plan.layered == (budget is not None)
+            assert max(eng.predicted_peaks) <= 4_500_000
+            held[budget] = eng.boundary_peak
         torch.testing.assert_close(loss, expected)
         for (name, p), q in zip(run.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -36,7 +36,6 @@ from torch import nn
 
 from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
 from ..plan.decide import initial_plan, plan_for_activations
-from ..plan.schedule import readers_of
 from ..runtime.host import HOST_ACTIVATION_SHARE
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs

@@ -294,8 +294,8 @@ def _plan_within_host(
     candidates: list[StagePlan] = []
     # a layered stage of k layers keeps k - 1 inputs: the sum of k figures
     # overcounts one, which the room gives back
-    room = limit - work + min(inputs, default=0.0)
-    for costs, room, flag in ((plain, limit, False), (layered, room, True)):
+    layered_room = limit - work + min(inputs, default=0.0)
+    for costs, room, flag in ((plain, limit, False), (layered, layered_room, True)):
         if room <= 0:
             continue
         try:

@@ -272,8 +272,8 @@ def test_host_memory_that_one_layer_stages_exceed_gets_a_layered_plan():
     # the second forward is in the stage times the simulator and clock use
     bwd = [st for st in plan.stages if st.kind == "backward" and st.num_layers > 1]
     assert bwd and all(
-        st.time(est) == est.recompute_backward_time(st.start, st.stop)
-        + est.forward_time(st.start, st.stop - 1)
+        st.time(est)
+        == est.recompute_backward_time(st.start, st.stop) + est.forward_time(st.start, st.stop - 1)
         for st in bwd
     )
     # a host limit nothing meets: kept, with a warning naming the option
@@ -313,4 +313,6 @@ def test_after_measurement_keeps_a_layered_plan_and_the_host_limit():
     assert best.changed and best.plan == StagePlan.parse("4|4|4")  # one boundary value
     held = after_measurement(slow, est, est, 2, 4, **kw, boundary=10.0, host_limit=5.0)
     assert held.plan is slow and not held.changed
-    assert "keeps 10 bytes of boundary values per micro-batch on the host, over the 5" in held.reason
+    assert "keeps 10 bytes of boundary values per micro-batch on the host, over the 5" in (
+        held.reason
+    )

@@ -1158,6 +1158,8 @@ def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
         torch.testing.assert_close(loss, expected)
         assert_grads_equal(model, ref)
     assert 0 < kept[600_000] < kept[None] / 2
-    with pytest.raises(ValueError, match="boundary must be a number of bytes >= 0"):
-        with engine(mlp(), 1, 1) as eng:
-            eng.expect_activations([0] * 7, [0] * 7, boundary=-1)
+    with (
+        pytest.raises(ValueError, match="boundary must be a number of bytes >= 0"),
+        engine(mlp(), 1, 1) as eng,
+    ):
+        eng.expect_activations([0] * 7, [0] * 7, boundary=-1)
