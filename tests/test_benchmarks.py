@@ -190,3 +190,13 @@ def test_frozen_base_measures_both_bases_in_their_own_processes():
     assert len(rows) == 2
     shared = [float(r.split("|")[-2]) for r in rows]
     assert shared[0] == 0 and shared[1] > 0  # only the bf16 base is its own master
+
+
+def test_layered_benchmark_reports_fewer_boundary_bytes_and_the_same_loss():
+    """The layered benchmark at a tiny size: the trial with less
+    activation_memory gets a layered plan that holds fewer boundary bytes
+    and reaches the same loss."""
+    one, limited = load("layered").compare(dict(seq=512, layers=4, hidden=32, vocab=200))
+    assert limited["plan"].endswith("|layered")
+    assert 0 < limited["peak"] <= 0.4 * one["peak"]
+    assert limited["losses"] == pytest.approx(one["losses"], rel=1e-5)
