@@ -30,9 +30,9 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import emit
+from report import RESIDENT, emit
 
-CHILD = textwrap.dedent(
+CHILD = RESIDENT + textwrap.dedent(
     """
     import gc, json, sys, time
     import lightning as L, torch, transformers
@@ -72,13 +72,7 @@ CHILD = textwrap.dedent(
         model(input_ids=ids[:1, :64])
     gc.collect()
 
-    def status(key):  # KiB, from Linux's /proc
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
+    before = restart_peak()
     strategy = RoundPipeStrategy(
         async_optimizer=False, num_microbatches=1, plan=s["plan"], tile_memory=None,
         device_memory_limit=s["device_memory_limit"], activation_memory=s["activation_memory"],
@@ -97,7 +91,7 @@ CHILD = textwrap.dedent(
                           predicted=[int(p) for p in e.predicted_peaks or []])
     trainer.callbacks.append(Keep())
     trainer.fit(fit, DataLoader(TensorDataset(ids), batch_size=1))
-    out = dict(engine, grown=(status("VmHWM") - before) * 1024, times=fit.times,
+    out = dict(engine, grown=(status("VmHWM") * 1024 - before), times=fit.times,
                losses=fit.losses)
     print("RESULT", json.dumps(out))
     """

@@ -23,11 +23,11 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import emit
+from report import RESIDENT, emit
 
 VOCAB = 32_000
 
-CHILD = textwrap.dedent(
+CHILD = RESIDENT + textwrap.dedent(
     """
     import gc, json, sys
     import lightning as L, torch, transformers
@@ -67,15 +67,7 @@ CHILD = textwrap.dedent(
         model(input_ids=ids[:, :64])
     gc.collect()
 
-    def status(key):  # KiB, from Linux's /proc
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
-
-    # the high-water mark restarts here: what imports and set-up peaked at
-    # earlier would otherwise hide part of the fit's rise
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
+    before = restart_peak()
     strategy = RoundPipeStrategy(
         async_optimizer=False, num_microbatches=1, tile_memory=s["tile_memory"],
         device_memory_limit=s["device_memory_limit"], profile_iterations=0,
@@ -86,7 +78,7 @@ CHILD = textwrap.dedent(
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(fit, DataLoader(TensorDataset(ids), batch_size=s["batch"]))
-    print("PEAK", (status("VmHWM") - before) * 1024, fit.peak)
+    print("PEAK", (status("VmHWM") * 1024 - before), fit.peak)
     """
 )
 
