@@ -283,6 +283,9 @@ def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(t
     args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", host)
     assert "fits: yes" in run_cli(*args, "--seq", longest)[1]
     assert "fits: NO" in run_cli(*args, "--seq", int(longest * 1.25))[1]
+    # less host memory than the model state: nothing fits, whatever the plan
+    code, text = run_cli(path, "--gpu-memory", 1.25, "--host-memory", state / 2)
+    assert "longest sequence at micro-batch 1: 0 tokens" in text and "fits: NO" in text
 
 
 def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
 from ..plan.decide import initial_plan, plan_for_activations
+from ..plan.policy import choose_round
 from ..runtime.host import HOST_ACTIVATION_SHARE
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
@@ -362,11 +363,12 @@ def estimate(
 
     state = host_state_bytes(model, precision, frozen_dtype)
     hidden = int(config.hidden_size)
-    # what a micro-batch's boundary values may take on the host: the engine's
-    # default share of what the model state leaves, split over the batch
-    host_room = (
-        None if host_memory is None else HOST_ACTIVATION_SHARE * max(0.0, host_memory - state) / m
-    )
+    # what one micro-batch's boundary values may take on the host before the
+    # plan changes, as the engine decides it (80% of what the model state
+    # leaves), and a round's, as it sizes rounds (a quarter); None: unchecked
+    spare = None if host_memory is None else host_memory - state
+    host_room = None if spare is None else HOST_ACTIVATION_SHARE * max(0.0, spare)
+    round_budget = None if spare is None else max(1, int(spare // 4))
 
     def plan_at(s: int, b: int, host: bool = True) -> tuple[Any, list[float], float]:
         """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
@@ -393,9 +395,6 @@ def estimate(
         )
         return decision.plan, decision.peaks, decision.memory_limit
 
-    def boundaries(s: int, b: int, plan: Any) -> int:
-        return boundary_bytes(plan, s * b, hidden, size) * m
-
     def fits(s: int, host: bool = True) -> bool:
         """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
         ``host``, the host memory when it is given)."""
@@ -405,9 +404,9 @@ def estimate(
             return False
         if max(peaks) > room:
             return False
-        if not host or host_room is None:
+        if not host or spare is None:
             return True
-        return boundary_bytes(plan, s, hidden, size) <= host_room
+        return spare > 0 and boundary_bytes(plan, s, hidden, size) <= host_room
 
     ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
     search = max(ceiling, 1 << 22)
@@ -423,11 +422,21 @@ def estimate(
     if seq is None:
         seq = max(1, min(longest, ceiling) if longest else 1)
     plan, peaks, room = plan_at(seq, micro_batch)
-    acts = boundaries(seq, micro_batch, plan)
+    per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
+    rounds = choose_round(m, boundary_bytes=per_mb, budget=round_budget)
+    acts = per_mb * rounds.round_size
     host = {"state": float(state), "activations": float(acts), "total": float(state + acts)}
     fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
     timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
-    sim = simulate("roundpipe", timed, gpus, m, plan=plan, async_optimizer=async_optimizer)
+    sim = simulate(
+        "roundpipe",
+        timed,
+        gpus,
+        m,
+        plan=plan,
+        async_optimizer=async_optimizer,
+        microbatches_per_round=rounds.round_size,
+    )
     # one step: the busy time spread over the GPUs, idle for the bubble (back to
     # back with the asynchronous optimizer, one iteration's makespan without)
     bubble = sim.async_bubble_ratio if async_optimizer else sim.bubble_ratio
@@ -444,6 +453,12 @@ def estimate(
         notes.append(
             f"frozen weights loaded in {name} (from_pretrained(..., dtype=torch.{name})) are "
             f"their own master copy: host state {gib(compute_state)} instead of {gib(state)}"
+        )
+    if rounds.round_size < m:
+        notes.append(
+            f"rounds of {rounds.round_size} micro-batches: a whole batch's boundary "
+            f"activations ({gib(per_mb * m)}) exceed a quarter of the host memory the model "
+            "state leaves, so each stage's weights go up once per round"
         )
     if plan.layered:
         extra = sum(st.extra_forward(timed) for st in plan.stages)

@@ -151,9 +151,9 @@ def stage_peaks(
     largest ``transient`` among its layers (one layer works at a time). A
     layered backward or fused stage keeps the ``inputs`` (bytes of each layer's input
     value) of its layers above the first instead, and one layer's saved and
-    transient bytes at a time."""
-    if plan.layered and inputs is None:
-        raise PlanError(f"the peaks of layered plan {plan} need the bytes of each layer's input")
+    transient bytes at a time (inputs unknown: counted like a stage that is
+    not layered, whose layers' saved bytes include what they keep of their
+    inputs)."""
     out = []
     for st, size in zip(plan.stages, plan.stage_memory(estimates), strict=True):
         a, b = st.start, st.stop
@@ -537,11 +537,13 @@ def after_measurement(
     measured costs do not model its layer-by-layer backward."""
     n, m, limit = num_devices, num_microbatches, memory_limit
     if current.layered:
+        # (measured memory adds up every layer's activations: not what a
+        # layered stage holds, so no over-limit verdict either)
         return Measured(
             current,
             False,
-            f"kept the layered plan {current} after measuring (it keeps the boundary values "
-            "within the host memory they may take)",
+            f"kept the layered plan {current} after measuring (re-partitioning from "
+            "measurements does not model stages that recompute one layer at a time)",
         )
     over = None
     if limit is not None and measured.memory is not None:
@@ -591,7 +593,14 @@ def after_measurement(
             False,
             f"kept plan {current} after measuring: the best plan {best} keeps "
             f"{host_need(best, boundary):.4g} bytes of boundary values per micro-batch on the "
-            f"host, over the {host_limit:.4g} they may take (activation_memory)",
+            f"host, over the {host_limit:.4g} they may take (activation_memory)"
+            + (
+                ""
+                if over is None
+                else f"; stage {over[0]} needs about {over[1]} bytes with its "
+                f"measured activations, over the limit of {limit}: expect an out-of-memory error"
+            ),
+            warning=over is not None,
         )
     if weight_cap is not None and _max_weights(best, estimates) > weight_cap:
         return Measured(

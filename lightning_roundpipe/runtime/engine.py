@@ -597,10 +597,11 @@ class RoundPipeEngine:
             raise ValueError(f"expect_activations needs one value per pipeline layer ({n})")
         if boundary is not None and not boundary >= 0:
             raise ValueError(f"boundary must be a number of bytes >= 0, got {boundary!r}")
-        self._boundary = boundary
+        if boundary is not None:
+            self._boundary = boundary
+        boundary = self._boundary  # (not given: the last one told)
         inputs = None if boundary is None else [float(boundary)] * n
-        if self._replanned or (self.plan.layered and boundary is None):
-            # measured activations decide the plan from now on
+        if self._replanned:  # measured activations decide the plan from now on
             self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient, inputs)
             return self.predicted_peaks
         decision = plan_for_activations(

@@ -352,6 +352,12 @@ class LayerReplica:
             out[idx] = owner._buffers[attr]
         return out  # type: ignore[return-value]
 
+    def restore_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Point the replica's buffers at ``buffers`` again (copies taken with
+        :meth:`current_buffers` before a call whose updates must not count)."""
+        for owner, attr, idx in self._buffer_owners:
+            owner._buffers[attr] = buffers[idx]
+
     def unbind(self) -> None:
         for owner, attr, placeholder in self._placeholders:
             owner._parameters[attr] = placeholder

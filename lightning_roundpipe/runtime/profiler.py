@@ -90,13 +90,17 @@ def named(name: str) -> Any:
 
 class LayerTimer:
     """Timing of one micro-batch through one stage: forward marks per layer,
-    backward boundary marks (gradient arrival at each layer's input/output),
-    and the bytes each layer's forward saved for its backward."""
+    backward boundary marks (gradient arrival at each layer's input/output) or
+    a layer's own backward marks, and the bytes each layer's forward saved for
+    its backward."""
 
     def __init__(self, watch: Stopwatch) -> None:
         self.watch = watch
         self.forward: dict[int, tuple[int, int]] = {}
         self.boundary: dict[int, int] = {}
+        # a layer's backward marked on its own (a layered stage recomputes the
+        # layer below between two layers' backward): preferred to the boundaries
+        self.backward: dict[int, tuple[int, int]] = {}
         self.saved: dict[int, int] = {}
 
     def hook(self, boundary: int):
@@ -112,6 +116,9 @@ class LayerTimer:
         fwd = [(layer, w.elapsed(a, b)) for layer, (a, b) in self.forward.items()]
         bwd = []
         for layer in range(start, stop):
+            if layer in self.backward:
+                bwd.append((layer, w.elapsed(*self.backward[layer])))
+                continue
             top, bottom = self.boundary.get(layer + 1), self.boundary.get(layer)
             if top is not None and bottom is not None:
                 bwd.append((layer, w.elapsed(top, bottom)))

@@ -728,21 +728,21 @@ class Worker:
         """A layered stage (:class:`~lightning_roundpipe.plan.stages.StagePlan`)
         starts with its layers but the top one forward without autograd, each on
         a copy of its input (a layer may write its input in place), and keeps
-        every layer's input for the recompute one layer at a time. Without
+        every layer's input for the recompute one layer at a time. The layers'
+        buffers are put back afterwards: running statistics count the
+        recompute's update only, as in a stage that is not layered. Without
         layering: just the stage input."""
         t = job.task
         inputs = [x]
         if not t.layered or len(replicas) < 2:
             return inputs
-
-        def copy(v: torch.Tensor) -> torch.Tensor:
-            return v.clone() if v.is_floating_point() or v.is_complex() else v
-
         with torch.no_grad():
-            for off in range(len(replicas) - 1):
+            for off, rep in enumerate(replicas[:-1]):
                 with self.ctx.on(self.ctx.compute):
-                    value = map_tensors(copy, inputs[-1])
-                out = self._layers(job, j, replicas[off : off + 1], value, first=t.start + off)
+                    value = map_tensors(torch.clone, inputs[-1])
+                    buffers = [b.clone() for b in rep.current_buffers()]
+                out = self._layers(job, j, [rep], value, first=t.start + off)
+                rep.restore_buffers(buffers)
                 inputs.append(out)
         return inputs
 
@@ -778,14 +778,17 @@ class Worker:
         j: int,
         replicas: list[LayerReplica],
         inputs: list[Any],
-        leaves: list,
+        upper: list[list],
         timer: LayerTimer | None,
     ) -> list:
         """The rest of a layered stage below its top layer: from the top down,
         each layer recomputed from the input its first pass kept, with
         autograd, and differentiated at once (one layer's autograd state on
-        the device at a time). Returns the stage input's leaves."""
+        the device at a time). ``upper``: the top layer's input leaves, in a
+        list this pops (so that nothing else keeps them and their gradients
+        alive). Returns the stage input's leaves."""
         t = job.task
+        leaves = upper.pop()
         while inputs:
             g = [None if v is None else v.grad for v in leaves]
             layer, x, leaves = self._top_input(job, inputs)
@@ -793,18 +796,19 @@ class Worker:
                 rep = replicas[layer - t.start : layer - t.start + 1]
                 out = self._layers(job, j, rep, x, timer=timer, first=layer)
                 del x
-                self._differentiate(out, g, timer, layer + 1)
+                start = timer.watch.mark() if timer is not None else None
+                self._differentiate(out, g, None, layer + 1)
             del out, g
-            if timer is not None:
-                timer.boundary.setdefault(layer, timer.watch.mark())
+            if timer is not None:  # this layer's backward alone (not the recompute below)
+                timer.backward[layer] = (start, timer.watch.mark())
         return leaves
 
     def _fused(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
         t, call = job.task, job.call
+        mark = self._mark()
         inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
         base, x, leaves = self._top_input(job, inputs)
         timer = self._timer(job, leaves, base)
-        mark = self._mark()
         labels, loss_fn, finish = call.labels[j], call.loss_fn, None
         if loss_fn is not None:
             if labels is not None:
@@ -843,7 +847,9 @@ class Worker:
                     with self._guard():
                         (weighted.float() * call.scale).backward()
             del loss, weighted
-        leaves = self._descend(job, j, replicas, inputs, leaves, timer)
+        if inputs:
+            box, leaves = [leaves], []
+            leaves = self._descend(job, j, replicas, inputs, box, timer)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)
@@ -851,10 +857,10 @@ class Worker:
 
     def _backward(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
         t = job.task
+        mark = self._mark()
         inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
         base, x, leaves = self._top_input(job, inputs)
         timer = self._timer(job, leaves, base)
-        mark = self._mark()
         with torch.enable_grad():
             # recompute from the saved input: it is there long before the gradient
             out = self._layers(job, j, replicas[base - t.start :], x, timer=timer, first=base)
@@ -865,7 +871,9 @@ class Worker:
             mark = self._mark()
             self._differentiate(out, g, timer, t.stop)
             del out, g
-        leaves = self._descend(job, j, replicas, inputs, leaves, timer)
+        if inputs:
+            box, leaves = [leaves], []
+            leaves = self._descend(job, j, replicas, inputs, box, timer)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)

@@ -1163,3 +1163,57 @@ def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
         engine(mlp(), 1, 1) as eng,
     ):
         eng.expect_activations([0] * 7, [0] * 7, boundary=-1)
+
+
+@pytest.mark.parametrize("plan", ["|5|", "|5||layered", "2|3|2|layered", "1,1|3|2|layered"])
+def test_running_statistics_count_one_update_per_microbatch_in_layered_stages(plan):
+    """A layered stage's first pass runs its layers in training mode too; the
+    buffers it changed are put back, so batch norms count each micro-batch
+    once, as in plain PyTorch."""
+    torch.manual_seed(0)
+    layers = [
+        nn.Linear(8, 8),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, 8),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, 4),
+    ]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    with engine(layers, 1, 1, plan) as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, list(ref))
+    for i in (1, 3):
+        torch.testing.assert_close(layers[i].running_mean, ref[i].running_mean)
+        torch.testing.assert_close(layers[i].running_var, ref[i].running_var)
+        assert int(layers[i].num_batches_tracked) == 1
+
+
+class _SlowForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(0.1)  # a slow forward, a backward of microseconds
+        return torch.tanh(self.lin(x))
+
+
+def test_a_layered_stages_measured_backward_leaves_out_the_recompute_below():
+    """Between two layers' backward a layered stage recomputes the layer
+    below: the profiler measures each layer's backward alone, so the clock,
+    which adds the second forward itself, does not count it twice."""
+    torch.manual_seed(0)
+    layers = [_SlowForward() for _ in range(4)]
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with engine(layers, 1, 1, "3|1|3|layered", profile_iterations=1) as eng:
+        for _ in range(2):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        costs = eng.measured_costs()
+    assert all(f >= 0.1 for f in costs.forward)
+    assert all(b < 0.05 for b in costs.backward), costs.backward
