@@ -30,24 +30,20 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESIDENT, emit
+from report import LLAMA, RESIDENT, emit
 
-CHILD = RESIDENT + textwrap.dedent(
-    """
+CHILD = (
+    RESIDENT
+    + LLAMA
+    + textwrap.dedent(
+        """
     import gc, json, sys, time
     import lightning as L, torch, transformers
     from torch.utils.data import DataLoader, TensorDataset
     from lightning_roundpipe import RoundPipeStrategy
 
     s = json.loads(sys.argv[1])
-    transformers.logging.set_verbosity_error()
-    config = transformers.LlamaConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=2 * s["hidden"],
-        num_hidden_layers=s["layers"], num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=s["seq"], bos_token_id=None, eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = llama(s, s["seq"])
 
     class Fit(L.LightningModule):
         def __init__(self):
@@ -95,6 +91,7 @@ CHILD = RESIDENT + textwrap.dedent(
                losses=fit.losses)
     print("RESULT", json.dumps(out))
     """
+    )
 )
 
 

@@ -23,27 +23,22 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESIDENT, emit
+from report import LLAMA, RESIDENT, emit
 
 VOCAB = 32_000
 
-CHILD = RESIDENT + textwrap.dedent(
-    """
+CHILD = (
+    RESIDENT
+    + LLAMA
+    + textwrap.dedent(
+        """
     import gc, json, sys
     import lightning as L, torch, transformers
     from torch.utils.data import DataLoader, TensorDataset
     from lightning_roundpipe import RoundPipeStrategy
 
     seq, s = int(sys.argv[1]), json.loads(sys.argv[2])
-    transformers.logging.set_verbosity_error()
-    config = transformers.LlamaConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"],
-        intermediate_size=2 * s["hidden"] * s["mlp"], num_hidden_layers=s["layers"],
-        num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=seq, bos_token_id=None, eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = llama(s, seq)
 
     class Fit(L.LightningModule):
         def __init__(self):
@@ -80,6 +75,7 @@ CHILD = RESIDENT + textwrap.dedent(
     trainer.fit(fit, DataLoader(TensorDataset(ids), batch_size=s["batch"]))
     print("PEAK", (status("VmHWM") * 1024 - before), fit.peak)
     """
+    )
 )
 
 

@@ -29,3 +29,22 @@ def restart_peak():
         f.write("5")
     return status("VmRSS") * 1024
 """
+
+
+#: for a benchmark's child process (``LLAMA + ...``): ``llama(s, seq)``, a
+#: seeded Llama with sdpa attention of ``s["layers"]`` blocks, ``s["hidden"]``
+#: wide, an MLP ``2 x s.get("mlp", 1)`` times that, ``s["vocab"]`` tokens
+LLAMA = """
+def llama(s, seq):
+    import torch, transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"],
+        intermediate_size=2 * s["hidden"] * s.get("mlp", 1), num_hidden_layers=s["layers"],
+        num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=seq, bos_token_id=None, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+"""
