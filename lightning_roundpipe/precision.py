@@ -34,6 +34,12 @@ SUPPORTED = tuple(PRECISIONS)
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 
+def counters(engine: RoundPipeEngine) -> dict[str, Any]:
+    """The engine's counters a resumed run goes on with: the next training
+    call's number and the fp16 loss scale."""
+    return {"iteration": engine.iteration, "loss_scale": engine.scaler.state_dict()}
+
+
 class RoundPipePrecision(Precision):
     """Precision plugin for :class:`~lightning_roundpipe.RoundPipeStrategy`.
 
@@ -58,6 +64,31 @@ class RoundPipePrecision(Precision):
         # pipeline over them (set by the strategy; the pipeline's own are
         # averaged by the engine)
         self.after_backward: Callable[[], None] | None = None
+        # the counters a checkpoint being resumed holds (load_state_dict): the
+        # next training call's number and the fp16 loss scale
+        self.resumed: tuple[int, dict[str, float]] | None = None
+        # what the last engine ended with (saved by a checkpoint after the fit)
+        self.final: dict[str, Any] | None = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run goes on with: the engine's iteration number (its
+        dropout masks are those of the uninterrupted run) and the fp16 loss
+        scale with its count of good steps (Lightning saves it in checkpoints
+        under this plugin's name)."""
+        engine = self.engine
+        if engine is None:  # after the fit: what its engine ended with
+            return dict(self.final or {})
+        engine.synchronize()  # the scale after the last step
+        return counters(engine)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        self.resumed = (int(state_dict["iteration"]), dict(state_dict["loss_scale"]))
+        if self.engine is not None and self.engine.iteration == 0:
+            self.engine.continue_from(*self.resumed)
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:

@@ -44,7 +44,7 @@ from typing_extensions import override
 from .models import find_adapter
 from .plan import PlanError, choose_microbatches, simulate
 from .plan.decide import tightest
-from .precision import RoundPipePrecision
+from .precision import RoundPipePrecision, counters
 from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.options import PRECISIONS, EngineOptions, NonFinite
@@ -486,6 +486,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self._retry.reset()
         self._carried = None
+        self.precision_plugin.resumed = None  # (a checkpoint's counters come after setup)
         self._build_engine(trainer)
 
     def _check_optimizers(self) -> None:
@@ -579,8 +580,10 @@ class RoundPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._route_optimizer_calls(trainer)
             self._resume_stale()
-            if self._carried is not None:  # a rebuild within the fit: go on counting
-                self.engine.continue_from(*self._carried)
+            # a rebuild within the fit, or of a resumed one: go on counting
+            carried = self._carried or self.precision_plugin.resumed
+            if carried is not None:
+                self.engine.continue_from(*carried)
             self._retry.arm()
 
     def _check_outside_parameters(self, adapter: Any) -> None:
@@ -953,6 +956,8 @@ class RoundPipeStrategy(ParallelStrategy):
             engine, self.engine = self.engine, None
             self.precision_plugin.engine = None
             engine.close()
+            # for a checkpoint saved after the fit (the queued steps are done)
+            self.precision_plugin.final = counters(engine)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 
 import lightning_roundpipe
-from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe import RoundPipePrecision, RoundPipeStrategy
 
 from .modules import CausalLM, LogitsLM, SeqModule, lm_data, loader, seq_data
 
@@ -341,6 +341,52 @@ def test_async_resume_continues_exactly_like_an_uninterrupted_async_run(tmp_path
     assert_same(params(resumed), params(straight), atol=1e-6, rtol=1e-6)
     # and restarting from the parameters alone is not the same run
     assert any(not torch.equal(a, b) for a, b in zip(params(first), params(straight), strict=True))
+
+
+class DropoutLM(CausalLM):
+    """Attention dropout: its masks depend on the iteration number."""
+
+    def __init__(self) -> None:
+        super().__init__("qwen3")
+        self.model.config.attention_dropout = 0.2
+        for layer in self.model.model.layers:
+            layer.self_attn.attention_dropout = 0.2
+
+
+def test_fp16_resume_goes_on_with_the_loss_scale_and_the_dropout_masks(tmp_path):
+    """A 16-mixed run resumed from a checkpoint continues exactly: the loss
+    scale (backed off from 2^16 by overflowing first steps) and the engine's
+    iteration number (dropout masks) are saved with the precision plugin."""
+    data = lm_data()
+
+    def fp16():  # (Trainer(precision="16-mixed") falls back to bf16 on CPU; this does not)
+        return dict(devices=2, plugins=[RoundPipePrecision("16-mixed")])
+
+    straight = DropoutLM()
+    fit(straight, data, sync(), max_steps=8, **fp16())
+    first = DropoutLM()
+    t1 = fit(first, data, sync(), max_epochs=1, **fp16())  # 4 steps
+    ckpt = tmp_path / "fp16.ckpt"
+    t1.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["RoundPipePrecision"] == {
+        "iteration": 4,
+        "loss_scale": {"scale": 2.0**16, "good_steps": 4},
+    }
+    resumed = DropoutLM()
+    L.seed_everything(0)
+    t2 = L.Trainer(strategy=sync(), accelerator="cpu", max_steps=8, **fp16(), **QUIET)
+    t2.fit(resumed, loader(data), loader(data), ckpt_path=ckpt)
+    assert_same(params(resumed), params(straight), atol=1e-6, rtol=1e-6)
+    # a scale that had backed off goes on from where it was, not from 2^16
+    saved["RoundPipePrecision"]["loss_scale"] = {"scale": 1024.0, "good_steps": 2}
+    torch.save(saved, tmp_path / "backed_off.ckpt")
+    t3 = L.Trainer(strategy=sync(), accelerator="cpu", max_steps=8, **fp16(), **QUIET)
+    t3.fit(DropoutLM(), loader(data), loader(data), ckpt_path=tmp_path / "backed_off.ckpt")
+    assert t3.strategy.precision_plugin.final == {
+        "iteration": 8,
+        "loss_scale": {"scale": 1024.0, "good_steps": 6},
+    }
 
 
 def test_roundpipe_checkpoint_resumes_under_the_default_strategy(tmp_path):
