@@ -360,51 +360,61 @@ class RoundPipeEngine:
         self._training_masters: dict[int, torch.Tensor] | None = None
         self._lock = threading.Lock()
         self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
-        store = Store(watchdog_timeout)
-        self._protocol = Protocol(self._host, store, async_optimizer, rules)
-        if chaos is not None:
-            self._protocol.chaos = chaos
-        rt = self._rt = Runtime(self._host, store, self._protocol)
-        if trace:
-            rt.trace = TraceRecorder()
-        rt.forbid_host_sync = forbid_host_sync
-        self._set_plan(plan)
-        self.scaler = LossScaler(enabled=precision == "16-mixed")
-        self._caller_grads = CallerGradients(rt, self.scaler, nonfinite, self._wait)
-        index = {id(hp.param): hp.index for hp in self._host.params}
-        names: dict[int, str] = {}
-        given = {id(p): n for p, n in (parameter_names or {}).items()}
-        for i, layer in enumerate(layers):
-            for name, p in layer.named_parameters():
-                names.setdefault(index[id(p)], given.get(id(p), f"layers[{i}].{name}"))
-        self.nonfinite = nonfinite
-        self._names = names
-        rt.optimizer = self._optimizer = OptimizerWorker(
-            self._host,
-            store,
-            self._protocol,
-            self.scaler,
-            optimizer_threads,
-            nonfinite=nonfinite,
-            names=names,
-        )
-        rt.workers.extend(Worker(i, d, rt) for i, d in enumerate(devs))
-        self.replicas = replicas
-        self._reducer: GradientReducer | None = None
-        if replicas is not None and replicas.world_size > 1:
-            self._protocol.replicated = True
-            buckets = gradient_buckets(gradient_layer_bytes(self._host), replicas.bucket_bytes)
-            rt.reducer = self._reducer = GradientReducer(
-                self._host, store, self._protocol, replicas, buckets
+        try:
+            store = Store(watchdog_timeout)
+            self._protocol = Protocol(self._host, store, async_optimizer, rules)
+            if chaos is not None:
+                self._protocol.chaos = chaos
+            rt = self._rt = Runtime(self._host, store, self._protocol)
+            if trace:
+                rt.trace = TraceRecorder()
+            rt.forbid_host_sync = forbid_host_sync
+            self._set_plan(plan)
+            self.scaler = LossScaler(enabled=precision == "16-mixed")
+            self._caller_grads = CallerGradients(rt, self.scaler, nonfinite, self._wait)
+            index = {id(hp.param): hp.index for hp in self._host.params}
+            names: dict[int, str] = {}
+            given = {id(p): n for p, n in (parameter_names or {}).items()}
+            for i, layer in enumerate(layers):
+                for name, p in layer.named_parameters():
+                    names.setdefault(index[id(p)], given.get(id(p), f"layers[{i}].{name}"))
+            self.nonfinite = nonfinite
+            self._names = names
+            rt.optimizer = self._optimizer = OptimizerWorker(
+                self._host,
+                store,
+                self._protocol,
+                self.scaler,
+                optimizer_threads,
+                nonfinite=nonfinite,
+                names=names,
             )
-        rt.hooks = self._outside_gradient_hooks(names)
-        self._finalizer = weakref.finalize(self, rt.shutdown)
-        for w in rt.workers:
-            w.start()
-        if async_optimizer:
-            self._optimizer.start()
-        if self._reducer is not None:
-            self._reducer.start()
+            rt.workers.extend(Worker(i, d, rt) for i, d in enumerate(devs))
+            self.replicas = replicas
+            self._reducer: GradientReducer | None = None
+            if replicas is not None and replicas.world_size > 1:
+                self._protocol.replicated = True
+                buckets = gradient_buckets(gradient_layer_bytes(self._host), replicas.bucket_bytes)
+                rt.reducer = self._reducer = GradientReducer(
+                    self._host, store, self._protocol, replicas, buckets
+                )
+            rt.hooks = self._outside_gradient_hooks(names)
+            self._finalizer = weakref.finalize(self, rt.shutdown)
+            for w in rt.workers:
+                w.start()
+            if async_optimizer:
+                self._optimizer.start()
+            if self._reducer is not None:
+                self._reducer.start()
+        except BaseException:
+            # nothing may keep the model's copy (or page-locked memory) after a
+            # failed construction: threads already started stop, the arena goes
+            rt = self.__dict__.get("_rt")
+            if rt is not None:
+                rt.shutdown()
+            else:
+                self._host.free()
+            raise
         log.info(
             "RoundPipe engine: %d layers, plan %s, %d workers on %s",
             len(layers),

@@ -1217,3 +1217,35 @@ def test_a_layered_stages_measured_backward_leaves_out_the_recompute_below():
         costs = eng.measured_costs()
     assert all(f >= 0.1 for f in costs.forward)
     assert all(b < 0.05 for b in costs.backward), costs.backward
+
+
+@pytest.mark.parametrize("where", ["OptimizerWorker", "Worker"])
+def test_a_construction_that_fails_late_releases_the_arena_and_threads(monkeypatch, where):
+    """A failure after the master copies are built (here: making the optimizer
+    or a device worker) stops what started and gives the arena back; the
+    model's parameters keep their values."""
+    from lightning_roundpipe.runtime import engine as engine_mod
+    from lightning_roundpipe.runtime import host as host_mod
+
+    freed = []
+    original_free = host_mod.HostState.free
+
+    def free(self):
+        freed.append(self)
+        original_free(self)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"{where} could not start")
+
+    monkeypatch.setattr(host_mod.HostState, "free", free)
+    monkeypatch.setattr(engine_mod, where, broken)
+    layers = mlp()
+    before = [p.detach().clone() for layer in layers for p in layer.parameters()]
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match=f"{where} could not start"):
+        engine(layers, 2, 2)
+    assert len(freed) == 1
+    assert threading.active_count() == threads
+    after = [p.detach() for layer in layers for p in layer.parameters()]
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b)
