@@ -269,11 +269,13 @@ def _plan_within_host(
 
     Layered plans are partitioned with a per-layer figure that bounds their
     peaks: a layered stage of ``k`` layers keeps ``k - 1`` layer inputs and
-    one layer's saved and transient bytes, so stages within ``limit`` less
-    the largest layer's working set plus the smallest input, by the sum of
-    each layer's weights and input, fit; its
-    backward time is charged a second forward of every layer (the exact
-    times, one layer less per stage, rank the candidates)."""
+    one layer's saved and transient bytes, so a stage whose layers' weights
+    and inputs add up to at most ``limit`` less the largest layer's working
+    set plus the smallest input fits. Its backward time is charged a second
+    forward of every layer (the exact times, one layer less per stage, rank
+    the candidates). A plan that fails to fit as one-layer plain stages has
+    no layered alternative either: a layered stage needs at least what each
+    of its layers needs alone."""
     assert estimates.memory is not None
     n, m = num_devices, num_microbatches
     weights = _layer_weights(estimates)
