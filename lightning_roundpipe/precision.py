@@ -34,12 +34,6 @@ SUPPORTED = tuple(PRECISIONS)
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 
-def counters(engine: RoundPipeEngine) -> dict[str, Any]:
-    """The engine's counters a resumed run goes on with: the next training
-    call's number and the fp16 loss scale."""
-    return {"iteration": engine.iteration, "loss_scale": engine.scaler.state_dict()}
-
-
 class RoundPipePrecision(Precision):
     """Precision plugin for :class:`~lightning_roundpipe.RoundPipeStrategy`.
 
@@ -64,9 +58,10 @@ class RoundPipePrecision(Precision):
         # pipeline over them (set by the strategy; the pipeline's own are
         # averaged by the engine)
         self.after_backward: Callable[[], None] | None = None
-        # the counters a checkpoint being resumed holds (load_state_dict): the
-        # next training call's number and the fp16 loss scale
-        self.resumed: tuple[int, dict[str, float]] | None = None
+        # the engine counters (RoundPipeEngine.counters) the next engine goes
+        # on from: a checkpoint's being resumed, or those of the engine a
+        # rebuild within the fit replaces (set by the strategy)
+        self.carried: dict[str, Any] | None = None
         # what the last engine ended with (saved by a checkpoint after the fit)
         self.final: dict[str, Any] | None = None
 
@@ -80,15 +75,15 @@ class RoundPipePrecision(Precision):
         if engine is None:  # after the fit: what its engine ended with
             return dict(self.final or {})
         engine.synchronize()  # the scale after the last step
-        return counters(engine)
+        return engine.counters()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self.resumed = (int(state_dict["iteration"]), dict(state_dict["loss_scale"]))
+        self.carried = dict(state_dict)
         if self.engine is not None and self.engine.iteration == 0:
-            self.engine.continue_from(*self.resumed)
+            self.engine.continue_from(self.carried)
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:

@@ -44,7 +44,7 @@ from typing_extensions import override
 from .models import find_adapter
 from .plan import PlanError, choose_microbatches, simulate
 from .plan.decide import tightest
-from .precision import RoundPipePrecision, counters
+from .precision import RoundPipePrecision
 from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.options import PRECISIONS, EngineOptions, NonFinite
@@ -254,8 +254,6 @@ class RoundPipeStrategy(ParallelStrategy):
         self._final_stale: dict[str, Tensor] | None = None
         self._chaos: Callable[[str], None] | None = None
         self._stale: dict[str, Tensor] | None = None
-        # an engine rebuilt within a fit goes on from these: iteration, loss scale
-        self._carried: tuple[int, dict[str, float]] | None = None
         self._adapter = None
         self._restore: list[Callable[[], None]] = []
         # out-of-memory re-planning during the fit's first training batch
@@ -485,8 +483,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._check_optimizers()
         self.setup_precision_plugin()
         self._retry.reset()
-        self._carried = None
-        self.precision_plugin.resumed = None  # (a checkpoint's counters come after setup)
+        self.precision_plugin.carried = None  # (a checkpoint's counters come after setup)
         self._build_engine(trainer)
 
     def _check_optimizers(self) -> None:
@@ -581,9 +578,8 @@ class RoundPipeStrategy(ParallelStrategy):
             self._route_optimizer_calls(trainer)
             self._resume_stale()
             # a rebuild within the fit, or of a resumed one: go on counting
-            carried = self._carried or self.precision_plugin.resumed
-            if carried is not None:
-                self.engine.continue_from(*carried)
+            if self.precision_plugin.carried is not None:
+                self.engine.continue_from(self.precision_plugin.carried)
             self._retry.arm()
 
     def _check_outside_parameters(self, adapter: Any) -> None:
@@ -791,7 +787,7 @@ class RoundPipeStrategy(ParallelStrategy):
         # on exactly; a newly trainable weight was frozen, its master is current
         stale = self._stale_by_name()
         # iteration numbers (dropout masks) and the fp16 loss scale go on too
-        self._carried = (engine.iteration, engine.scaler.state_dict())
+        self.precision_plugin.carried = engine.counters()
         self._close()
         self._rebuild(stale)
         rank_zero_info(
@@ -957,7 +953,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self.precision_plugin.engine = None
             engine.close()
             # for a checkpoint saved after the fit (the queued steps are done)
-            self.precision_plugin.final = counters(engine)
+            self.precision_plugin.final = engine.counters()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -41,7 +41,7 @@ from ..runtime.profiler import active_parameters
 from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
 from .layers import ROUTER_KEYS, TILE_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
 from .layout import check_config, layer_kinds, layout_of, layout_problem, router_recorder
-from .memory import ActivationModel, applied_tiles, probe_activations
+from .memory import ActivationModel, applied_tiles, probe_activations, value_bytes
 from .tiling import ChunkedLogits, shifted
 
 __all__ = ["CausalLMAdapter", "causal_lm_loss"]
@@ -218,7 +218,7 @@ class CausalLMAdapter(_Adapter):
         def estimate(inputs: Any) -> int:
             ids = inputs.get("input_ids")
             tokens = ids.numel() if ids is not None else inputs["inputs_embeds"].shape[:-1].numel()
-            out = tokens * hidden * size + tokens * 8  # hidden states, positions
+            out = value_bytes(tokens, hidden, size)  # hidden states, positions
             mask = inputs.get("attention_mask")
             if mask is not None:
                 out += mask.numel() * mask.element_size()

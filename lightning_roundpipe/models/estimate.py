@@ -41,7 +41,7 @@ from ..runtime.host import HOST_ACTIVATION_SHARE
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .causal_lm import CausalLMAdapter
-from .memory import ActivationModel, applied_tiles, longest_sequence
+from .memory import ActivationModel, applied_tiles, longest_sequence, value_bytes
 
 __all__ = ["Estimate", "estimate", "load_config"]
 
@@ -286,12 +286,7 @@ def boundary_bytes(plan: Any, tokens: int, hidden: int, element: int) -> int:
     under ``plan`` at most: the hidden states (``element`` bytes each) and
     positions of every boundary value it holds
     (:meth:`~..plan.StagePlan.boundaries_per_microbatch`)."""
-    return _value_bytes(tokens, hidden, element) * plan.boundaries_per_microbatch()
-
-
-def _value_bytes(tokens: int, hidden: int, element: int) -> int:
-    """One layer input of a micro-batch: hidden states and positions."""
-    return tokens * (hidden * element + 8)
+    return value_bytes(tokens, hidden, element) * plan.boundaries_per_microbatch()
 
 
 def estimate(
@@ -390,7 +385,7 @@ def estimate(
             async_optimizer=async_optimizer,
             memory_limit=limit,
             device_budget=budget_all,
-            boundary=_value_bytes(s * b, hidden, size),
+            boundary=value_bytes(s * b, hidden, size),
             host_limit=host_room if host else None,
         )
         return decision.plan, decision.peaks, decision.memory_limit

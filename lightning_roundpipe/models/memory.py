@@ -34,7 +34,7 @@ from torch import nn
 
 from ..runtime.profiler import saved_bytes
 
-__all__ = ["ActivationModel", "applied_tiles", "probe_activations"]
+__all__ = ["ActivationModel", "applied_tiles", "probe_activations", "value_bytes"]
 
 #: sequence lengths of the probes (short: a probe of an 8B model's block costs
 #: about a second on two CPU cores)
@@ -136,6 +136,12 @@ class ActivationModel:
             "loss_chunk": self.loss_chunk,
             "head_params": self.head_params,
         }
+
+
+def value_bytes(tokens: int, hidden: int, element: int) -> int:
+    """Bytes of one layer input of a causal LM for ``tokens`` tokens: the
+    hidden states (``element`` bytes each) and the positions (int64)."""
+    return tokens * (hidden * element + 8)
 
 
 def applied_tiles(tiles: dict[str, int], tokens: int) -> dict[str, int]:

@@ -143,23 +143,23 @@ def stage_peaks(
     estimates: LayerCosts,
     saved: Sequence[float],
     transient: Sequence[float],
-    inputs: Sequence[float] | None = None,
+    boundary: float | None = None,
 ) -> list[float]:
     """Predicted peak device memory of each slot of ``plan``: its weights and
     gradients (``estimates.memory``), for a stage that runs backward (a
     backward or the fused stage) everything its layers ``saved``, and the
     largest ``transient`` among its layers (one layer works at a time). A
-    layered backward or fused stage keeps the ``inputs`` (bytes of each layer's input
-    value) of its layers above the first instead, and one layer's saved and
-    transient bytes at a time (inputs unknown: counted like a stage that is
-    not layered, whose layers' saved bytes include what they keep of their
-    inputs)."""
+    layered backward or fused stage keeps the inputs of its layers above the
+    first instead (``boundary`` bytes each), and one layer's saved and
+    transient bytes at a time (``boundary`` unknown: counted like a stage
+    that is not layered, whose layers' saved bytes include what they keep of
+    their inputs)."""
     out = []
     for st, size in zip(plan.stages, plan.stage_memory(estimates), strict=True):
         a, b = st.start, st.stop
-        if st.layered and st.kind != "forward" and inputs is not None:
+        if st.layered and st.kind != "forward" and boundary is not None:
             work = max((saved[i] + transient[i] for i in range(a, b)), default=0.0)
-            out.append(size + sum(inputs[a + 1 : b]) + work)
+            out.append(size + (b - a - 1) * boundary + work)
             continue
         kept = sum(saved[a:b]) if st.kind != "forward" else 0.0
         out.append(size + kept + max(transient[a:b], default=0.0))
@@ -250,7 +250,6 @@ def _plan_within_host(
     estimates: LayerCosts,
     saved: Sequence[float],
     transient: Sequence[float],
-    inputs: Sequence[float],
     boundary: float,
     host_limit: float,
     num_devices: int,
@@ -271,7 +270,7 @@ def _plan_within_host(
     peaks: a layered stage of ``k`` layers keeps ``k - 1`` layer inputs and
     one layer's saved and transient bytes, so a stage whose layers' weights
     and inputs add up to at most ``limit`` less the largest layer's working
-    set plus the smallest input fits. Its backward time is charged a second
+    set plus one input fits. Its backward time is charged a second
     forward of every layer (the exact times, one layer less per stage, rank
     the candidates). A plan that fails to fit as one-layer plain stages has
     no layered alternative either: a layered stage needs at least what each
@@ -290,13 +289,13 @@ def _plan_within_host(
     layered = LayerCosts(
         estimates.forward,
         [b + f for b, f in zip(estimates.backward, estimates.forward, strict=True)],
-        memory=[w + x for w, x in zip(estimates.memory, inputs, strict=True)],
+        memory=[w + boundary for w in estimates.memory],
         weight_bytes=estimates.weight_bytes,
     )
     candidates: list[StagePlan] = []
     # a layered stage of k layers keeps k - 1 inputs: the sum of k figures
     # overcounts one, which the room gives back
-    layered_room = limit - work + min(inputs, default=0.0)
+    layered_room = limit - work + boundary
     for costs, room, flag in ((plain, limit, False), (layered, layered_room, True)):
         if room <= 0:
             continue
@@ -308,7 +307,7 @@ def _plan_within_host(
     fitting = [
         p
         for p in candidates
-        if _fits(p, stage_peaks(p, estimates, saved, transient, inputs), estimates, limit, cap)
+        if _fits(p, stage_peaks(p, estimates, saved, transient, boundary), estimates, limit, cap)
         and host_need(p, boundary) <= host_limit
     ]
     if not fitting:
@@ -361,8 +360,7 @@ def plan_for_activations(
     activations would not fit the device, layered (each recomputes and
     differentiates one layer at a time, keeping its layers' inputs;
     :class:`~.stages.StagePlan`)."""
-    inputs = None if boundary is None else [float(boundary)] * len(saved)
-    peaks = stage_peaks(current, estimates, saved, transient, inputs)
+    peaks = stage_peaks(current, estimates, saved, transient, boundary)
     host_ok = _host_fits(current, boundary, host_limit)
     if memory_limit is None or (
         _fits(current, peaks, estimates, memory_limit, weight_cap) and host_ok
@@ -438,7 +436,7 @@ def plan_for_activations(
             plan = None
         host = ""
         if plan is None or not _host_fits(plan, boundary, host_limit):
-            if plan is None or inputs is None or boundary is None or host_limit is None:
+            if plan is None or boundary is None or host_limit is None:
                 continue
             # fewer boundary values: larger backward stages, layered where
             # their activations would not fit the device otherwise
@@ -446,7 +444,6 @@ def plan_for_activations(
                 estimates,
                 saved,
                 transient,
-                inputs,
                 boundary,
                 host_limit,
                 num_devices,
@@ -464,7 +461,7 @@ def plan_for_activations(
                 + ("; backward stages recompute one layer at a time" if plan.layered else "")
                 + ")"
             )
-        new = stage_peaks(plan, estimates, saved, transient, inputs)
+        new = stage_peaks(plan, estimates, saved, transient, boundary)
         where = (
             ""
             if cap is None

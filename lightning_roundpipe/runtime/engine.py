@@ -610,9 +610,8 @@ class RoundPipeEngine:
         if boundary is not None:
             self._boundary = boundary
         boundary = self._boundary  # (not given: the last one told)
-        inputs = None if boundary is None else [float(boundary)] * n
         if self._replanned:  # measured activations decide the plan from now on
-            self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient, inputs)
+            self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient, boundary)
             return self.predicted_peaks
         decision = plan_for_activations(
             self.plan,
@@ -1173,17 +1172,23 @@ class RoundPipeEngine:
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
 
-    def continue_from(self, iteration: int, scaler: dict[str, float]) -> None:
-        """Go on with another engine's counters: a new engine of a run that
-        continues (the strategy builds one when the trainable parameters
-        change). The next training call is number ``iteration`` (its dropout
-        masks those of the uninterrupted run) and the fp16 loss scale is
-        ``scaler`` (:meth:`LossScaler.state_dict`). Call before the first
-        ``forward_backward``."""
+    def counters(self) -> dict[str, Any]:
+        """What a run that continues on another engine goes on with: the next
+        training call's number (``"iteration"``: dropout masks are seeded by
+        it) and the fp16 loss scale (``"loss_scale"``,
+        :meth:`LossScaler.state_dict`). Checkpoints save them."""
+        return {"iteration": self._iteration, "loss_scale": self.scaler.state_dict()}
+
+    def continue_from(self, counters: dict[str, Any]) -> None:
+        """Go on with another engine's :meth:`counters` (a new engine of a run
+        that continues: rebuilt when the trainable parameters change, or
+        resumed from a checkpoint): the next training call's dropout masks are
+        those of the uninterrupted run and the fp16 loss scale goes on. Call
+        before the first ``forward_backward``."""
         if self._iteration:
             raise RuntimeError("continue_from() must be called before the first forward_backward")
-        self._iteration = iteration
-        self.scaler.load_state_dict(scaler)
+        self._iteration = int(counters["iteration"])
+        self.scaler.load_state_dict(counters["loss_scale"])
 
     def trainable_changed(self) -> list[str]:
         """Names of the parameters whose ``requires_grad`` is not what it was

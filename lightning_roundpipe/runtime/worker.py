@@ -65,6 +65,11 @@ __all__ = ["Call", "Gain", "Job", "Runtime", "Worker", "WorkerError"]
 log = logging.getLogger(__name__)
 
 
+def _grads(leaves: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The gradients that arrived at a layer input's leaves (:meth:`Worker._leaves`)."""
+    return [None if v is None else v.grad for v in leaves]
+
+
 class WorkerError(RuntimeError):
     """A failure inside a device worker, with where it happened.
 
@@ -721,8 +726,7 @@ class Worker:
             return
         name = f"grad{t.start}"
         job.names.setdefault(name, ("grad", t.start))  # grad0: for the caller
-        grads = [None if v is None else v.grad for v in leaves]
-        self._save(job, name, j, grads, fresh=False)
+        self._save(job, name, j, _grads(leaves), fresh=False)
 
     def _first_pass(self, job: Job, j: int, replicas: list[LayerReplica], x: Any) -> list[Any]:
         """A layered stage (:class:`~lightning_roundpipe.plan.stages.StagePlan`)
@@ -790,7 +794,7 @@ class Worker:
         t = job.task
         leaves = upper.pop()
         while inputs:
-            g = [None if v is None else v.grad for v in leaves]
+            g = _grads(leaves)
             layer, x, leaves = self._top_input(job, inputs)
             with torch.enable_grad():
                 rep = replicas[layer - t.start : layer - t.start + 1]

@@ -221,7 +221,7 @@ def test_a_layered_stage_keeps_its_layers_inputs_and_one_layers_working_set():
     from lightning_roundpipe.plan.decide import stage_peaks
 
     est = costs()
-    saved, transient, inputs = [1.0] * 8, [0.5] * 7 + [3.0], [2.0] * 8
+    saved, transient, inputs = [1.0] * 8, [0.5] * 7 + [3.0], 2.0
     plain = StagePlan.parse("4,3|1|3,4", 8)
     layered = StagePlan.parse("4,3|1|3,4|layered", 8)
     # forward and one-layer stages as before; B2 (layers 4-6): 30 + 2 inputs
@@ -265,7 +265,7 @@ def test_host_memory_that_one_layer_stages_exceed_gets_a_layered_plan():
     plan = tight.plan
     assert plan.layered and not tight.warning
     assert host_need(plan, boundary) <= 25.0 < host_need(ones, boundary)
-    assert max(stage_peaks(plan, est, saved, transient, [boundary] * 10)) <= 45.0
+    assert max(stage_peaks(plan, est, saved, transient, boundary)) <= 45.0
     assert max(tight.peaks) <= 45.0
     assert "boundary values of 5 bytes per micro-batch on the host, over the 25" in tight.reason
     assert "backward stages recompute one layer at a time" in tight.reason
