@@ -6,6 +6,7 @@ fresh process); what cannot be tiled exactly (dropout, router statistics, an
 MLP returning a tuple) is not."""
 
 import copy
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -158,15 +159,24 @@ def test_a_tiled_block_calls_its_norms_and_mlp_any_way_and_restores_them():
     untiled; afterwards the modules' own forwards are back."""
     block = CausalLMAdapter(tiny("qwen3"), "model").layers()[1]
     norm, mlp = block.layer.input_layernorm, block.layer.mlp
-    h = torch.randn(2, 10, norm.weight.shape[0])
-    want_norm, want_mlp = norm(h), mlp(h)
+    q, o = block.layer.self_attn.q_proj, block.layer.self_attn.o_proj
+    h = torch.randn(2, 10, norm.weight.shape[0], requires_grad=True)
+    want_norm, want_mlp, want_q = norm(h), mlp(h), q(norm(h))
+    want_grad = torch.autograd.grad((want_q.sum(), mlp(norm(h)).sum()), h)
     with block._tiled_mlp(h, 4):
-        assert "forward" in norm.__dict__ and "forward" in mlp.__dict__
+        assert all("forward" in m.__dict__ for m in (norm, mlp, q, o))
         torch.testing.assert_close(norm(h), want_norm)
         torch.testing.assert_close(norm(hidden_states=h), want_norm)
         torch.testing.assert_close(mlp(h), want_mlp)
         torch.testing.assert_close(mlp(x=h), want_mlp)
-    assert "forward" not in norm.__dict__ and "forward" not in mlp.__dict__
+        # a projection, or the MLP, reading the norm's output: the norm in its tiles
+        normed = norm(h)
+        got_q, got_mlp = q(normed), mlp(normed)
+        torch.testing.assert_close(got_q, want_q)
+        got_grad = torch.autograd.grad((got_q.sum(), got_mlp.sum()), h)
+        torch.testing.assert_close(got_grad, want_grad)
+        torch.testing.assert_close(q(want_norm), want_q)  # (any other input: plain)
+    assert not any("forward" in m.__dict__ for m in (norm, mlp, q, o))
 
 
 # ------------------------------------------------------------ in a fit
@@ -177,11 +187,12 @@ SMALL = 7_000
 
 
 class Counting:
-    """Counts the chunked losses, tiled MLP calls and tiled norm calls the
-    workers make."""
+    """Counts the chunked losses and the tiled calls the workers make: of
+    MLPs (``tiled``), norms, linear projections; ``fused``: those of them
+    (MLPs, projections) that run the norm they read inside their tiles."""
 
     def __init__(self, monkeypatch) -> None:
-        self.chunked = self.tiled = self.norms = 0
+        self.chunked = self.tiled = self.norms = self.fused = self.projections = 0
         loss, tile = ChunkedLogits.loss, layers.tiled
 
         def counted_loss(this, labels):
@@ -189,8 +200,16 @@ class Counting:
             return loss(this, labels)
 
         def counted_tile(fn, *args, **kwargs):
-            if type(fn.__self__).__name__.endswith(("RMSNorm", "LayerNorm")):
+            if isinstance(fn, functools.partial):  # (norm, reader's forward)
+                self.fused += 1
+                fn_ = fn.args[1]
+            else:
+                fn_ = fn
+            name = type(fn_.__self__).__name__  # (peft's LoRA linear is a "Linear")
+            if name.endswith(("RMSNorm", "LayerNorm")):
                 self.norms += 1
+            elif name == "Linear":
+                self.projections += 1
             else:
                 self.tiled += 1
             return tile(fn, *args, **kwargs)
@@ -241,21 +260,79 @@ KINDS = ["llama", "qwen3", "qwen3_moe"]  # (the experts' block is tiled too)
 NORMS = {"llama": 2, "qwen3": 4, "qwen3_moe": 4}  # per block
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_chunked_and_tiled_fp32_training_equals_untiled(kind, monkeypatch):
-    count = same_training(tiny(kind), monkeypatch, "32-true")
+def tiled_as_designed(count: Counting, kind: str) -> None:
     # per step and micro-batch: one chunked loss; 2 blocks, forward + recompute
     assert count.chunked == 3 * 2
     assert count.tiled >= 3 * 2 * 2
     # every tiled block also tiles its norms (Qwen3's per-head query/key norms too)
     assert count.norms == NORMS[kind] * count.tiled
+    # the MLP and, where they keep their input for a backward (not in a
+    # forward stage, whose weights need no gradient), the query/key/value
+    # projections read a norm's output: they run the norm in their tiles (the
+    # output projection reads the attention)
+    assert count.projections > 0 and count.projections % 3 == 0
+    assert count.fused == count.tiled + count.projections
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_and_tiled_fp32_training_equals_untiled(kind, monkeypatch):
+    tiled_as_designed(same_training(tiny(kind), monkeypatch, "32-true"), kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_and_tiled_bf16_training_equals_untiled(kind, monkeypatch):
     count = same_training(tiny(kind), monkeypatch, "bf16-mixed", tol=dict(atol=1e-2, rtol=1.6e-2))
-    assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
-    assert count.norms == NORMS[kind] * count.tiled
+    tiled_as_designed(count, kind)
+
+
+def lora(model: nn.Module, **settings) -> nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **settings)
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # LoRA B starts at zero: make every adapter matter at once
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lora_projections_tiled_with_their_norm_train_like_untiled(precision, monkeypatch):
+    """peft LoRA linears (the base frozen) read the input norm's output: tiled
+    with the norm, the run is the untiled one."""
+    tol = dict(atol=1e-2, rtol=1.6e-2) if precision == "bf16-mixed" else {}
+    count = same_training(lora(tiny("llama")), monkeypatch, precision, tol=tol)
+    tiled_as_designed(count, "llama")
+
+
+def test_lora_with_dropout_or_a_variant_is_not_tiled_with_the_norm(monkeypatch):
+    """A LoRA dropout draws random numbers, DoRA is a variant: those
+    projections run untiled, reading the norm's output. A DoRA MLP draws
+    none: it is tiled with its norm; one with LoRA dropout is not tiled."""
+    count = Counting(monkeypatch)
+    fit(LM(lora(tiny("llama"), lora_dropout=0.1)), SMALL)
+    assert count.norms > 0 and count.tiled == count.projections == count.fused == 0
+    count = Counting(monkeypatch)
+    fit(LM(lora(tiny("llama"), use_dora=True)), SMALL)
+    assert count.tiled >= 3 * 2 * 2 and count.projections == 0
+    assert count.fused == count.tiled
+
+
+def test_a_tiled_block_keeps_no_norm_output_for_its_backward():
+    """What a tiled Llama block saves per token: its input, the attention's
+    query, key, value and output, the residual after attention, and small
+    rotary tables; neither norm's output (untiled they are two more)."""
+    model = tiny("llama")
+    config = model.config
+    adapter = CausalLMAdapter(model, "model")
+    hidden = config.hidden_size
+    head = hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    rotary = 2 * head  # cos and sin
+    want = (3 * hidden + q + 2 * kv + rotary) * 4  # fp32 bytes per token
+    tiled_model = adapter.activation_model(torch.float32, {"mlp_tile": 1}, loss=False)
+    got = tiled_model.saved[1][1]
+    assert want <= got <= want + 4 * 4, (got, want)  # (+ the attention's log-sum-exp)
 
 
 def test_adamw_training_of_a_dense_model_chunked_and_tiled_equals_untiled(monkeypatch):

@@ -13,7 +13,10 @@ router statistics (:func:`router_statistics`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +75,43 @@ def _norms(block: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
         if ok and all(p.dim() <= 1 for p in m.parameters()) and not draws_random(m):
             out.append(m)
     return out
+
+
+def _lora_linear() -> type | None:
+    """peft's LoRA linear layer class, when peft is in use (a model can only
+    hold one once peft is imported)."""
+    module = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(module, "Linear", None)
+
+
+def _projections(block: nn.Module, skip: Sequence[nn.Module]) -> list[nn.Module]:
+    """The outermost per-token linear maps of ``block`` outside ``skip`` (the
+    tiled MLP and norms) that keep their input for the backward: an
+    ``nn.Linear`` with a trainable weight, and peft's plain LoRA linear
+    (trainable adapters, no variant such as DoRA or activated LoRA, whose
+    output may depend on the position, no dropout). They act on each
+    position alone, so they may run over tiles of a norm's input with the
+    norm (:meth:`_Decoder._tiled_mlp`); a frozen linear keeps no input, and
+    would only compute twice."""
+    lora = _lora_linear()
+    inside = {id(m) for s in skip for m in s.modules()}
+    out: list[nn.Module] = []
+    for m in block.modules():
+        if id(m) in inside:
+            continue
+        if lora is not None and isinstance(m, lora):
+            inside.update(id(c) for c in m.modules())  # its base and adapters go with it
+            plain = type(m) is lora and not getattr(m, "lora_variant", None)
+            if plain and trainable(m) and not draws_random(m):
+                out.append(m)
+        elif type(m) is nn.Linear and m.weight.requires_grad:
+            out.append(m)
+    return out
+
+
+def _after(norm: Any, forward: Any, x: torch.Tensor) -> torch.Tensor:
+    """``forward(norm(x))``: a per-token module with the norm it reads."""
+    return forward(norm(x))
 
 
 def _one_tensor(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -312,8 +352,16 @@ class _Decoder(nn.Module):
         of ``tile`` tokens (:func:`~.tiling.tiled`) when the micro-batch has
         more: the MLP, and every normalisation (RMSNorm / LayerNorm over the
         last dimension: the block's norms, Qwen3's per-head query/key norms),
-        which then keep their input alone instead of its fp32 copy. Set on
-        this layer's own copy of the block (each worker has one), for the call."""
+        which then keep their input alone instead of its fp32 copy.
+
+        A per-token module that reads a tiled norm's output (the MLP after the
+        post-attention norm; a linear projection or LoRA linear, such as the
+        attention's query/key/value projections after the input norm) runs
+        the norm inside its own tiles, from the norm's input: the norm's
+        output is then never kept for the backward (one hidden-sized value
+        per token and norm less), for the cost of recomputing the norm and
+        the projection in backward. Set on this layer's own copy of the block
+        (each worker has one), for the call."""
         tokens = hidden_states.shape[:-1].numel()
         if not tile or tokens <= tile:
             yield
@@ -323,10 +371,24 @@ class _Decoder(nn.Module):
             mlp = None
         per_row = max(1, tile // hidden_states.shape[0])
         wrapped: list[tuple[nn.Module, Any]] = []
+        # id of a tiled norm's output -> (a weak reference to it, the norm's
+        # forward, its trainable parameters, its input)
+        normed: dict[int, tuple[Any, Any, list[nn.Parameter], torch.Tensor]] = {}
 
         def wrap(module: nn.Module, tiled_forward: Any) -> None:
             wrapped.append((module, module.__dict__.get("forward")))
             module.forward = tiled_forward
+
+        def per_token(module: nn.Module, forward: Any, x: torch.Tensor) -> torch.Tensor:
+            """``forward(x)`` over tiles of ``x``'s positions; when ``x`` is a
+            tiled norm's output, ``forward(norm(t))`` over tiles of the
+            norm's input ``t`` instead."""
+            fn, params, source = forward, trainable(module), x
+            found = normed.get(id(x))
+            if found is not None and found[0]() is x:
+                _, norm, norm_params, source = found
+                fn, params = functools.partial(_after, norm, forward), params + norm_params
+            return tiled(fn, params, source, per_row, dim=source.dim() - 2)
 
         if mlp is not None:
             forward = mlp.forward  # (an instance attribute, if one is set, is kept)
@@ -335,10 +397,11 @@ class _Decoder(nn.Module):
                 x = _one_tensor(args, kwargs)
                 if x is None or x.dim() < 2:
                     return _forward(*args, **kwargs)
-                return tiled(_forward, trainable(mlp), x, per_row, dim=x.dim() - 2)
+                return per_token(mlp, _forward, x)
 
             wrap(mlp, tiled_mlp)
-        for norm in _norms(self.layer, mlp):
+        norms = _norms(self.layer, mlp)
+        for norm in norms:
 
             def tiled_norm(*args: Any, _norm=norm, _forward=norm.forward, **kwargs: Any) -> Any:
                 x = _one_tensor(args, kwargs)
@@ -350,9 +413,22 @@ class _Decoder(nn.Module):
                 per_tile = max(1, tile * rows.shape[0] // tokens)
                 if rows.shape[0] <= per_tile:
                     return _forward(x)
-                return tiled(_forward, trainable(_norm), rows, per_tile, dim=0).reshape(x.shape)
+                out = tiled(_forward, trainable(_norm), rows, per_tile, dim=0).reshape(x.shape)
+                if rows.shape[0] == tokens:  # a block-wide norm: its readers may fuse it
+                    normed[id(out)] = (weakref.ref(out), _forward, trainable(_norm), x)
+                return out
 
             wrap(norm, tiled_norm)
+        for reader in _projections(self.layer, [m for m in (mlp, *norms) if m is not None]):
+
+            def fused(*args: Any, _reader=reader, _forward=reader.forward, **kwargs: Any) -> Any:
+                x = _one_tensor(args, kwargs)
+                found = None if x is None else normed.get(id(x))
+                if found is None or found[0]() is not x:
+                    return _forward(*args, **kwargs)
+                return per_token(_reader, _forward, x)
+
+            wrap(reader, fused)
         try:
             yield
         finally:
