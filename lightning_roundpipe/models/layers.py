@@ -84,34 +84,110 @@ def _lora_linear() -> type | None:
     return getattr(module, "Linear", None)
 
 
-def _projections(block: nn.Module, skip: Sequence[nn.Module]) -> list[nn.Module]:
+def _projections(block: nn.Module, skip: Sequence[nn.Module]) -> list[tuple[nn.Module, bool]]:
     """The outermost per-token linear maps of ``block`` outside ``skip`` (the
-    tiled MLP and norms) that keep their input for the backward: an
-    ``nn.Linear`` with a trainable weight, and peft's plain LoRA linear
-    (trainable adapters, no variant such as DoRA or activated LoRA, whose
-    output may depend on the position, no dropout). They act on each
-    position alone, so they may run over tiles of a norm's input with the
-    norm (:meth:`_Decoder._tiled_mlp`); a frozen linear keeps no input, and
-    would only compute twice."""
+    tiled MLP and norms), each with whether it keeps its input for the
+    backward: ``nn.Linear`` (keeps it when its weight is trainable) and
+    peft's plain LoRA linear (no variant such as DoRA or activated LoRA,
+    whose output may depend on the position, no dropout; keeps it when its
+    adapters are trainable). They act on each position alone, so their
+    output can be recomputed tile by tile (:class:`_PerToken`)."""
     lora = _lora_linear()
     inside = {id(m) for s in skip for m in s.modules()}
-    out: list[nn.Module] = []
+    out: list[tuple[nn.Module, bool]] = []
     for m in block.modules():
         if id(m) in inside:
             continue
         if lora is not None and isinstance(m, lora):
             inside.update(id(c) for c in m.modules())  # its base and adapters go with it
             plain = type(m) is lora and not getattr(m, "lora_variant", None)
-            if plain and trainable(m) and not draws_random(m):
-                out.append(m)
-        elif type(m) is nn.Linear and m.weight.requires_grad:
-            out.append(m)
+            if plain and not draws_random(m):
+                out.append((m, bool(trainable(m))))
+        elif type(m) is nn.Linear:
+            out.append((m, m.weight.requires_grad))
     return out
 
 
-def _after(norm: Any, forward: Any, x: torch.Tensor) -> torch.Tensor:
-    """``forward(norm(x))``: a per-token module with the norm it reads."""
-    return forward(norm(x))
+def _after(inner: Any, outer: Any, *xs: torch.Tensor) -> torch.Tensor:
+    """``outer(inner(*xs))``: a per-token module after the value it reads."""
+    return outer(inner(*xs))
+
+
+def _plus(inner: Any, x: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
+    """``x + inner(*xs)``: a residual sum."""
+    return x + inner(*xs)
+
+
+def _entry_is(entry: tuple[Any, int], t: torch.Tensor) -> bool:
+    """Whether an autograd edge (``node.next_functions`` entry) comes from ``t``."""
+    node, index = entry
+    if t.grad_fn is not None:
+        return node is t.grad_fn and index == t.output_nr
+    return t.requires_grad and getattr(node, "variable", None) is t
+
+
+class _PerToken:
+    """The per-token values of one tiled block call, each with a recipe from
+    values the backward keeps anyway (the block's input, the attention's
+    output): ``value == fn(*roots)`` position by position.
+
+    A norm's output, a linear projection's output, and the block's input
+    plus one of those (the residual sum, recognised from autograd's add
+    node) have recipes. A per-token module that reads such a value runs
+    ``module(fn(*roots))`` over tiles of the roots (:func:`~.tiling.tiled`),
+    so the value itself is never kept for the backward: for a Llama block
+    neither norm's output nor the residual after attention is kept."""
+
+    def __init__(self, block_input: torch.Tensor, tokens: int, per_row: int) -> None:
+        self.block_input = block_input
+        self.tokens = tokens
+        self.per_row = per_row
+        # id of a value -> (a weak reference to it, its autograd node and
+        # output index, fn, roots, trainable parameters); the node is held so
+        # that an add's edge can name the value after the value itself is
+        # gone (what ``h = residual + attention(x)`` leaves), and so that no
+        # other node takes its identity for the call
+        self._made: dict[int, tuple[Any, Any, int, Any, tuple, list]] = {}
+
+    def remember(self, out: torch.Tensor, fn: Any, roots: tuple, params: list) -> None:
+        if torch.is_grad_enabled() and out.grad_fn is not None:  # (else nothing is kept)
+            self._made[id(out)] = (weakref.ref(out), out.grad_fn, out.output_nr, fn, roots, params)
+
+    def recipe(self, x: torch.Tensor) -> tuple[Any, tuple, list] | None:
+        found = self._made.get(id(x))
+        got = found[3:] if found is not None and found[0]() is x else self._residual(x)
+        if got is None or any(r.shape[:-1] != x.shape[:-1] for r in got[1]):
+            return None  # (roots tile along the same positions as the value)
+        return got
+
+    def _residual(self, h: torch.Tensor) -> tuple[Any, tuple, list] | None:
+        """``block_input + v`` for a remembered ``v``, as autograd recorded it."""
+        node, x = h.grad_fn, self.block_input
+        if node is None or node.name() != "AddBackward0" or h.shape != x.shape:
+            return None
+        if getattr(node, "_saved_alpha", None) != 1 or len(node.next_functions) != 2:
+            return None
+        first, second = node.next_functions
+        for other, edge in ((second, first), (first, second)):
+            if not _entry_is(edge, x):
+                continue
+            for _, v_node, v_index, fn, roots, params in self._made.values():
+                if other[0] is v_node and other[1] == v_index:
+                    return functools.partial(_plus, fn), (x, *roots), params
+        return None
+
+    def after(self, forward: Any, params: list, x: torch.Tensor) -> tuple[Any, tuple, list, bool]:
+        """The recipe of ``forward(x)``: over ``x``'s recipe when it has one
+        (and whether it has)."""
+        found = self.recipe(x)
+        if found is None:
+            return forward, (x,), params, False
+        fn, roots, inner = found
+        return functools.partial(_after, fn, forward), roots, params + inner, True
+
+    def run(self, fn: Any, roots: tuple, params: list) -> torch.Tensor:
+        """``fn(*roots)`` over tiles of the roots' positions."""
+        return tiled(fn, params, roots, self.per_row, dim=roots[0].dim() - 2)
 
 
 def _one_tensor(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -354,14 +430,16 @@ class _Decoder(nn.Module):
         last dimension: the block's norms, Qwen3's per-head query/key norms),
         which then keep their input alone instead of its fp32 copy.
 
-        A per-token module that reads a tiled norm's output (the MLP after the
-        post-attention norm; a linear projection or LoRA linear, such as the
-        attention's query/key/value projections after the input norm) runs
-        the norm inside its own tiles, from the norm's input: the norm's
-        output is then never kept for the backward (one hidden-sized value
-        per token and norm less), for the cost of recomputing the norm and
-        the projection in backward. Set on this layer's own copy of the block
-        (each worker has one), for the call."""
+        A per-token module that reads a norm's output, a projection's output
+        or the residual sum of either with the block's input (the MLP after
+        the post-attention norm; a linear projection or LoRA linear that
+        keeps its input, such as the attention's query/key/value projections
+        after the input norm) runs that value's recipe inside its own tiles,
+        from the values the backward keeps anyway (:class:`_PerToken`): the
+        norms' outputs and the residual after attention are never kept (for
+        a Llama block three hidden-sized values per token less), for the
+        cost of recomputing them, and the projections, in backward. Set on
+        this layer's own copy of the block (each worker has one), for the call."""
         tokens = hidden_states.shape[:-1].numel()
         if not tile or tokens <= tile:
             yield
@@ -369,26 +447,15 @@ class _Decoder(nn.Module):
         mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)
         if mlp is not None and draws_random(mlp):
             mlp = None
-        per_row = max(1, tile // hidden_states.shape[0])
+        known = _PerToken(hidden_states, tokens, max(1, tile // hidden_states.shape[0]))
         wrapped: list[tuple[nn.Module, Any]] = []
-        # id of a tiled norm's output -> (a weak reference to it, the norm's
-        # forward, its trainable parameters, its input)
-        normed: dict[int, tuple[Any, Any, list[nn.Parameter], torch.Tensor]] = {}
 
         def wrap(module: nn.Module, tiled_forward: Any) -> None:
             wrapped.append((module, module.__dict__.get("forward")))
             module.forward = tiled_forward
 
-        def per_token(module: nn.Module, forward: Any, x: torch.Tensor) -> torch.Tensor:
-            """``forward(x)`` over tiles of ``x``'s positions; when ``x`` is a
-            tiled norm's output, ``forward(norm(t))`` over tiles of the
-            norm's input ``t`` instead."""
-            fn, params, source = forward, trainable(module), x
-            found = normed.get(id(x))
-            if found is not None and found[0]() is x:
-                _, norm, norm_params, source = found
-                fn, params = functools.partial(_after, norm, forward), params + norm_params
-            return tiled(fn, params, source, per_row, dim=source.dim() - 2)
+        def block_wide(x: torch.Tensor | None) -> bool:
+            return x is not None and x.dim() >= 2 and x.shape[:-1].numel() == tokens
 
         if mlp is not None:
             forward = mlp.forward  # (an instance attribute, if one is set, is kept)
@@ -397,7 +464,8 @@ class _Decoder(nn.Module):
                 x = _one_tensor(args, kwargs)
                 if x is None or x.dim() < 2:
                     return _forward(*args, **kwargs)
-                return per_token(mlp, _forward, x)
+                fn, roots, params, _ = known.after(_forward, trainable(mlp), x)
+                return known.run(fn, roots, params)
 
             wrap(mlp, tiled_mlp)
         norms = _norms(self.layer, mlp)
@@ -414,21 +482,28 @@ class _Decoder(nn.Module):
                 if rows.shape[0] <= per_tile:
                     return _forward(x)
                 out = tiled(_forward, trainable(_norm), rows, per_tile, dim=0).reshape(x.shape)
-                if rows.shape[0] == tokens:  # a block-wide norm: its readers may fuse it
-                    normed[id(out)] = (weakref.ref(out), _forward, trainable(_norm), x)
+                if block_wide(x):  # its readers may recompute it in their tiles
+                    known.remember(out, *known.after(_forward, trainable(_norm), x)[:3])
                 return out
 
             wrap(norm, tiled_norm)
-        for reader in _projections(self.layer, [m for m in (mlp, *norms) if m is not None]):
+        skip = [m for m in (mlp, *norms) if m is not None]
+        for reader, keeps in _projections(self.layer, skip):
 
-            def fused(*args: Any, _reader=reader, _forward=reader.forward, **kwargs: Any) -> Any:
+            def projection(
+                *args: Any, _reader=reader, _forward=reader.forward, _keeps=keeps, **kwargs: Any
+            ) -> Any:
                 x = _one_tensor(args, kwargs)
-                found = None if x is None else normed.get(id(x))
-                if found is None or found[0]() is not x:
+                if not block_wide(x):
                     return _forward(*args, **kwargs)
-                return per_token(_reader, _forward, x)
+                fn, roots, params, composed = known.after(_forward, trainable(_reader), x)
+                # a projection that keeps its input reads a recomputable value
+                # in its tiles; any other computes as usual
+                out = known.run(fn, roots, params) if _keeps and composed else _forward(x)
+                known.remember(out, fn, roots, params)
+                return out
 
-            wrap(reader, fused)
+            wrap(reader, projection)
         try:
             yield
         finally:

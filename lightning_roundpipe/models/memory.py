@@ -12,7 +12,9 @@ counts the bytes autograd keeps. Saved bytes of a layer are a polynomial of
 degree at most two in the sequence length (linear for flash and
 memory-efficient attention, quadratic where scores or a mask are kept), so
 three lengths give it exactly; a micro-batch of ``b`` sequences saves ``b``
-times as much.
+times as much, but for what its sequences share (rotary tables of shared
+positions), measured by a fourth probe of two sequences. A tensor counts
+only while the layer's graph keeps it (:func:`~..runtime.profiler.saved_bytes`).
 
 On top of what a stage keeps for its backward, one layer at a time works with
 transient values: a tile of MLP intermediates and their gradients (or the
@@ -69,6 +71,9 @@ class ActivationModel:
             the loss sees whole logits; their share is in ``saved``).
         head_params: trainable parameters of the head (their fp32 gradients
             exist during a chunked loss).
+        shared: per layer, bytes per position kept once per micro-batch
+            whatever its number of sequences (rotary tables of positions
+            shared by the batch); ``saved`` holds the rest.
     """
 
     saved: tuple[tuple[float, float, float], ...]
@@ -79,11 +84,16 @@ class ActivationModel:
     vocab: int
     loss_chunk: int | None
     head_params: int
+    shared: tuple[float, ...] = ()
 
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
         ``micro_batch`` sequences of ``seq`` tokens."""
-        return [micro_batch * (c0 + c1 * seq + c2 * seq * seq) for c0, c1, c2 in self.saved]
+        shared = self.shared or (0.0,) * len(self.saved)
+        return [
+            micro_batch * (c0 + c1 * seq + c2 * seq * seq) + once * seq
+            for (c0, c1, c2), once in zip(self.saved, shared, strict=True)
+        ]
 
     def transient_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer works with on top of what is saved while it runs
@@ -135,6 +145,7 @@ class ActivationModel:
             "vocab": self.vocab,
             "loss_chunk": self.loss_chunk,
             "head_params": self.head_params,
+            "shared": list(self.shared),
         }
 
 
@@ -166,16 +177,17 @@ def _probe_inputs(
     mask: bool,
     packed: bool,
     router: bool,
+    batch: int = 1,
 ) -> dict[str, Any]:
-    """The first block's input for one sequence of ``seq`` tokens, from the
-    model's own embedding (not copied: it keeps no activations worth probing)."""
-    ids = torch.arange(seq).remainder(vocab).reshape(1, seq)
+    """The first block's input for ``batch`` sequences of ``seq`` tokens, from
+    the model's own embedding (not copied: it keeps no activations worth probing)."""
+    ids = torch.arange(seq).remainder(vocab).reshape(1, seq).expand(batch, seq)
     kwargs: dict[str, Any] = {"input_ids": ids}
     if router:
         kwargs["router"] = True
     if mask:  # one padded position: the padded attention path
-        m = torch.ones(1, seq, dtype=torch.long)
-        m[0, 0] = 0
+        m = torch.ones(batch, seq, dtype=torch.long)
+        m[:, 0] = 0
         kwargs["attention_mask"] = m
     if packed:  # two sequences in the row
         half = seq // 2
@@ -230,43 +242,48 @@ def probe_activations(
     embed = layers[0] if prepare is None else runnable(layers[0])
     mlp_tile, loss_chunk = tiles.get("mlp_tile"), tiles.get("loss_chunk")
     head = layers[-1]
-    measured: dict[tuple, list[float]] = {}
+    measured: dict[tuple, list[Any]] = {}
     per_layer: list[list[float]] = [[] for _ in layers]
-    for seq in lengths:
+    paired: list[float] = [0.0 for _ in layers]  # two sequences at the last length
+    last = lengths[-1]
+    for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
         # tile at the probe exactly when the real call tiles
         probe_tiles = {}
         if mlp_tile:
-            probe_tiles["mlp_tile"] = max(1, seq // 4)
-        x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router)
+            probe_tiles["mlp_tile"] = max(1, batch * seq // 4)
+        x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router, batch)
         for i, layer in enumerate(layers):
             rep = runnable(layer)
-            key = (_signature(layer), seq)
+            key = (_signature(layer), seq, batch)
             if i == 0:  # (the model's own embedding: it keeps its indices only)
-                per_layer[i].append(_embedding_bytes(embed, seq))
-                continue
-            if layer is head and loss_chunk:
+                got = batch * _embedding_bytes(embed, seq)
+            elif layer is head and loss_chunk:
                 # a chunked loss keeps the head's input and, until backward,
                 # its gradient (and no logits): counted below, exactly
-                per_layer[i].append(0.0)
-                continue
-            if key not in measured:
-                inputs = dict(x, **probe_tiles)
-                inputs["hidden_states"] = inputs["hidden_states"].detach().requires_grad_()
-                counted: dict[int, int] = {}
-                with torch.enable_grad(), saved_bytes(rep, counted, 0):
-                    out = rep(**inputs)
-                    if layer is head and loss is not None:
-                        labels = torch.zeros(1, seq, dtype=torch.long)
-                        loss(out, labels)
-                measured[key] = [float(counted[0])]
-                if layer is not head:
-                    measured[key].append(out)
-            per_layer[i].append(measured[key][0])
-            if layer is not head:
-                nxt = measured[key][1]
-                x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
+                got = 0.0
+            else:
+                if key not in measured:
+                    inputs = dict(x, **probe_tiles)
+                    inputs["hidden_states"] = inputs["hidden_states"].detach().requires_grad_()
+                    counted: dict[int, int] = {}
+                    with torch.enable_grad(), saved_bytes(rep, counted, 0):
+                        out = rep(**inputs)
+                        if layer is head and loss is not None:
+                            labels = torch.zeros(batch, seq, dtype=torch.long)
+                            loss(out, labels)
+                    measured[key] = [float(counted[0]), None if layer is head else out]
+                got, nxt = measured[key]
+                if nxt is not None:
+                    x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
+            if batch == 1:
+                per_layer[i].append(got)
+            else:
+                paired[i] = got
     element = torch.empty(0, dtype=dtype).element_size()
     saved = [_quadratic(lengths, ys) for ys in per_layer]
+    # what two sequences keep less than twice one's: kept once per micro-batch
+    shared = [max(0.0, 2 * ys[-1] - two) / last for ys, two in zip(per_layer, paired, strict=True)]
+    saved = [(c0, c1 - once, c2) for (c0, c1, c2), once in zip(saved, shared, strict=True)]
     if loss_chunk:
         c0, c1, c2 = saved[-1]
         saved[-1] = (c0, c1 + 2 * hidden * element, c2)  # input and its gradient
@@ -280,6 +297,7 @@ def probe_activations(
         vocab=vocab,
         loss_chunk=loss_chunk,
         head_params=head_params,
+        shared=tuple(shared),
     )
 
 

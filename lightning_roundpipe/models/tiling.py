@@ -177,51 +177,63 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def tiled(
-    fn: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[..., torch.Tensor],
     params: Sequence[nn.Parameter],
-    x: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
     tile: int,
     dim: int = 1,
 ) -> torch.Tensor:
     """``fn(x)`` for a function that acts on each position of ``x`` alone (a
     decoder block's MLP, whose trainable parameters are ``params``), computed
     ``tile`` positions along ``dim`` at a time: forward keeps only ``x`` and
-    the output; backward recomputes each tile with its gradient. ``fn`` must
-    return a tensor and draw no random numbers (:func:`draws_random`)."""
-    return _Tiled.apply(fn, tile, dim, x, *params)
+    the output; backward recomputes each tile with its gradient. ``x`` may be
+    several tensors with the same positions along ``dim`` (``fn`` then takes
+    one tile of each). ``fn`` must return a tensor and draw no random numbers
+    (:func:`draws_random`)."""
+    xs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    return _Tiled.apply(fn, tile, dim, len(xs), *xs, *params)
 
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tile, dim, x, *params):
-        ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
-        ctx.dtypes = [p.dtype for p in params]
-        ctx.save_for_backward(x, *params)
-        return torch.cat([fn(piece.contiguous()) for piece in x.split(tile, dim)], dim)
+    def forward(ctx, fn, tile, dim, n, *tensors):
+        ctx.fn, ctx.tile, ctx.dim, ctx.n = fn, tile, dim, n
+        ctx.dtypes = [p.dtype for p in tensors[n:]]
+        ctx.save_for_backward(*tensors)
+        pieces = zip(*(x.split(tile, dim) for x in tensors[:n]), strict=True)
+        return torch.cat([fn(*(p.contiguous() for p in piece)) for piece in pieces], dim)
 
     @staticmethod
     def backward(ctx, g):
-        x, *params = ctx.saved_tensors
-        want_x, want_p = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        n = ctx.n
+        saved = ctx.saved_tensors
+        xs, params = saved[:n], saved[n:]
+        want_x, want_p = ctx.needs_input_grad[4 : 4 + n], ctx.needs_input_grad[4 + n :]
         chosen = [p for p, w in zip(params, want_p, strict=True) if w]
-        gx = torch.empty_like(x) if want_x else None
+        gx = [torch.empty_like(x) if w else None for x, w in zip(xs, want_x, strict=True)]
         gp = [
             torch.zeros_like(p, dtype=torch.float32) if w else None
             for p, w in zip(params, want_p, strict=True)
         ]
         start = 0
-        for piece, gpiece in zip(
-            x.split(ctx.tile, ctx.dim), g.split(ctx.tile, ctx.dim), strict=True
+        for *pieces, gpiece in zip(
+            *(x.split(ctx.tile, ctx.dim) for x in xs), g.split(ctx.tile, ctx.dim), strict=True
         ):
             with torch.enable_grad():
-                xi = piece.detach().contiguous().requires_grad_(want_x)
-                out = ctx.fn(xi)
-                found = list(torch.autograd.grad(out, ([xi] if want_x else []) + chosen, gpiece))
-            if want_x:
-                gx.narrow(ctx.dim, start, piece.shape[ctx.dim]).copy_(found.pop(0))
+                ins = [
+                    p.detach().contiguous().requires_grad_(w)
+                    for p, w in zip(pieces, want_x, strict=True)
+                ]
+                out = ctx.fn(*ins)
+                wanted = [i for i, w in zip(ins, want_x, strict=True) if w] + chosen
+                found = list(torch.autograd.grad(out, wanted, gpiece))
+            size = pieces[0].shape[ctx.dim]
+            for v in gx:
+                if v is not None:
+                    v.narrow(ctx.dim, start, size).copy_(found.pop(0))
             for v in gp:
                 if v is not None:
                     v.add_(found.pop(0))
-            start += piece.shape[ctx.dim]
+            start += size
         params_out = [None if v is None else v.to(d) for v, d in zip(gp, ctx.dtypes, strict=True)]
-        return (None, None, None, gx, *params_out)
+        return (None, None, None, None, *gx, *params_out)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..plan import LayerCosts
 from ..plan.policy import ExposedUpload, RoundChoice
@@ -137,27 +138,32 @@ def _footprint(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 @contextmanager
 def saved_bytes(module: torch.nn.Module, into: dict[int, int], key: int) -> Iterator[None]:
-    """Count the bytes autograd saves for backward while the block runs (the
-    activation memory a layer holds per micro-batch until its backward), each
-    tensor once and the module's own parameters (and views of them) not at all;
-    the total goes to ``into[key]``. Saved-tensor hooks are per thread, so
-    workers do not mix. Tensors without plain storage are not counted."""
+    """Count the bytes autograd keeps for backward from what the block saves
+    while it runs (the activation memory a layer holds per micro-batch until
+    its backward), each tensor once and the module's own parameters (and
+    views of them) not at all; the total goes to ``into[key]``. A tensor
+    counts only if it is still alive when the block returns: a node whose
+    output nothing used is gone by then, and so is what it saved (a tiled
+    norm whose readers recompute it, :mod:`~..models.layers`). Saved-tensor
+    hooks are per thread, so workers do not mix. Tensors without plain
+    storage are not counted."""
     skip = {f[0] for p in module.parameters() if (f := _footprint(p)) is not None}
-    seen: set[tuple[int, int]] = set()
-    total = 0
+    # (data address, bytes) -> the storage saved there: a tensor saved twice
+    # counts once, and one that died has its address reused by the next
+    packed: dict[tuple[int, int], StorageWeakRef] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
         f = _footprint(t)
         # a view counts its own bytes (a micro-batch is a view of the batch on CPU)
-        if f is not None and f[0] not in skip and f[1:] not in seen:
-            seen.add(f[1:])
-            total += f[2]
+        if f is not None and f[0] not in skip:
+            known = packed.get(f[1:])
+            if known is None or known.expired():
+                packed[f[1:]] = StorageWeakRef(t.untyped_storage())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
-    into[key] = total
+    into[key] = sum(nbytes for (_, nbytes), ref in packed.items() if not ref.expired())
 
 
 class Stopwatch:
