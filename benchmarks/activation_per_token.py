@@ -63,7 +63,8 @@ def saved_per_token(config: transformers.LlamaConfig) -> dict[str, float]:
     tiles = adapter.tiles_for(1, torch.bfloat16)  # the smallest tiles: always tiled
     for label, chosen in (("never tiled", {}), ("tiled", tiles)):
         act = adapter.activation_model(torch.bfloat16, chosen, loss=True, prepare=real)
-        out[label] = act.saved[1][1]  # the block's bytes per token
+        # the block's bytes per token (rotary tables, kept once per micro-batch, too)
+        out[label] = act.saved[1][1] + act.shared[1]
     return out
 
 
