@@ -289,7 +289,8 @@ def test_chunked_and_tiled_bf16_training_equals_untiled(kind, monkeypatch):
 
 def lora(model: nn.Module, **settings) -> nn.Module:
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **settings)
+    settings.setdefault("target_modules", "all-linear")
+    config = peft.LoraConfig(r=4, lora_alpha=8, **settings)
     model = peft.get_peft_model(model, config)
     with torch.no_grad():  # LoRA B starts at zero: make every adapter matter at once
         for name, p in model.named_parameters():
@@ -305,6 +306,17 @@ def test_lora_projections_tiled_with_their_norm_train_like_untiled(precision, mo
     tol = dict(atol=1e-2, rtol=1.6e-2) if precision == "bf16-mixed" else {}
     count = same_training(lora(tiny("llama")), monkeypatch, precision, tol=tol)
     tiled_as_designed(count, "llama")
+
+
+def test_frozen_projections_compute_as_usual_and_training_equals_untiled(monkeypatch):
+    """LoRA on the query and value projections only: those two read the
+    input norm in their tiles; the frozen key and output projections compute
+    as usual (a frozen linear's input may not be kept: its output gets no
+    recipe, so the residual after attention is kept as before)."""
+    model = lora(tiny("llama"), target_modules=["q_proj", "v_proj"])
+    count = same_training(model, monkeypatch, "32-true")
+    assert count.projections > 0 and count.projections % 2 == 0
+    assert count.tiled >= 3 * 2 * 2
 
 
 def test_lora_with_dropout_or_a_variant_is_not_tiled_with_the_norm(monkeypatch):

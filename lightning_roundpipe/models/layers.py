@@ -138,9 +138,8 @@ class _PerToken:
     so the value itself is never kept for the backward: for a Llama block
     neither norm's output nor the residual after attention is kept."""
 
-    def __init__(self, block_input: torch.Tensor, tokens: int, per_row: int) -> None:
+    def __init__(self, block_input: torch.Tensor, per_row: int) -> None:
         self.block_input = block_input
-        self.tokens = tokens
         self.per_row = per_row
         # id of a value -> (a weak reference to it, its autograd node and
         # output index, fn, roots, trainable parameters); the node is held so
@@ -447,7 +446,7 @@ class _Decoder(nn.Module):
         mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)
         if mlp is not None and draws_random(mlp):
             mlp = None
-        known = _PerToken(hidden_states, tokens, max(1, tile // hidden_states.shape[0]))
+        known = _PerToken(hidden_states, max(1, tile // hidden_states.shape[0]))
         wrapped: list[tuple[nn.Module, Any]] = []
 
         def wrap(module: nn.Module, tiled_forward: Any) -> None:
@@ -500,7 +499,10 @@ class _Decoder(nn.Module):
                 # a projection that keeps its input reads a recomputable value
                 # in its tiles; any other computes as usual
                 out = known.run(fn, roots, params) if _keeps and composed else _forward(x)
-                known.remember(out, fn, roots, params)
+                if _keeps or composed:
+                    # (its roots are kept anyway: it keeps its input, or they
+                    # are a recipe's; a frozen linear's input may not be)
+                    known.remember(out, fn, roots, params)
                 return out
 
             wrap(reader, projection)
