@@ -185,10 +185,12 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog)
 
 
 def fit_peak(seq: int) -> tuple[int, int]:
-    """Measured peak growth and predicted peak stage memory of a one-step fit
-    of 2 sequences on one CPU worker (fp32, loss chunked, MLPs tiled)."""
+    """Measured peak growth (of the live tensors: no heap slack) and predicted
+    peak stage memory of a one-step fit of 2 sequences on one CPU worker
+    (fp32, loss chunked, MLPs tiled)."""
     return peak_growth(
         seq,
+        live=True,
         tile_memory=8_000_000,
         vocab=8000,
         hidden=128,
@@ -207,9 +209,11 @@ def test_the_predicted_peak_follows_the_measured_peak():
     m_short, p_short = fit_peak(256)
     m_long, p_long = fit_peak(8192)
     measured, predicted = m_long - m_short, p_long - p_short
-    # (resident memory also holds what the allocator keeps: measured -2% on an
-    # idle machine, further off when other processes compete)
-    assert predicted == pytest.approx(measured, rel=0.3), (measured, predicted)
+    # the prediction bounds the live growth, not far above it (1.36x: the
+    # transients are modelled for GPU kernels, larger than CPU ones). With
+    # the heap's slack resident memory grows by 2x the live tensors' growth
+    # here, whatever the prediction, so it is kept out (live=True)
+    assert measured <= predicted <= 1.45 * measured, (measured, predicted)
 
 
 # ------------------------------------------------------------ the estimate

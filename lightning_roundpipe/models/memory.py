@@ -84,15 +84,14 @@ class ActivationModel:
     vocab: int
     loss_chunk: int | None
     head_params: int
-    shared: tuple[float, ...] = ()
+    shared: tuple[float, ...]
 
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
         ``micro_batch`` sequences of ``seq`` tokens."""
-        shared = self.shared or (0.0,) * len(self.saved)
         return [
             micro_batch * (c0 + c1 * seq + c2 * seq * seq) + once * seq
-            for (c0, c1, c2), once in zip(self.saved, shared, strict=True)
+            for (c0, c1, c2), once in zip(self.saved, self.shared, strict=True)
         ]
 
     def transient_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
