@@ -14,6 +14,7 @@ from test_adapters import attached_engine, tiny
 from test_tiling import peak_growth
 
 from lightning_roundpipe.models import CausalLMAdapter
+from lightning_roundpipe.models.attention import backward_workspace
 from lightning_roundpipe.models.memory import _quadratic, applied_tiles, longest_sequence
 from lightning_roundpipe.plan.cli import main
 from lightning_roundpipe.runtime import RoundPipeEngine
@@ -214,6 +215,30 @@ def test_the_predicted_peak_follows_the_measured_peak():
     # the heap's slack resident memory grows by 2x the live tensors' growth
     # here, whatever the prediction, so it is kept out (live=True)
     assert measured <= predicted <= 1.45 * measured, (measured, predicted)
+
+
+def test_on_cuda_the_attention_backward_adds_its_workspace_split_when_tiled():
+    """The CPU flash kernel's backward has no workspace; CUDA's has one
+    (fp32 query-gradient accumulator, expanded key/value gradients), which
+    a tiled block's split backward holds for one head group at a time."""
+    model = tiny("llama")
+    config = model.config
+    adapter = CausalLMAdapter(model, "model")
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    seq = 4096
+    for tiles, split in (({}, False), ({"mlp_tile": 64}, True)):
+        act = adapter.activation_model(torch.float32, tiles, loss=False)
+        assert act.attention == (heads, kv, head_dim)
+        cpu, cuda = act.transient_bytes(seq), act.transient_bytes(seq, cuda=True)
+        work = backward_workspace(seq, heads, kv, head_dim, 4, split=split)
+        # (the embedding and the head: no attention)
+        assert cuda[0] == cpu[0] and cuda[-1] == cpu[-1]
+        for a, b in zip(cpu[1:-1], cuda[1:-1], strict=True):
+            if split:  # (a tile of the MLP is small: the attention binds)
+                assert b == a + work
+            else:  # (the whole MLP's gradients may bind)
+                assert a < b <= a + work
 
 
 # ------------------------------------------------------------ the estimate

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.models import CausalLMAdapter, causal_lm_loss, layers, tiling
+from lightning_roundpipe.models import CausalLMAdapter, attention, causal_lm_loss, layers, tiling
 from lightning_roundpipe.models.tiling import ChunkedLogits, draws_random, tiled
 from lightning_roundpipe.runtime import RoundPipeEngine
 from lightning_roundpipe.runtime.options import EngineOptions
@@ -349,6 +349,38 @@ def test_a_tiled_block_keeps_no_norm_output_nor_residual_for_its_backward():
     assert want <= got <= want + 4 * 4, (got, want)  # (+ the attention's log-sum-exp)
     # (the rotary tables: once per micro-batch, the positions are the batch's)
     assert tiled_model.shared[1] == rotary * 4
+
+
+class Unpadded(LM):
+    """Called without the padding mask: causal attention with no mask, which
+    the flash kernel runs."""
+
+    def training_step(self, batch, batch_idx):
+        ids, _, labels = batch
+        out = self.model(input_ids=ids, labels=labels)
+        self.losses.append(out.loss.detach().clone())
+        return out.loss
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_attention_backward_split_over_head_groups_trains_like_untiled(precision, monkeypatch):
+    """Tiled blocks run their attention's backward a key/value head at a
+    time (on CUDA; here the CPU kernels stand in): training equals untiled."""
+    monkeypatch.setattr(attention, "SPLIT_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(attention, "ROWS_PER_CALL", 1)
+    split = attention._SplitFlash.apply
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return split(*args)
+
+    monkeypatch.setattr(attention._SplitFlash, "apply", counted)
+    tol = dict(atol=1e-2, rtol=1.6e-2) if precision == "bf16-mixed" else {}
+    count = same_training(tiny("llama"), monkeypatch, precision, lm=Unpadded, tol=tol)
+    tiled_as_designed(count, "llama")
+    # in the recompute of each block before its backward (3 steps, 2 micro-batches, 2 blocks)
+    assert len(calls) == 3 * 2 * 2
 
 
 def test_adamw_training_of_a_dense_model_chunked_and_tiled_equals_untiled(monkeypatch):

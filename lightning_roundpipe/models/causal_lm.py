@@ -285,8 +285,19 @@ class CausalLMAdapter(_Adapter):
                 packed=packed,
                 router=router,
                 prepare=prepare,
+                attention=self._attention_heads(),
             )
         return cache[key]
+
+    def _attention_heads(self) -> tuple[int, int, int] | None:
+        """The blocks' query heads, key/value heads and head size, from the config."""
+        config = self.target.config
+        heads = getattr(config, "num_attention_heads", None)
+        if not heads:
+            return None
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return int(heads), int(kv_heads), int(head_dim)
 
     def _expect(self, inputs: dict[str, Any], batch: torch.Tensor, loss: bool) -> None:
         """Before a training call: the engine learns the predicted activation
@@ -311,8 +322,9 @@ class CausalLMAdapter(_Adapter):
         )
         # one layer input of a micro-batch: the batch's share
         boundary = self.boundary_estimate(engine.compute_dtype)(inputs) * micro / batch.shape[0]
+        cuda = engine.devices[0].type == "cuda"
         engine.expect_activations(
-            model.saved_bytes(seq, micro), model.transient_bytes(seq, micro), boundary
+            model.saved_bytes(seq, micro), model.transient_bytes(seq, micro, cuda=cuda), boundary
         )
         self._expected = shape
 

@@ -378,7 +378,7 @@ def estimate(
             start,
             sizes,
             act.saved_bytes(s, b),
-            act.transient_bytes(s, b),
+            act.transient_bytes(s, b, cuda=True),
             gpus,
             m,
             user_plan=False,

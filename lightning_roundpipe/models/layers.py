@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..runtime.scope import stage_cached
+from .attention import GroupedAttention
 from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
 __all__ = ["balance_loss", "is_packed"]
@@ -507,7 +508,8 @@ class _Decoder(nn.Module):
 
             wrap(reader, projection)
         try:
-            yield
+            with GroupedAttention():  # its backward over head groups (CUDA)
+                yield
         finally:
             for module, own in reversed(wrapped):
                 if own is None:

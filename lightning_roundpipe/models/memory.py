@@ -18,8 +18,10 @@ only while the layer's graph keeps it (:func:`~..runtime.profiler.saved_bytes`).
 
 On top of what a stage keeps for its backward, one layer at a time works with
 transient values: a tile of MLP intermediates and their gradients (or the
-whole MLP's, untiled), the attention's input gradients, one loss chunk's
-logits, the stage's boundary values and their gradients.
+whole MLP's, untiled), the attention's input gradients (on CUDA with the
+flash kernel's workspace, which tiled blocks split over head groups:
+:mod:`.attention`), one loss chunk's logits, the stage's boundary values and
+their gradients.
 :class:`ActivationModel` adds the largest of those (no two layers' transients
 exist at once) to a stage's weights, gradients and saved activations.
 """
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from ..runtime.profiler import saved_bytes
+from .attention import backward_workspace
 
 __all__ = ["ActivationModel", "applied_tiles", "probe_activations", "value_bytes"]
 
@@ -74,6 +77,9 @@ class ActivationModel:
         shared: per layer, bytes per position kept once per micro-batch
             whatever its number of sequences (rotary tables of positions
             shared by the batch); ``saved`` holds the rest.
+        attention: the decoder blocks' query heads, key/value heads and
+            head size (None: not known), for the workspace of a CUDA
+            flash-attention backward (:func:`~.attention.backward_workspace`).
     """
 
     saved: tuple[tuple[float, float, float], ...]
@@ -85,6 +91,7 @@ class ActivationModel:
     loss_chunk: int | None
     head_params: int
     shared: tuple[float, ...]
+    attention: tuple[int, int, int] | None
 
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
@@ -94,14 +101,24 @@ class ActivationModel:
             for (c0, c1, c2), once in zip(self.saved, self.shared, strict=True)
         ]
 
-    def transient_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
+    def transient_bytes(self, seq: int, micro_batch: int = 1, *, cuda: bool = False) -> list[float]:
         """Bytes each layer works with on top of what is saved while it runs
         (forward, recompute or backward): the largest of its MLP intermediates
-        with their gradients (one tile's when tiled), its attention's score
-        working set (where scores are kept: the quadratic part of ``saved``),
-        a loss chunk's logits; plus the stage boundary values in and out and
-        their gradients."""
+        with their gradients (one tile's when tiled), its attention's input
+        gradients with their score working set (where scores are kept: the
+        quadratic part of ``saved``), a loss chunk's logits; plus the stage
+        boundary values in and out and their gradients. ``cuda``: the layers
+        run on CUDA, whose flash-attention backward adds a workspace (one
+        head group's in tiled blocks, :mod:`.attention`; the CPU kernel has
+        none)."""
         tokens = seq * micro_batch
+        tiled = self.mlp_tile is not None and tokens > self.mlp_tile
+        workspace = 0.0
+        if cuda and self.attention is not None:
+            heads, kv_heads, head_dim = self.attention
+            workspace = float(
+                backward_workspace(tokens, heads, kv_heads, head_dim, self.element, split=tiled)
+            )
         boundary = 4 * tokens * self.hidden * self.element
         out = []
         last = len(self.saved) - 1
@@ -117,22 +134,25 @@ class ActivationModel:
             elif i == 0:
                 work = 0.0
             else:
-                if self.mlp_tile is not None and tokens > self.mlp_tile:
-                    # a tile's recomputed intermediates and their gradients
+                if tiled:  # a tile's recomputed intermediates and their gradients
                     mlp = self.mlp_tile * self.mlp_width * self.element
                 else:  # the gradients of the (saved) intermediates
                     mlp = tokens * self.mlp_width * self.element / 2
                 attention = 4 * tokens * self.hidden * self.element + micro_batch * c2 * seq * seq
+                attention += workspace
                 work = max(mlp, attention)
             out.append(work + boundary)
         return out
 
-    def stage_peak(self, start: int, stop: int, seq: int, micro_batch: int = 1) -> float:
+    def stage_peak(
+        self, start: int, stop: int, seq: int, micro_batch: int = 1, *, cuda: bool = False
+    ) -> float:
         """Activation bytes of a backward (or fused) stage over layers
         ``[start, stop)`` at its peak: everything its layers save, plus the
         largest transient."""
         saved = self.saved_bytes(seq, micro_batch)[start:stop]
-        return sum(saved) + max(self.transient_bytes(seq, micro_batch)[start:stop], default=0.0)
+        transient = self.transient_bytes(seq, micro_batch, cuda=cuda)[start:stop]
+        return sum(saved) + max(transient, default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -145,6 +165,7 @@ class ActivationModel:
             "loss_chunk": self.loss_chunk,
             "head_params": self.head_params,
             "shared": list(self.shared),
+            "attention": None if self.attention is None else list(self.attention),
         }
 
 
@@ -216,15 +237,16 @@ def probe_activations(
     router: bool = False,
     lengths: Sequence[int] = PROBE_LENGTHS,
     prepare: Callable[[nn.Module], nn.Module] | None = None,
+    attention: tuple[int, int, int] | None = None,
 ) -> ActivationModel:
     """Measure what each of a causal LM adapter's ``layers`` (embedding,
     blocks, head) saves for its backward at three short ``lengths``, on
     copies in ``dtype`` on the CPU, with the call's settings (``tiles`` as
     the adapter chose them for the real call, a padding ``mask``, ``packed``
     sequences, ``router`` statistics, the ``loss`` computed inside the head's
-    stage); see :class:`ActivationModel`. ``prepare``: how to get a runnable
-    CPU copy of a layer (default a copy in ``dtype``; for a model on the meta
-    device, one with random values)."""
+    stage); see :class:`ActivationModel`, whose ``attention`` heads are
+    given. ``prepare``: how to get a runnable CPU copy of a layer (default a
+    copy in ``dtype``; for a model on the meta device, one with random values)."""
     copies: dict[tuple, nn.Module] = {}
 
     def runnable(layer: nn.Module) -> nn.Module:
@@ -297,6 +319,7 @@ def probe_activations(
         loss_chunk=loss_chunk,
         head_params=head_params,
         shared=tuple(shared),
+        attention=attention,
     )
 
 
