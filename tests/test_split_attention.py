@@ -6,6 +6,7 @@ and (on a GPU) less backward memory than the fused kernel, as predicted."""
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_roundpipe.models import attention
 from lightning_roundpipe.models.attention import (
@@ -144,8 +145,9 @@ def test_on_a_gpu_the_split_backward_gives_the_fused_gradients_with_less_memory(
             with GroupedAttention():
                 out = F.scaled_dot_product_attention(q, k, v, **kwargs)
             assert type(out.grad_fn).__name__ == "_SplitFlashBackward"
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:  # (the flash kernel, whichever SDPA would prefer)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
