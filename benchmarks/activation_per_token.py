@@ -29,10 +29,12 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit
 
+from lightning_roundpipe.models.attention import backward_workspace
 from lightning_roundpipe.models.causal_lm import CausalLMAdapter
 from lightning_roundpipe.models.estimate import _meta_model, estimate, materialiser
 
 GIB = 2**30
+MILLION = 1 << 20
 LORA_RANK = 32
 
 
@@ -93,6 +95,12 @@ def main() -> None:
     # the base loaded in bf16: its own master copy, held once on the host
     once = estimate(config, **kw, **host, frozen_dtype=torch.bfloat16)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    head_dim = config.hidden_size // config.num_attention_heads
+    value = MILLION * config.hidden_size * 2
+    fused, split = (
+        backward_workspace(MILLION, *heads, head_dim, 2, split=s) for s in (False, True)
+    )
     out = (
         f"### Activation memory per token of a Llama-3.1-8B block ({datetime.date.today()})\n\n"
         f"`python benchmarks/activation_per_token.py --gpu-memory {args.gpu_memory:g} "
@@ -106,6 +114,10 @@ def main() -> None:
         f"tokens ({both.longest_bound}; model state {both.host['state'] / GIB:.1f} GiB, "
         f"the base loaded in fp32) or {once.longest_seq} tokens ({once.longest_bound}; "
         f"model state {once.host['state'] / GIB:.1f} GiB, the base loaded in bf16).\n"
+        f"\nCUDA flash-attention backward workspace of one block at {MILLION} tokens "
+        f"(`backward_workspace`, from PyTorch's kernel source; not measured here): "
+        f"{fused / value:.2f} hidden-sized values fused, {split / value:.2f} with the "
+        f"backward split over key/value head groups (tiled blocks).\n"
     )
     emit(out, args.append)
 

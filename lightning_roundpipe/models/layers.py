@@ -332,6 +332,10 @@ class _Decoder(nn.Module):
     ``_can_record_outputs`` names, installed for the call on this layer's own
     copy of the block) and added to the running sums."""
 
+    # never writes its input in place (transformers' blocks are functional):
+    # a stage that starts here needs no copy of its input (see RoundPipeEngine)
+    input_intact = True
+
     def __init__(
         self,
         layer: nn.Module,
@@ -547,6 +551,8 @@ class _Head(nn.Module):
     logits: a scale (Cohere), a divisor (Granite), tanh soft-capping (Gemma
     2/3). Returns the logits, or with router statistics a dict of the logits
     and the statistics (the loss function adds the load-balancing term)."""
+
+    input_intact = True  # (as _Decoder's)
 
     def __init__(
         self,

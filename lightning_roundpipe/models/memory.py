@@ -20,8 +20,10 @@ On top of what a stage keeps for its backward, one layer at a time works with
 transient values: a tile of MLP intermediates and their gradients (or the
 whole MLP's, untiled), the attention's input gradients (on CUDA with the
 flash kernel's workspace, which tiled blocks split over head groups:
-:mod:`.attention`), one loss chunk's logits, the stage's boundary values and
-their gradients.
+:mod:`.attention`), one loss chunk's logits, the stage's output and the
+gradients of its output and input (its input is counted once, with what its
+first layer keeps: the adapter's layers keep it intact, so the stage holds no
+copy).
 :class:`ActivationModel` adds the largest of those (no two layers' transients
 exist at once) to a stage's weights, gradients and saved activations.
 """
@@ -106,8 +108,10 @@ class ActivationModel:
         (forward, recompute or backward): the largest of its MLP intermediates
         with their gradients (one tile's when tiled), its attention's input
         gradients with their score working set (where scores are kept: the
-        quadratic part of ``saved``), a loss chunk's logits; plus the stage
-        boundary values in and out and their gradients. ``cuda``: the layers
+        quadratic part of ``saved``), a loss chunk's logits; plus the stage's
+        output and the gradients of its output and input (its input is the
+        first layer's, in ``saved``: the adapter's layers keep it intact, so
+        the stage holds no copy of it). ``cuda``: the layers
         run on CUDA, whose flash-attention backward adds a workspace (one
         head group's in tiled blocks, :mod:`.attention`; the CPU kernel has
         none)."""
@@ -119,7 +123,7 @@ class ActivationModel:
             workspace = float(
                 backward_workspace(tokens, heads, kv_heads, head_dim, self.element, split=tiled)
             )
-        boundary = 4 * tokens * self.hidden * self.element
+        boundary = 3 * tokens * self.hidden * self.element
         out = []
         last = len(self.saved) - 1
         for i, (_, _, c2) in enumerate(self.saved):

@@ -231,6 +231,11 @@ class Worker:
                 extra = self._oom_advice(t)
             if isinstance(exc, HandoffTimeout):
                 extra = "\n" + call.schedule.grid(mark=job.index)
+            if "leaf Variable that requires grad is being used in an in-place" in str(exc):
+                extra = (
+                    " (a stage's first layer gets its input itself when its class sets "
+                    "input_intact = True: a layer that writes its input in place must not)"
+                )
             err = WorkerError(
                 f"device {self.device} (worker {self.index}) failed in stage {t.stage} "
                 f"(layers {t.start}-{t.stop - 1}, {t.kind}){where}, round {t.round}, "
@@ -701,11 +706,13 @@ class Worker:
             self._save(job, f"act{t.stop}", j, out, fresh=False)
         self._fetch_ahead(job, nxt)
 
-    def _leaves(self, x: Any) -> tuple[Any, list[torch.Tensor | None]]:
+    def _leaves(self, x: Any, copy: bool = True) -> tuple[Any, list[torch.Tensor | None]]:
         """The stage input as autograd leaves (whose ``.grad`` is the input
-        gradient) and, for the layers, a copy of each: a first layer that writes
-        its input in place (``ReLU(inplace=True)``, ``x.mul_()``) is then legal,
-        as it is in the unsplit model, and never changes the leaf."""
+        gradient) and, for the layers, with ``copy`` a copy of each: a first
+        layer that writes its input in place (``ReLU(inplace=True)``,
+        ``x.mul_()``) is then legal, as it is in the unsplit model, and never
+        changes the leaf. Without (a layer that declares ``input_intact``):
+        the leaves themselves, one stage input on the device instead of two."""
         flat: list[torch.Tensor | None] = []
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -713,7 +720,7 @@ class Worker:
             if t.is_floating_point() or t.is_complex():
                 t.requires_grad_(True)
                 flat.append(t)
-                return t.clone()
+                return t.clone() if copy else t
             flat.append(None)
             return t
 
@@ -750,14 +757,17 @@ class Worker:
                 inputs.append(out)
         return inputs
 
-    def _top_input(self, job: Job, inputs: list[Any]) -> tuple[int, Any, list]:
+    def _top_input(
+        self, job: Job, inputs: list[Any], replicas: list[LayerReplica]
+    ) -> tuple[int, Any, list]:
         """Where the autograd part of a stage starts (its first layer, or a
         layered stage's top one), its input and that input's leaves."""
         t = job.task
         base = t.start + len(inputs) - 1
         value = inputs.pop()
         if base > 0 or job.call.input_grad:  # the layer below (or the caller) needs its gradient
-            return (base, *self._leaves(value))
+            first = replicas[base - t.start].module
+            return (base, *self._leaves(value, copy=not getattr(first, "input_intact", False)))
         return base, value, []
 
     def _differentiate(self, out: Any, g: list, timer: LayerTimer | None, boundary: int) -> None:
@@ -795,7 +805,7 @@ class Worker:
         leaves = upper.pop()
         while inputs:
             g = _grads(leaves)
-            layer, x, leaves = self._top_input(job, inputs)
+            layer, x, leaves = self._top_input(job, inputs, replicas)
             with torch.enable_grad():
                 rep = replicas[layer - t.start : layer - t.start + 1]
                 out = self._layers(job, j, rep, x, timer=timer, first=layer)
@@ -811,7 +821,7 @@ class Worker:
         t, call = job.task, job.call
         mark = self._mark()
         inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
-        base, x, leaves = self._top_input(job, inputs)
+        base, x, leaves = self._top_input(job, inputs, replicas)
         timer = self._timer(job, leaves, base)
         labels, loss_fn, finish = call.labels[j], call.loss_fn, None
         if loss_fn is not None:
@@ -863,7 +873,7 @@ class Worker:
         t = job.task
         mark = self._mark()
         inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
-        base, x, leaves = self._top_input(job, inputs)
+        base, x, leaves = self._top_input(job, inputs, replicas)
         timer = self._timer(job, leaves, base)
         with torch.enable_grad():
             # recompute from the saved input: it is there long before the gradient

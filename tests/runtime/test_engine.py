@@ -907,6 +907,52 @@ def test_layers_that_change_their_input_in_place(plan, n):
     torch.testing.assert_close(x, x_before)  # the caller's batch is untouched
 
 
+class _Intact(nn.Linear):
+    input_intact = True  # never writes its input: a stage starting here copies nothing
+
+
+class _Untrue(nn.Module):
+    input_intact = True  # ... but it does
+
+    def forward(self, x):
+        return x.mul_(2.0).tanh()
+
+
+def test_a_layer_that_keeps_its_input_intact_gets_the_stage_input_itself(monkeypatch):
+    """A backward stage's first layer that declares ``input_intact`` is given
+    the input's autograd leaf (one device copy, not two); a layer that
+    declares it and writes its input anyway fails with autograd's error,
+    naming the device and stage, never a wrong gradient."""
+    from lightning_roundpipe.runtime import worker as worker_mod
+
+    copies = []
+    leaves = worker_mod.Worker._leaves
+
+    def counted(self, x, copy=True):
+        copies.append(copy)
+        return leaves(self, x, copy)
+
+    monkeypatch.setattr(worker_mod.Worker, "_leaves", counted)
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), _Intact(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    with engine(layers, 2, 2, "1,1|2|1,1") as eng:  # backward stages [0], [1]; fused [2, 3]
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, list(ref))
+    assert False in copies and True in copies  # the _Intact stage, the Tanh one
+    layers = [nn.Linear(8, 16), _Untrue(), nn.Linear(16, 4)]
+    with engine(layers, 1, 1, "1,1|1|1,1") as eng, pytest.raises(WorkerError) as info:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    assert "in-place operation" in str(info.value) and "stage B" in str(info.value)
+    assert "class sets input_intact = True" in str(info.value)
+
+
 @pytest.mark.parametrize("path", ["failure", "interrupt"])
 def test_pinned_memory_is_freed_only_after_every_device_is_idle(monkeypatch, path):
     """On the failure and interrupt paths (and so on a re-plan, which closes the
