@@ -114,7 +114,7 @@ def _splittable(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
     bound.update(kwargs)
     if set(bound) - set(names):
         return None
-    q, k, v = bound["query"], bound["key"], bound["value"]
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
     if bound["attn_mask"] is not None or bound["dropout_p"] != 0.0:
