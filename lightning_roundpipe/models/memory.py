@@ -20,10 +20,10 @@ On top of what a stage keeps for its backward, one layer at a time works with
 transient values: a tile of MLP intermediates and their gradients (or the
 whole MLP's, untiled), the attention's input gradients (on CUDA with the
 flash kernel's workspace, which tiled blocks split over head groups:
-:mod:`.attention`), one loss chunk's logits, the stage's output and the
-gradients of its output and input (its input is counted once, with what its
-first layer keeps: the adapter's layers keep it intact, so the stage holds no
-copy).
+:mod:`.attention`), one loss chunk's logits, the gradients of the stage's
+output and input (the input is counted once, with what its first layer keeps:
+the adapter's layers keep it intact, so the stage holds no copy; the output
+itself is freed before the backward unless router statistics come with it).
 :class:`ActivationModel` adds the largest of those (no two layers' transients
 exist at once) to a stage's weights, gradients and saved activations.
 """
@@ -82,6 +82,9 @@ class ActivationModel:
         attention: the decoder blocks' query heads, key/value heads and
             head size (None: not known), for the workspace of a CUDA
             flash-attention backward (:func:`~.attention.backward_workspace`).
+        keeps_output: whether a backward stage's output stays on the device
+            through its backward (with router statistics: several outputs);
+            else it is freed first (:func:`~..runtime.worker.release_output`).
     """
 
     saved: tuple[tuple[float, float, float], ...]
@@ -94,6 +97,7 @@ class ActivationModel:
     head_params: int
     shared: tuple[float, ...]
     attention: tuple[int, int, int] | None
+    keeps_output: bool
 
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
@@ -108,10 +112,11 @@ class ActivationModel:
         (forward, recompute or backward): the largest of its MLP intermediates
         with their gradients (one tile's when tiled), its attention's input
         gradients with their score working set (where scores are kept: the
-        quadratic part of ``saved``), a loss chunk's logits; plus the stage's
-        output and the gradients of its output and input (its input is the
-        first layer's, in ``saved``: the adapter's layers keep it intact, so
-        the stage holds no copy of it). ``cuda``: the layers
+        quadratic part of ``saved``), a loss chunk's logits; plus the
+        gradients of the stage's output and input, and the output itself if
+        it is kept through the backward (the input is the first layer's, in
+        ``saved``: the adapter's layers keep it intact, so the stage holds
+        no copy of it). ``cuda``: the layers
         run on CUDA, whose flash-attention backward adds a workspace (one
         head group's in tiled blocks, :mod:`.attention`; the CPU kernel has
         none)."""
@@ -123,7 +128,7 @@ class ActivationModel:
             workspace = float(
                 backward_workspace(tokens, heads, kv_heads, head_dim, self.element, split=tiled)
             )
-        boundary = 3 * tokens * self.hidden * self.element
+        boundary = (2 + self.keeps_output) * tokens * self.hidden * self.element
         out = []
         last = len(self.saved) - 1
         for i, (_, _, c2) in enumerate(self.saved):
@@ -170,6 +175,7 @@ class ActivationModel:
             "head_params": self.head_params,
             "shared": list(self.shared),
             "attention": None if self.attention is None else list(self.attention),
+            "keeps_output": self.keeps_output,
         }
 
 
@@ -324,6 +330,7 @@ def probe_activations(
         head_params=head_params,
         shared=tuple(shared),
         attention=attention,
+        keeps_output=router,
     )
 
 

@@ -65,6 +65,28 @@ __all__ = ["Call", "Gain", "Job", "Runtime", "Worker", "WorkerError"]
 log = logging.getLogger(__name__)
 
 
+# autograd nodes that keep neither their inputs nor their output
+_KEEPS_NOTHING = frozenset({"AddBackward0", "SubBackward0"})
+
+
+def release_output(out: torch.Tensor) -> bool:
+    """Free the memory of a stage's output before its backward when nothing
+    can read it: made by an out-of-place sum (a decoder block's residual
+    add: its node keeps nothing), never written since, not a view. Its
+    backward needs only its graph node and its shape, so the stage holds one
+    hidden-sized value less while its backward runs. Torch frees a tensor's
+    memory only with its last reference, and the call to backward holds one,
+    hence the storage is resized (as FSDP frees parameters). Returns whether
+    it was freed."""
+    node = out.grad_fn
+    if node is None or type(node).__name__ not in _KEEPS_NOTHING:
+        return False
+    if out._base is not None or out._version != 0:
+        return False
+    out.untyped_storage().resize_(0)
+    return True
+
+
 def _grads(leaves: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """The gradients that arrived at a layer input's leaves (:meth:`Worker._leaves`)."""
     return [None if v is None else v.grad for v in leaves]
@@ -779,6 +801,8 @@ class Worker:
                 outs.append(o)
                 grads.append(gg)
         if outs:
+            if len(outs) == 1:
+                release_output(outs[0])  # (one output: no other reads it)
             with self.ctx.on(self.ctx.compute):
                 if timer is not None:
                     timer.boundary[boundary] = timer.watch.mark()

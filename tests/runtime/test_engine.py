@@ -953,6 +953,50 @@ def test_a_layer_that_keeps_its_input_intact_gets_the_stage_input_itself(monkeyp
     assert "class sets input_intact = True" in str(info.value)
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.f(x))  # (its add keeps nothing)
+
+
+def test_a_backward_stage_frees_its_output_before_its_backward_when_nothing_reads_it(
+    monkeypatch,
+):
+    """A backward stage whose output comes from a residual add (which keeps
+    nothing for its backward) frees the output's memory before the backward;
+    one whose last operation keeps its result (tanh) does not; results equal
+    plain PyTorch either way."""
+    from lightning_roundpipe.runtime import worker as worker_mod
+
+    freed = []
+    release = worker_mod.release_output
+
+    def counted(out):
+        done = release(out)
+        freed.append(done)
+        if done:
+            assert out.untyped_storage().nbytes() == 0
+        return done
+
+    monkeypatch.setattr(worker_mod, "release_output", counted)
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), _Residual(), nn.Tanh(), _Residual(), nn.Linear(16, 4)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    # backward stages [0, 1], [2], [3]; the fused one [4]; two micro-batches
+    with engine(layers, 2, 2, "2,1,1|1|2,1,1") as eng:
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, list(ref))
+    assert sorted(freed) == [False] * 2 + [True] * 4
+
+
 @pytest.mark.parametrize("path", ["failure", "interrupt"])
 def test_pinned_memory_is_freed_only_after_every_device_is_idle(monkeypatch, path):
     """On the failure and interrupt paths (and so on a re-plan, which closes the
