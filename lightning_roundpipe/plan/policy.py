@@ -91,7 +91,8 @@ def choose_plan(
 
     Args:
         costs: per-layer costs.
-        num_devices, num_microbatches: ``N`` and ``M``.
+        num_devices: ``N``.
+        num_microbatches: ``M``.
         async_optimizer: rank by the steady-state period of back-to-back
             iterations (``True``) or by one iteration's makespan.
         memory_limit: as for :func:`~lightning_roundpipe.plan.partition`.

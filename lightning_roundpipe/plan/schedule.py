@@ -455,8 +455,9 @@ def lower(
         clock: the timing model that predicts when devices become free; it
             is advanced by this iteration. Without one, ``placement`` must be
             ``"rotate"`` and nothing is timed.
-        iteration, window: numbers of this iteration and of the optimizer
-            window it feeds (default ``window = iteration``).
+        iteration: the number of this iteration.
+        window: the number of the optimizer window it feeds (default
+            ``window = iteration``).
         training: a training iteration (reads weights under the optimizer's
             ordering rules, produces gradients); ``False`` for forward-only
             passes (evaluation).
