@@ -583,7 +583,7 @@ class Worker:
 
         # a reader before the last gets its own copy, in case a layer writes in
         # place; fused and backward stages give their layers a copy of the leaf
-        # anyway (_leaves)
+        # anyway (_leaves), or the leaf itself to a layer that never writes it
         t_ = job.task
         copied = t_.kind != "forward" and (t_.start > 0 or job.call.input_grad)
         fresh = not last and not copied
