@@ -116,10 +116,10 @@ class ActivationModel:
         gradients of the stage's output and input, and the output itself if
         it is kept through the backward (the input is the first layer's, in
         ``saved``: the adapter's layers keep it intact, so the stage holds
-        no copy of it). ``cuda``: the layers
-        run on CUDA, whose flash-attention backward adds a workspace (one
-        head group's in tiled blocks, :mod:`.attention`; the CPU kernel has
-        none)."""
+        no copy of it). ``cuda``: the layers run on CUDA, whose
+        flash-attention backward adds a workspace (one head group's in tiled
+        blocks, :mod:`.attention`; the CPU kernel has none; with a mask,
+        another kernel runs, whose workspace is taken to be the same)."""
         tokens = seq * micro_batch
         tiled = self.mlp_tile is not None and tokens > self.mlp_tile
         workspace = 0.0
