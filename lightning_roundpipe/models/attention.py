@@ -39,6 +39,7 @@ __all__ = [
     "ROWS_PER_CALL",
     "SPLIT_DEVICES",
     "GroupedAttention",
+    "attention_heads",
     "backward_workspace",
     "kv_heads_per_call",
 ]
@@ -49,6 +50,17 @@ ROWS_PER_CALL = 1 << 17
 
 #: device types whose attention backward is split into head groups
 SPLIT_DEVICES: frozenset[str] = frozenset({"cuda"})
+
+
+def attention_heads(config: Any) -> tuple[int, int, int] | None:
+    """A transformers config's query heads, key/value heads and head size
+    (None: no ``num_attention_heads``)."""
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    if not heads:
+        return None
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
 
 
 def kv_heads_per_call(rows_per_kv_head: int, kv_heads: int) -> int:

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..runtime.optimizer import NonFiniteError
 from ..runtime.profiler import active_parameters
+from .attention import attention_heads
 from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
 from .layers import ROUTER_KEYS, TILE_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
 from .layout import check_config, layer_kinds, layout_of, layout_problem, router_recorder
@@ -285,19 +286,9 @@ class CausalLMAdapter(_Adapter):
                 packed=packed,
                 router=router,
                 prepare=prepare,
-                attention=self._attention_heads(),
+                attention=attention_heads(self.target.config),
             )
         return cache[key]
-
-    def _attention_heads(self) -> tuple[int, int, int] | None:
-        """The blocks' query heads, key/value heads and head size, from the config."""
-        config = self.target.config
-        heads = getattr(config, "num_attention_heads", None)
-        if not heads:
-            return None
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return int(heads), int(kv_heads), int(head_dim)
 
     def _expect(self, inputs: dict[str, Any], batch: torch.Tensor, loss: bool) -> None:
         """Before a training call: the engine learns the predicted activation

@@ -40,6 +40,7 @@ from ..plan.policy import choose_round
 from ..runtime.host import HOST_ACTIVATION_SHARE
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
+from .attention import attention_heads
 from .causal_lm import CausalLMAdapter
 from .memory import ActivationModel, applied_tiles, longest_sequence, value_bytes
 
@@ -251,8 +252,7 @@ def _times(
     (2 per active parameter and token; causal attention ``2 s^2 b`` per head
     dimension and query head), backward twice the forward."""
     tokens = seq * micro_batch
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1))
+    heads, _, head_dim = attention_heads(config) or (0, 0, 0)
     rate = tflops * 1e12
     fwd = []
     for i, layer in enumerate(layers):

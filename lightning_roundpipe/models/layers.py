@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..runtime.scope import stage_cached
+from . import attention
 from .attention import GroupedAttention
 from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
@@ -511,8 +512,10 @@ class _Decoder(nn.Module):
                 return out
 
             wrap(reader, projection)
+        # attention's backward over head groups (CUDA): only where a backward follows
+        split = torch.is_grad_enabled() and hidden_states.device.type in attention.SPLIT_DEVICES
         try:
-            with GroupedAttention():  # its backward over head groups (CUDA)
+            with GroupedAttention() if split else contextlib.nullcontext():
                 yield
         finally:
             for module, own in reversed(wrapped):
