@@ -167,7 +167,7 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog)
     held = {}
     for budget in (None, 400_000):  # one-layer stages keep 7 values of 139 KB
         run = copy.deepcopy(model)
-        opts = dict(device_memory_limit=4_500_000, tile_memory=None, activation_memory=budget)
+        opts = dict(device_memory_limit=4_000_000, tile_memory=None, activation_memory=budget)
         with (
             caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"),
             attached_engine(run, 1, 1, profile_iterations=0, **opts) as (_, eng),
@@ -176,7 +176,7 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog)
             loss.backward()
             eng.synchronize()
             assert eng.plan.layered == (budget is not None)
-            assert max(eng.predicted_peaks) <= 4_500_000
+            assert max(eng.predicted_peaks) <= 4_000_000
             held[budget] = eng.boundary_peak
         torch.testing.assert_close(loss, expected)
         for (name, p), q in zip(run.named_parameters(), ref.parameters(), strict=True):
@@ -210,23 +210,27 @@ def test_the_predicted_peak_follows_the_measured_peak():
     m_short, p_short = fit_peak(256)
     m_long, p_long = fit_peak(8192)
     measured, predicted = m_long - m_short, p_long - p_short
-    # the prediction bounds the live growth, not far above it (1.36x: the
-    # transients are modelled for GPU kernels, larger than CPU ones). With
-    # the heap's slack resident memory grows by 2x the live tensors' growth
-    # here, whatever the prediction, so it is kept out (live=True)
-    assert measured <= predicted <= 1.45 * measured, (measured, predicted)
+    # the prediction bounds the live growth, not far above it (1.18x: the
+    # blocks' transients are measured by the probes, the head's loss chunk
+    # is modelled). With the heap's slack resident memory grows by 2x the
+    # live tensors' growth here, whatever the prediction, so it is kept out
+    # (live=True)
+    assert measured <= predicted <= 1.25 * measured, (measured, predicted)
 
 
 def test_on_cuda_the_attention_backward_adds_its_workspace_split_when_tiled():
     """The CPU flash kernel's backward has no workspace; CUDA's has one
     (fp32 query-gradient accumulator, expanded key/value gradients), which
-    a tiled block's split backward holds for one head group at a time."""
+    a tiled block's split backward holds for one head group at a time. It
+    is added where the probes saw the attention's backward run, not to the
+    block's largest moment elsewhere (an untiled MLP's gradients)."""
     model = tiny("llama")
     config = model.config
     adapter = CausalLMAdapter(model, "model")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
     seq = 4096
+    boundary = seq * config.hidden_size * 4  # the gradient of the block's output
     for tiles, split in (({}, False), ({"mlp_tile": 64}, True)):
         act = adapter.activation_model(torch.float32, tiles, loss=False)
         assert act.attention == (heads, kv, head_dim)
@@ -234,11 +238,11 @@ def test_on_cuda_the_attention_backward_adds_its_workspace_split_when_tiled():
         work = backward_workspace(seq, heads, kv, head_dim, 4, split=split)
         # (the embedding and the head: no attention)
         assert cuda[0] == cpu[0] and cuda[-1] == cpu[-1]
-        for a, b in zip(cpu[1:-1], cuda[1:-1], strict=True):
-            if split:  # (a tile of the MLP is small: the attention binds)
-                assert b == a + work
-            else:  # (the whole MLP's gradients may bind)
-                assert a < b <= a + work
+        for w, a, b in zip(act.working[1:-1], cpu[1:-1], cuda[1:-1], strict=True):
+            assert w.attention is not None  # the probes saw the flash kernel
+            at_attention = w.attention[0] + w.attention[1] * seq + w.attention[2] * seq**2
+            assert b == pytest.approx(max(a, at_attention + work + boundary))
+            assert a <= b <= a + work
 
 
 # ------------------------------------------------------------ the estimate

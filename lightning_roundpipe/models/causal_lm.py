@@ -279,7 +279,6 @@ class CausalLMAdapter(_Adapter):
                 dtype,
                 hidden=int(self.target.config.hidden_size),
                 vocab=self._vocab,
-                mlp_width=self._mlp_width,
                 tiles=tiles,
                 loss=_LMLoss(self._aux_coef, self._experts) if loss else None,
                 mask=mask,

@@ -37,9 +37,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.profiler import saved_bytes
 from .attention import backward_workspace
+from .tiling import watching_tiles
 
 __all__ = ["ActivationModel", "applied_tiles", "probe_activations", "value_bytes"]
 
@@ -58,6 +62,50 @@ def _quadratic(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float, fl
     return c0, c1, max(0.0, c2)
 
 
+Poly = tuple[float, float, float]
+
+
+def _at(c: Poly, x: float) -> float:
+    return max(0.0, c[0] + c[1] * x + c[2] * x * x)
+
+
+@dataclass(frozen=True)
+class Working:
+    """What a decoder block's backward works with beyond what its forward
+    kept, measured by the probes (:class:`_LiveBytes`) as polynomials
+    ``c0 + c1 x + c2 x^2``: in ``x`` tokens of one sequence, the most it
+    holds outside the tiles of its per-token work (``outside``: its input's
+    gradient, the attention's and the projections' gradients, an untiled
+    MLP's intermediates), when one of those tiles starts (``tile_base``) and
+    at its attention kernel's backward (``attention``; None: no fused
+    attention kernel ran, e.g. eager attention); in ``x`` tokens of one tile,
+    what the tile adds while its backward runs (``tile_work``)."""
+
+    outside: Poly
+    tile_base: Poly
+    tile_work: Poly
+    attention: Poly | None
+
+    def bytes(self, seq: int, micro_batch: int, tile: int, workspace: float) -> float:
+        """The most at once for ``micro_batch`` sequences of ``seq`` tokens,
+        ``tile`` tokens per tile, with ``workspace`` bytes more at the
+        attention's backward (CUDA's flash kernel)."""
+        out = micro_batch * _at(self.outside, seq)
+        tiles = micro_batch * _at(self.tile_base, seq) + _at(self.tile_work, tile)
+        if self.attention is None:  # (then it is not told apart: added to the rest)
+            return max(out, tiles) + workspace
+        attention = micro_batch * _at(self.attention, seq) + workspace
+        return max(out, tiles, attention)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "outside": list(self.outside),
+            "tile_base": list(self.tile_base),
+            "tile_work": list(self.tile_work),
+            "attention": None if self.attention is None else list(self.attention),
+        }
+
+
 @dataclass(frozen=True)
 class ActivationModel:
     """Device memory a causal LM's pipeline layers need for one micro-batch
@@ -66,11 +114,11 @@ class ActivationModel:
     Attributes:
         saved: per layer, ``(c0, c1, c2)``: bytes one sequence of ``s`` tokens
             keeps for the backward, ``c0 + c1 s + c2 s^2``.
+        working: per layer, what its backward works with beyond that
+            (:class:`Working`; None: the embedding and the head, whose
+            transients are known: none, and the loss's logits).
         hidden: the hidden size; ``element``: bytes of one element in the
             compute dtype.
-        mlp_width: elements of MLP intermediates and their gradients per token
-            (twice the MLP's active parameters over the hidden size; 0: no MLP
-            known).
         mlp_tile: tokens per MLP tile (None: never tiled).
         vocab: the vocabulary; ``loss_chunk``: tokens per loss chunk (None:
             the loss sees whole logits; their share is in ``saved``).
@@ -87,10 +135,10 @@ class ActivationModel:
             else it is freed first (:func:`~..runtime.worker.release_output`).
     """
 
-    saved: tuple[tuple[float, float, float], ...]
+    saved: tuple[Poly, ...]
+    working: tuple[Working | None, ...]
     hidden: int
     element: int
-    mlp_width: float
     mlp_tile: int | None
     vocab: int
     loss_chunk: int | None
@@ -109,17 +157,17 @@ class ActivationModel:
 
     def transient_bytes(self, seq: int, micro_batch: int = 1, *, cuda: bool = False) -> list[float]:
         """Bytes each layer works with on top of what is saved while it runs
-        (forward, recompute or backward): the largest of its MLP intermediates
-        with their gradients (one tile's when tiled), its attention's input
-        gradients with their score working set (where scores are kept: the
-        quadratic part of ``saved``), a loss chunk's logits; plus the
-        gradients of the stage's output and input, and the output itself if
-        it is kept through the backward (the input is the first layer's, in
-        ``saved``: the adapter's layers keep it intact, so the stage holds
-        no copy of it). ``cuda``: the layers run on CUDA, whose
-        flash-attention backward adds a workspace (one head group's in tiled
-        blocks, :mod:`.attention`; the CPU kernel has none; with a mask,
-        another kernel runs, whose workspace is taken to be the same)."""
+        (forward, recompute or backward): a block's as its probes measured it
+        (:class:`Working`: its input's gradient, one tile's intermediates
+        when tiled, the whole MLP's when not, the attention's gradients), the
+        head's loss chunk (or whole logits) with their gradients; plus the
+        gradient of the stage's output, and the output itself if it is kept
+        through the backward (the input is the first layer's, in ``saved``:
+        the adapter's layers keep it intact, so the stage holds no copy of
+        it). ``cuda``: the layers run on CUDA, whose flash-attention
+        backward adds a workspace at the attention (one head group's in
+        tiled blocks, :mod:`.attention`; the CPU kernel has none; with a
+        mask, another kernel runs, whose workspace is taken to be the same)."""
         tokens = seq * micro_batch
         tiled = self.mlp_tile is not None and tokens > self.mlp_tile
         workspace = 0.0
@@ -128,10 +176,10 @@ class ActivationModel:
             workspace = float(
                 backward_workspace(tokens, heads, kv_heads, head_dim, self.element, split=tiled)
             )
-        boundary = (2 + self.keeps_output) * tokens * self.hidden * self.element
+        boundary = (1 + self.keeps_output) * tokens * self.hidden * self.element
         out = []
         last = len(self.saved) - 1
-        for i, (_, _, c2) in enumerate(self.saved):
+        for i, work_of in enumerate(self.working):
             if i == last:
                 if self.loss_chunk is not None and tokens > self.loss_chunk:
                     # one chunk's logits (compute dtype, fp32, softmax, gradient)
@@ -140,16 +188,13 @@ class ActivationModel:
                     work += 4 * self.head_params
                 else:  # the gradients of the (saved) logits and their fp32 copy
                     work = tokens * self.vocab * (self.element + 4)
-            elif i == 0:
+                # and the gradient of its input
+                work += tokens * self.hidden * self.element
+            elif work_of is None:
                 work = 0.0
-            else:
-                if tiled:  # a tile's recomputed intermediates and their gradients
-                    mlp = self.mlp_tile * self.mlp_width * self.element
-                else:  # the gradients of the (saved) intermediates
-                    mlp = tokens * self.mlp_width * self.element / 2
-                attention = 4 * tokens * self.hidden * self.element + micro_batch * c2 * seq * seq
-                attention += workspace
-                work = max(mlp, attention)
+            else:  # (untiled: the MLP is one tile of every token)
+                tile = self.mlp_tile if tiled else tokens
+                work = work_of.bytes(seq, micro_batch, tile, workspace)
             out.append(work + boundary)
         return out
 
@@ -166,9 +211,9 @@ class ActivationModel:
     def to_dict(self) -> dict[str, Any]:
         return {
             "saved": [list(c) for c in self.saved],
+            "working": [None if w is None else w.to_dict() for w in self.working],
             "hidden": self.hidden,
             "element": self.element,
-            "mlp_width": self.mlp_width,
             "mlp_tile": self.mlp_tile,
             "vocab": self.vocab,
             "loss_chunk": self.loss_chunk,
@@ -189,6 +234,114 @@ def applied_tiles(tiles: dict[str, int], tokens: int) -> dict[str, int]:
     """The tile sizes that take effect for a micro-batch of ``tokens`` tokens:
     the layers tile only what is longer than a tile."""
     return {k: v for k, v in tiles.items() if tokens > v}
+
+
+#: the fused attention kernels' backward ops (CPU and CUDA)
+_ATTENTION_BACKWARD = frozenset(
+    {
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_backward",
+        "_efficient_attention_backward",
+    }
+)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors that ops run while inside create and that are
+    still alive, with the most of them outside tiles, when a tile starts and
+    within one, and at the attention kernel's backward, all relative to
+    :meth:`start`. (The CPU allocator keeps no statistics, and torch's memory
+    trackers are private tools of its distributed package: hence this one.)
+    A storage counts from the op that creates it until it is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live = 0
+        self.base = 0
+        self.outside = 0
+        self.attention: int | None = None
+        self.tile_base = self.tile_work = 0
+        self._depth = self._tile_start = self._tile_peak = 0
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.refs.items() if ref.expired()]:
+            self.live -= self.refs.pop(key)[1]
+
+    def forget(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Stop counting these tensors' storages (alive or not)."""
+        for t in tensors:
+            found = self.refs.pop(StorageWeakRef(t.untyped_storage()).cdata, None)
+            if found is not None:
+                self.live -= found[1]
+
+    def start(self) -> None:
+        """From now on, measure above what is alive now."""
+        self._sweep()
+        self.base = self.outside = self.live
+
+    def tile(self, begin: bool) -> None:
+        """A tile's backward begins or ends (:func:`~.tiling.watching_tiles`;
+        only the outermost of nested tiles counts)."""
+        self._sweep()
+        self._depth += 1 if begin else -1
+        if begin and self._depth == 1:
+            self._tile_start = self._tile_peak = self.live
+            self.tile_base = max(self.tile_base, self.live - self.base)
+        elif not begin and self._depth == 0:
+            self.tile_work = max(self.tile_work, self._tile_peak - self._tile_start)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._sweep()
+        # (a view or an in-place result shares its input's storage: not new)
+        given = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self.refs and ref.cdata not in given:
+                    self.refs[ref.cdata] = (ref, storage.nbytes())
+                    self.live += storage.nbytes()
+        if self._depth:
+            self._tile_peak = max(self._tile_peak, self.live)
+        else:
+            self.outside = max(self.outside, self.live)
+        if func.overloadpacket.__name__ in _ATTENTION_BACKWARD:
+            self.attention = max(self.attention or 0, self.live - self.base)
+        return out
+
+
+def _backward_working(live: _LiveBytes, out: Any, x: torch.Tensor) -> Working | None:
+    """After a forward that ran inside ``live``: its backward from ``out``
+    to its input ``x`` (a leaf) as a backward stage runs it, the output
+    freed first, measured at this one length (:class:`Working`'s
+    polynomials with only ``c0`` set; None: nothing to differentiate)."""
+    hidden = out["hidden_states"] if isinstance(out, dict) else out
+    # the output itself: freed before a stage's backward, or counted apart
+    live.forget([hidden])
+    if not hidden.requires_grad:
+        return None
+    grad = torch.ones_like(hidden)
+    with live, watching_tiles(live):
+        live.start()
+        # (gradients of the input only: the parameters' are counted apart)
+        torch.autograd.grad(hidden, [x], grad, allow_unused=True)
+    attention = None if live.attention is None else (float(live.attention), 0.0, 0.0)
+    return Working(
+        outside=(float(live.outside - live.base), 0.0, 0.0),
+        tile_base=(float(live.tile_base), 0.0, 0.0),
+        tile_work=(float(live.tile_work), 0.0, 0.0),
+        attention=attention,
+    )
 
 
 def _signature(layer: nn.Module) -> tuple:
@@ -233,13 +386,46 @@ def _probe_inputs(
     }
 
 
+def _line(xs: Sequence[int], ys: Sequence[float]) -> Poly:
+    """The least-squares line ``c0 + c1 x`` through the points (work per
+    token of a tile: linear in the tile, and a curve through three short
+    tiles would run away at a long one)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    return my - slope * mx, slope, 0.0
+
+
+def _fit_working(
+    lengths: Sequence[int], tiles: Sequence[int], measured: Sequence[Working | None]
+) -> Working | None:
+    """One layer's :class:`Working` from its probes at ``lengths`` tokens
+    (``tiles`` tokens per tile), each measured at its own length."""
+    if len(measured) != len(lengths) or any(w is None for w in measured):
+        return None
+    at = list(measured)
+
+    def fit(xs: Sequence[int], part: Callable[[Working], Poly | None]) -> Poly:
+        return _quadratic(xs, [part(w)[0] for w in at])  # type: ignore[index]
+
+    attention = None
+    if all(w.attention is not None for w in at):
+        attention = fit(lengths, lambda w: w.attention)
+    return Working(
+        outside=fit(lengths, lambda w: w.outside),
+        tile_base=fit(lengths, lambda w: w.tile_base),
+        tile_work=_line(tiles, [w.tile_work[0] for w in at]),
+        attention=attention,
+    )
+
+
 def probe_activations(
     layers: Sequence[nn.Module],
     dtype: torch.dtype,
     *,
     hidden: int,
     vocab: int,
-    mlp_width: float,
     tiles: dict[str, int],
     loss: Any = None,
     mask: bool = False,
@@ -276,6 +462,7 @@ def probe_activations(
     measured: dict[tuple, list[Any]] = {}
     per_layer: list[list[float]] = [[] for _ in layers]
     paired: list[float] = [0.0 for _ in layers]  # two sequences at the last length
+    works: list[list[Working | None]] = [[] for _ in layers]
     last = lengths[-1]
     for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
         # tile at the probe exactly when the real call tiles
@@ -295,17 +482,24 @@ def probe_activations(
             else:
                 if key not in measured:
                     inputs = dict(x, **probe_tiles)
-                    inputs["hidden_states"] = inputs["hidden_states"].detach().requires_grad_()
+                    leaf = inputs["hidden_states"].detach().requires_grad_()
+                    inputs["hidden_states"] = leaf
                     counted: dict[int, int] = {}
-                    with torch.enable_grad(), saved_bytes(rep, counted, 0):
+                    live = _LiveBytes()
+                    with torch.enable_grad(), saved_bytes(rep, counted, 0), live:
                         out = rep(**inputs)
                         if layer is head and loss is not None:
                             labels = torch.zeros(batch, seq, dtype=torch.long)
                             loss(out, labels)
-                    measured[key] = [float(counted[0]), None if layer is head else out]
-                got, nxt = measured[key]
+                    work = None
+                    if layer is not head and batch == 1:  # (the head's is known)
+                        work = _backward_working(live, out, leaf)
+                    measured[key] = [float(counted[0]), None if layer is head else out, work]
+                got, nxt, work = measured[key]
                 if nxt is not None:
                     x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
+                if batch == 1:
+                    works[i].append(work)
             if batch == 1:
                 per_layer[i].append(got)
             else:
@@ -319,11 +513,12 @@ def probe_activations(
         c0, c1, c2 = saved[-1]
         saved[-1] = (c0, c1 + 2 * hidden * element, c2)  # input and its gradient
     head_params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    tile_lengths = [max(1, n // 4) for n in lengths]
     return ActivationModel(
         saved=tuple(saved),
+        working=tuple(_fit_working(lengths, tile_lengths, w) for w in works),
         hidden=hidden,
         element=element,
-        mlp_width=mlp_width,
         mlp_tile=mlp_tile,
         vocab=vocab,
         loss_chunk=loss_chunk,

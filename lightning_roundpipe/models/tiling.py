@@ -27,12 +27,46 @@ recompute in backward would draw different ones (:func:`draws_random`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ChunkedLogits", "draws_random", "shifted", "tiled", "trainable"]
+__all__ = ["ChunkedLogits", "draws_random", "shifted", "tiled", "trainable", "watching_tiles"]
+
+# who is told when a tile's backward starts and ends, per thread (the
+# planner's memory probes: :mod:`.memory`)
+_watch = threading.local()
+
+
+@contextlib.contextmanager
+def watching_tiles(observer: Any) -> Iterator[None]:
+    """While inside, ``observer.tile(True)`` is called when this thread starts
+    the backward of one tile of :func:`tiled` and ``observer.tile(False)``
+    when it ends it (what a tile works with is sized by the tile, the rest by
+    the sequence: :func:`~.memory.probe_activations` tells them apart)."""
+    before = getattr(_watch, "observer", None)
+    _watch.observer = observer
+    try:
+        yield
+    finally:
+        _watch.observer = before
+
+
+@contextlib.contextmanager
+def _one_tile() -> Iterator[None]:
+    observer = getattr(_watch, "observer", None)
+    if observer is None:
+        yield
+        return
+    observer.tile(True)
+    try:
+        yield
+    finally:
+        observer.tile(False)
 
 
 _DROPOUTS = (
@@ -219,21 +253,23 @@ class _Tiled(torch.autograd.Function):
         for *pieces, gpiece in zip(
             *(x.split(ctx.tile, ctx.dim) for x in xs), g.split(ctx.tile, ctx.dim), strict=True
         ):
-            with torch.enable_grad():
-                ins = [
-                    p.detach().contiguous().requires_grad_(w)
-                    for p, w in zip(pieces, want_x, strict=True)
-                ]
-                out = ctx.fn(*ins)
-                wanted = [i for i, w in zip(ins, want_x, strict=True) if w] + chosen
-                found = list(torch.autograd.grad(out, wanted, gpiece))
-            size = pieces[0].shape[ctx.dim]
-            for v in gx:
-                if v is not None:
-                    v.narrow(ctx.dim, start, size).copy_(found.pop(0))
-            for v in gp:
-                if v is not None:
-                    v.add_(found.pop(0))
+            with _one_tile():
+                with torch.enable_grad():
+                    ins = [
+                        p.detach().contiguous().requires_grad_(w)
+                        for p, w in zip(pieces, want_x, strict=True)
+                    ]
+                    out = ctx.fn(*ins)
+                    wanted = [i for i, w in zip(ins, want_x, strict=True) if w] + chosen
+                    found = list(torch.autograd.grad(out, wanted, gpiece))
+                del ins, out
+                size = pieces[0].shape[ctx.dim]
+                for v in gx:
+                    if v is not None:
+                        v.narrow(ctx.dim, start, size).copy_(found.pop(0))
+                for v in gp:
+                    if v is not None:
+                        v.add_(found.pop(0))
             start += size
         params_out = [None if v is None else v.to(d) for v, d in zip(gp, ctx.dtypes, strict=True)]
         return (None, None, None, None, *gx, *params_out)
