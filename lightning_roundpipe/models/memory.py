@@ -30,15 +30,15 @@ exist at once) to a stage's weights, gradients and saved activations.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.profiler import saved_bytes
@@ -50,6 +50,9 @@ __all__ = ["ActivationModel", "applied_tiles", "probe_activations", "value_bytes
 #: sequence lengths of the probes (short: a probe of an 8B model's block costs
 #: about a second on two CPU cores)
 PROBE_LENGTHS = (16, 32, 48)
+#: tiles per probe where the call tiles (two: enough to tell a tile's work
+#: from the sequence's, and each tile's ops cost the probe time)
+PROBE_TILES = 2
 
 
 def _quadratic(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float, float]:
@@ -69,40 +72,45 @@ def _at(c: Poly, x: float) -> float:
     return max(0.0, c[0] + c[1] * x + c[2] * x * x)
 
 
+def _most(polys: Sequence[Poly], x: float) -> float:
+    return max((_at(c, x) for c in polys), default=0.0)
+
+
 @dataclass(frozen=True)
 class Working:
     """What a decoder block's backward works with beyond what its forward
-    kept, measured by the probes (:class:`_LiveBytes`) as polynomials
-    ``c0 + c1 x + c2 x^2``: in ``x`` tokens of one sequence, the most it
-    holds outside the tiles of its per-token work (``outside``: its input's
-    gradient, the attention's and the projections' gradients, an untiled
-    MLP's intermediates), when one of those tiles starts (``tile_base``) and
-    at its attention kernel's backward (``attention``; None: no fused
-    attention kernel ran, e.g. eager attention); in ``x`` tokens of one tile,
-    what the tile adds while its backward runs (``tile_work``)."""
+    kept, measured by the probes (:class:`_LiveBytes`): for each moment of
+    it, a polynomial ``c0 + c1 x + c2 x^2``, in ``x`` tokens of one
+    sequence for the moments outside the tiles of its per-token work
+    (``outside``: its input's gradient, the attention's and the
+    projections' gradients, an untiled MLP's intermediates), when one of
+    those tiles starts (``tile_base``) and at its attention kernel's
+    backward (``attention``; None: no fused attention kernel ran, e.g. eager
+    attention); in ``x`` tokens of one tile for the moments within it
+    (``tile_work``). Only moments that can be the largest are kept."""
 
-    outside: Poly
-    tile_base: Poly
-    tile_work: Poly
-    attention: Poly | None
+    outside: tuple[Poly, ...]
+    tile_base: tuple[Poly, ...]
+    tile_work: tuple[Poly, ...]
+    attention: tuple[Poly, ...] | None
 
     def bytes(self, seq: int, micro_batch: int, tile: int, workspace: float) -> float:
         """The most at once for ``micro_batch`` sequences of ``seq`` tokens,
         ``tile`` tokens per tile, with ``workspace`` bytes more at the
         attention's backward (CUDA's flash kernel)."""
-        out = micro_batch * _at(self.outside, seq)
-        tiles = micro_batch * _at(self.tile_base, seq) + _at(self.tile_work, tile)
+        out = micro_batch * _most(self.outside, seq)
+        tiles = micro_batch * _most(self.tile_base, seq) + _most(self.tile_work, tile)
         if self.attention is None:  # (then it is not told apart: added to the rest)
             return max(out, tiles) + workspace
-        attention = micro_batch * _at(self.attention, seq) + workspace
+        attention = micro_batch * _most(self.attention, seq) + workspace
         return max(out, tiles, attention)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "outside": list(self.outside),
-            "tile_base": list(self.tile_base),
-            "tile_work": list(self.tile_work),
-            "attention": None if self.attention is None else list(self.attention),
+            "outside": [list(c) for c in self.outside],
+            "tile_base": [list(c) for c in self.tile_base],
+            "tile_work": [list(c) for c in self.tile_work],
+            "attention": None if self.attention is None else [list(c) for c in self.attention],
         }
 
 
@@ -251,21 +259,28 @@ _ATTENTION_BACKWARD = frozenset(
 
 class _LiveBytes(TorchDispatchMode):
     """Bytes of the tensors that ops run while inside create and that are
-    still alive, with the most of them outside tiles, when a tile starts and
-    within one, and at the attention kernel's backward, all relative to
-    :meth:`start`. (The CPU allocator keeps no statistics, and torch's memory
-    trackers are private tools of its distributed package: hence this one.)
-    A storage counts from the op that creates it until it is freed."""
+    still alive, traced op by op from :meth:`start`: above what was alive
+    then after each op that allocates outside tiles (``outside``) and at the
+    attention kernel's backward (``attention``), when each tile starts
+    (``tile_starts``), and above a tile's start after each op that
+    allocates in it (``tile_ops``: the most over tiles, op by op). The same
+    code at another length runs the same ops, so the traces of three
+    lengths give each op's bytes as a polynomial (:func:`_fit_working`).
+    A storage counts from the op that creates it until it is freed. (The
+    CPU allocator keeps no statistics, and torch's memory trackers are
+    private tools of its distributed package: hence this one.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live = 0
         self.base = 0
-        self.outside = 0
-        self.attention: int | None = None
-        self.tile_base = self.tile_work = 0
-        self._depth = self._tile_start = self._tile_peak = 0
+        self.outside: list[int] = []
+        self.attention: list[int] = []
+        self.tile_starts: list[int] = []
+        self.tile_ops: list[int] = []
+        self._depth = self._tile_start = self._tile_op = 0
+        self._tracing = False
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _) in self.refs.items() if ref.expired()]:
@@ -274,57 +289,79 @@ class _LiveBytes(TorchDispatchMode):
     def forget(self, tensors: Sequence[torch.Tensor]) -> None:
         """Stop counting these tensors' storages (alive or not)."""
         for t in tensors:
-            found = self.refs.pop(StorageWeakRef(t.untyped_storage()).cdata, None)
+            found = self.refs.pop(_storage_key(t), None)
             if found is not None:
                 self.live -= found[1]
 
     def start(self) -> None:
-        """From now on, measure above what is alive now."""
+        """From now on, trace above what is alive now."""
         self._sweep()
-        self.base = self.outside = self.live
+        self.base = self.live
+        self._tracing = True
 
     def tile(self, begin: bool) -> None:
         """A tile's backward begins or ends (:func:`~.tiling.watching_tiles`;
         only the outermost of nested tiles counts)."""
-        self._sweep()
         self._depth += 1 if begin else -1
-        if begin and self._depth == 1:
-            self._tile_start = self._tile_peak = self.live
-            self.tile_base = max(self.tile_base, self.live - self.base)
-        elif not begin and self._depth == 0:
-            self.tile_work = max(self.tile_work, self._tile_peak - self._tile_start)
+        if begin and self._depth == 1 and self._tracing:
+            self._sweep()
+            self._tile_start, self._tile_op = self.live, 0
+            self.tile_starts.append(self.live - self.base)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._sweep()
+        made = [t for t in _tensors(out) if t.device.type != "meta"]
         # (a view or an in-place result shares its input's storage: not new)
-        given = {
-            StorageWeakRef(t.untyped_storage()).cdata
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
-        }
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        given = {_storage_key(t) for t in _tensors((args, kwargs))} if made else set()
+        new = [t for t in made if _storage_key(t) not in given]
+        attention = func.overloadpacket.__name__ in _ATTENTION_BACKWARD
+        if new or attention:
+            self._sweep()  # (only an allocation can raise the bytes)
+            for t in new:
                 storage = t.untyped_storage()
                 ref = StorageWeakRef(storage)
-                if ref.cdata not in self.refs and ref.cdata not in given:
+                if ref.cdata not in self.refs:
                     self.refs[ref.cdata] = (ref, storage.nbytes())
                     self.live += storage.nbytes()
-        if self._depth:
-            self._tile_peak = max(self._tile_peak, self.live)
-        else:
-            self.outside = max(self.outside, self.live)
-        if func.overloadpacket.__name__ in _ATTENTION_BACKWARD:
-            self.attention = max(self.attention or 0, self.live - self.base)
+            if self._tracing:
+                self._record(attention)
         return out
 
+    def _record(self, attention: bool) -> None:
+        if not self._depth:
+            self.outside.append(self.live - self.base)
+            if attention:
+                self.attention.append(self.live - self.base)
+            return
+        if self._tile_op == len(self.tile_ops):
+            self.tile_ops.append(0)
+        k = self._tile_op
+        self.tile_ops[k] = max(self.tile_ops[k], self.live - self._tile_start)
+        self._tile_op += 1
 
-def _backward_working(live: _LiveBytes, out: Any, x: torch.Tensor) -> Working | None:
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an op's arguments or results (tuples, lists and dicts
+    of them; a hand-written walk: ``pytree`` costs more than the op here)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _backward_working(live: _LiveBytes, out: Any, x: torch.Tensor) -> _LiveBytes | None:
     """After a forward that ran inside ``live``: its backward from ``out``
     to its input ``x`` (a leaf) as a backward stage runs it, the output
-    freed first, measured at this one length (:class:`Working`'s
-    polynomials with only ``c0`` set; None: nothing to differentiate)."""
+    freed first, traced by ``live`` (None: nothing to differentiate)."""
     hidden = out["hidden_states"] if isinstance(out, dict) else out
     # the output itself: freed before a stage's backward, or counted apart
     live.forget([hidden])
@@ -335,13 +372,8 @@ def _backward_working(live: _LiveBytes, out: Any, x: torch.Tensor) -> Working | 
         live.start()
         # (gradients of the input only: the parameters' are counted apart)
         torch.autograd.grad(hidden, [x], grad, allow_unused=True)
-    attention = None if live.attention is None else (float(live.attention), 0.0, 0.0)
-    return Working(
-        outside=(float(live.outside - live.base), 0.0, 0.0),
-        tile_base=(float(live.tile_base), 0.0, 0.0),
-        tile_work=(float(live.tile_work), 0.0, 0.0),
-        attention=attention,
-    )
+    live.refs.clear()  # (the traces are what is kept)
+    return live
 
 
 def _signature(layer: nn.Module) -> tuple:
@@ -397,25 +429,44 @@ def _line(xs: Sequence[int], ys: Sequence[float]) -> Poly:
     return my - slope * mx, slope, 0.0
 
 
+def _envelope(polys: Sequence[Poly]) -> tuple[Poly, ...]:
+    """The polynomials no other one bounds coefficient by coefficient (the
+    rest are never the largest at a positive length)."""
+    kept: list[Poly] = []
+    for p in sorted(set(polys), reverse=True):
+        if not any(all(a >= b for a, b in zip(k, p, strict=True)) for k in kept):
+            kept.append(p)
+    return tuple(kept)
+
+
+def _fit_trace(xs: Sequence[int], traces: Sequence[Sequence[int]], line: bool) -> tuple[Poly, ...]:
+    """Each op's bytes as a polynomial of the length, from its bytes at
+    ``xs`` (``line``: a least-squares line, :func:`_line`; else the quadratic
+    through the three). Where the traces do not line up (the ops depend on
+    the data: experts that get no tokens), the largest of each trace."""
+    if not traces[0]:
+        return ((0.0, 0.0, 0.0),)
+    fit = _line if line else _quadratic
+    if any(len(t) != len(traces[0]) for t in traces):
+        return (fit(xs, [max(t, default=0) for t in traces]),)
+    return _envelope([fit(xs, list(ys)) for ys in zip(*traces, strict=True)])
+
+
 def _fit_working(
-    lengths: Sequence[int], tiles: Sequence[int], measured: Sequence[Working | None]
+    lengths: Sequence[int], tiles: Sequence[int], measured: Sequence[_LiveBytes | None]
 ) -> Working | None:
-    """One layer's :class:`Working` from its probes at ``lengths`` tokens
-    (``tiles`` tokens per tile), each measured at its own length."""
+    """One layer's :class:`Working` from its traced backwards at ``lengths``
+    tokens (``tiles`` tokens per tile)."""
     if len(measured) != len(lengths) or any(w is None for w in measured):
         return None
-    at = list(measured)
-
-    def fit(xs: Sequence[int], part: Callable[[Working], Poly | None]) -> Poly:
-        return _quadratic(xs, [part(w)[0] for w in at])  # type: ignore[index]
-
+    at = [w for w in measured if w is not None]
     attention = None
-    if all(w.attention is not None for w in at):
-        attention = fit(lengths, lambda w: w.attention)
+    if all(w.attention for w in at):
+        attention = _fit_trace(lengths, [w.attention for w in at], line=False)
     return Working(
-        outside=fit(lengths, lambda w: w.outside),
-        tile_base=fit(lengths, lambda w: w.tile_base),
-        tile_work=_line(tiles, [w.tile_work[0] for w in at]),
+        outside=_fit_trace(lengths, [w.outside for w in at], line=False),
+        tile_base=_fit_trace(lengths, [w.tile_starts for w in at], line=False),
+        tile_work=_fit_trace(tiles, [w.tile_ops for w in at], line=True),
         attention=attention,
     )
 
@@ -462,13 +513,13 @@ def probe_activations(
     measured: dict[tuple, list[Any]] = {}
     per_layer: list[list[float]] = [[] for _ in layers]
     paired: list[float] = [0.0 for _ in layers]  # two sequences at the last length
-    works: list[list[Working | None]] = [[] for _ in layers]
+    works: list[list[_LiveBytes | None]] = [[] for _ in layers]
     last = lengths[-1]
     for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
         # tile at the probe exactly when the real call tiles
         probe_tiles = {}
         if mlp_tile:
-            probe_tiles["mlp_tile"] = max(1, batch * seq // 4)
+            probe_tiles["mlp_tile"] = max(1, batch * seq // PROBE_TILES)
         x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router, batch)
         for i, layer in enumerate(layers):
             rep = runnable(layer)
@@ -485,15 +536,18 @@ def probe_activations(
                     leaf = inputs["hidden_states"].detach().requires_grad_()
                     inputs["hidden_states"] = leaf
                     counted: dict[int, int] = {}
-                    live = _LiveBytes()
-                    with torch.enable_grad(), saved_bytes(rep, counted, 0), live:
+                    # a block's backward is measured too (the head's is known)
+                    live = _LiveBytes() if layer is not head and batch == 1 else None
+                    with (
+                        torch.enable_grad(),
+                        saved_bytes(rep, counted, 0),
+                        live or contextlib.nullcontext(),
+                    ):
                         out = rep(**inputs)
                         if layer is head and loss is not None:
                             labels = torch.zeros(batch, seq, dtype=torch.long)
                             loss(out, labels)
-                    work = None
-                    if layer is not head and batch == 1:  # (the head's is known)
-                        work = _backward_working(live, out, leaf)
+                    work = None if live is None else _backward_working(live, out, leaf)
                     measured[key] = [float(counted[0]), None if layer is head else out, work]
                 got, nxt, work = measured[key]
                 if nxt is not None:
@@ -513,7 +567,7 @@ def probe_activations(
         c0, c1, c2 = saved[-1]
         saved[-1] = (c0, c1 + 2 * hidden * element, c2)  # input and its gradient
     head_params = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    tile_lengths = [max(1, n // 4) for n in lengths]
+    tile_lengths = [max(1, n // PROBE_TILES) for n in lengths]
     return ActivationModel(
         saved=tuple(saved),
         working=tuple(_fit_working(lengths, tile_lengths, w) for w in works),
