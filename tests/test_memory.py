@@ -238,7 +238,6 @@ def test_on_cuda_the_attention_backward_adds_its_workspace_split_when_tiled():
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
     seq = 4096
-    boundary = seq * config.hidden_size * 4  # the gradient of the block's output
     for tiles, split in (({}, False), ({"mlp_tile": 64}, True)):
         act = adapter.activation_model(torch.float32, tiles, loss=False)
         assert act.attention == (heads, kv, head_dim)
@@ -249,7 +248,7 @@ def test_on_cuda_the_attention_backward_adds_its_workspace_split_when_tiled():
         for w, a, b in zip(act.working[1:-1], cpu[1:-1], cuda[1:-1], strict=True):
             assert w.attention is not None  # the probes saw the flash kernel
             at_attention = max(c0 + c1 * seq + c2 * seq**2 for c0, c1, c2 in w.attention)
-            assert b == pytest.approx(max(a, at_attention + work + boundary))
+            assert b == pytest.approx(max(a, at_attention + work))
             assert a <= b <= a + work
 
 

@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.profiler import saved_bytes
+from ..runtime.worker import backward_handing_over
 from .attention import backward_workspace
 from .tiling import watching_tiles
 
@@ -184,7 +185,8 @@ class ActivationModel:
             workspace = float(
                 backward_workspace(tokens, heads, kv_heads, head_dim, self.element, split=tiled)
             )
-        boundary = (1 + self.keeps_output) * tokens * self.hidden * self.element
+        # (the output's gradient is in the blocks' measured work)
+        boundary = self.keeps_output * tokens * self.hidden * self.element
         out = []
         last = len(self.saved) - 1
         for i, work_of in enumerate(self.working):
@@ -198,8 +200,8 @@ class ActivationModel:
                     work = tokens * self.vocab * (self.element + 4)
                 # and the gradient of its input
                 work += tokens * self.hidden * self.element
-            elif work_of is None:
-                work = 0.0
+            elif work_of is None:  # (the embedding's: its output's gradient)
+                work = tokens * self.hidden * self.element
             else:  # (untiled: the MLP is one tile of every token)
                 tile = self.mlp_tile if tiled else tokens
                 work = work_of.bytes(seq, micro_batch, tile, workspace)
@@ -367,11 +369,11 @@ def _backward_working(live: _LiveBytes, out: Any, x: torch.Tensor) -> _LiveBytes
     live.forget([hidden])
     if not hidden.requires_grad:
         return None
-    grad = torch.ones_like(hidden)
     with live, watching_tiles(live):
         live.start()
-        # (gradients of the input only: the parameters' are counted apart)
-        torch.autograd.grad(hidden, [x], grad, allow_unused=True)
+        # the output's gradient counts until autograd has used it, as in a
+        # stage (gradients of the input only: the parameters' are counted apart)
+        backward_handing_over([hidden], [torch.ones_like(hidden)], inputs=[x])
     live.refs.clear()  # (the traces are what is kept)
     return live
 

@@ -87,6 +87,37 @@ def release_output(out: torch.Tensor) -> bool:
     return True
 
 
+class _HandOver(torch.autograd.Function):
+    """Where a stage's backward starts: it hands autograd the gradients of
+    the stage's outputs (from ``box``) as theirs, so autograd holds each only
+    until it has used it. (Called as ``torch.autograd.backward(outs,
+    grads)``, the caller's frame keeps them to the end: a hidden-sized value
+    for all of the backward of a decoder block, though its residual path
+    has used it at the start.)"""
+
+    @staticmethod
+    def forward(ctx: Any, box: list, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return torch.zeros((), device=outs[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple:
+        return (None, *ctx.box.pop())
+
+
+def backward_handing_over(
+    outs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    inputs: list[torch.Tensor] | None = None,
+) -> None:
+    """``torch.autograd.backward(outs, grads, inputs=inputs)``, except that
+    ``grads`` is emptied and autograd frees each gradient once it has used
+    it, if nothing else holds it (:class:`_HandOver`)."""
+    box = [tuple(grads)]
+    grads.clear()
+    torch.autograd.backward(_HandOver.apply(box, *outs), inputs=inputs)
+
+
 def _grads(leaves: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """The gradients that arrived at a layer input's leaves (:meth:`Worker._leaves`)."""
     return [None if v is None else v.grad for v in leaves]
@@ -794,12 +825,15 @@ class Worker:
 
     def _differentiate(self, out: Any, g: list, timer: LayerTimer | None, boundary: int) -> None:
         """Backward from ``out`` with the gradient ``g`` of its tensors (the
-        output of the layers below ``boundary``)."""
-        outs, grads = [], []
-        for o, gg in zip(flatten_tensors(out), g, strict=True):
-            if gg is not None and o.requires_grad:
-                outs.append(o)
-                grads.append(gg)
+        output of the layers below ``boundary``); ``g`` is emptied, so that
+        autograd frees each gradient once used (:func:`backward_handing_over`)."""
+        # (a comprehension: no loop variable is left holding a gradient)
+        pairs = [(o, gg) for o, gg in zip(flatten_tensors(out), g, strict=True)]
+        outs = [o for o, gg in pairs if gg is not None and o.requires_grad]
+        grads = [gg for o, gg in pairs if gg is not None and o.requires_grad]
+        del pairs
+        if isinstance(g, list):  # (the caller's: autograd is to hold the gradients alone)
+            g.clear()
         if outs:
             if len(outs) == 1:
                 release_output(outs[0])  # (one output: no other reads it)
@@ -808,7 +842,7 @@ class Worker:
                     timer.boundary[boundary] = timer.watch.mark()
                 self.protocol.chaos("backward")
                 with self._guard():
-                    torch.autograd.backward(outs, grads)
+                    backward_handing_over(outs, grads)
 
     def _descend(
         self,

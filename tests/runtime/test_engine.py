@@ -4,6 +4,7 @@ import copy
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -995,6 +996,98 @@ def test_a_backward_stage_frees_its_output_before_its_backward_when_nothing_read
     torch.testing.assert_close(loss, expected.detach())
     assert_grads_equal(layers, list(ref))
     assert sorted(freed) == [False] * 2 + [True] * 4
+
+
+class _Doubled(torch.autograd.Function):
+    """``2 x``; its backward makes a new gradient, after which the one it
+    got is needed by nothing else."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class _Checked(torch.autograd.Function):
+    """The identity; its backward records whether the gradient ``_Late``
+    saw arrive at the layer's output is still alive."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen["alive"].append(ctx.seen["grad"]() is not None)
+        return g, None
+
+
+class _Seen(dict):
+    """What ``_Late`` layers saw, shared by the workers' copies of them."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _Late(nn.Module):
+    """A layer whose output's gradient is used once, at the start of its
+    backward (as a decoder block's residual path uses it)."""
+
+    def __init__(self, seen: dict) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen = seen
+
+    def forward(self, x):
+        out = _Doubled.apply(_Checked.apply(self.lin(x), self.seen))
+        if out.requires_grad:
+            out.register_hook(lambda g: self.seen.__setitem__("grad", weakref.ref(g)))
+        return out
+
+
+def test_autograd_frees_the_gradient_of_a_stage_output_once_it_has_used_it():
+    """A backward stage hands the gradient of its output to autograd
+    (``backward_handing_over``): the layers below the one that used it run
+    their backward without it (on CPU workers the uploaded gradient is the
+    stored one itself). Called as ``torch.autograd.backward(outs, grads)``
+    it would be held to the end. Results equal plain PyTorch."""
+    from lightning_roundpipe.runtime.worker import backward_handing_over
+
+    seen = _Seen(alive=[])
+    layer = _Late(seen)
+    x = torch.randn(4, 8, requires_grad=True)
+    for hand_over in (False, True):
+        out = layer(x)
+        grad = [torch.ones_like(out)]
+        if hand_over:
+            backward_handing_over([out], grad, inputs=[x])
+            assert grad == []
+        else:
+            torch.autograd.backward([out], grad, inputs=[x])
+    assert seen["alive"] == [True, False]
+    torch.testing.assert_close(x.grad, 2 * (2 * torch.ones(4, 8)) @ layer.lin.weight)
+
+    torch.manual_seed(0)
+    top, below = _Seen(alive=[]), _Seen(alive=[])
+    layers = [nn.Linear(8, 8), _Late(below), _Late(top), nn.Linear(8, 4)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    xs, ys = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(ref(xs), ys)
+    expected.backward()
+    top["alive"].clear()
+    # backward stages [1, 2] and [0]; the fused one [3]; two micro-batches
+    with engine(layers, 2, 2, "2,1|1|2,1") as eng:
+        loss = eng.forward_backward(xs, labels=ys, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(layers, list(ref))
+    # the top layer of stage [1, 2], each micro-batch: the stage output's
+    # gradient, which came from the store, was freed before its layers went on
+    assert top["alive"] == [False, False]
 
 
 @pytest.mark.parametrize("path", ["failure", "interrupt"])
