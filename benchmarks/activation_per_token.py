@@ -22,6 +22,7 @@ import platform
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -54,9 +55,10 @@ def llama_8b() -> transformers.LlamaConfig:
     )
 
 
-def saved_per_token(config: transformers.LlamaConfig) -> dict[str, float]:
+def saved_per_token(config: transformers.LlamaConfig) -> tuple[dict[str, float], Any]:
     """Bytes per token one block keeps for its backward, never tiled and with
-    the tiling a long sequence gets (the slope of the probes' polynomial)."""
+    the tiling a long sequence gets (the slope of the probes' polynomial),
+    and the tiled block's activation model."""
     small = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
     adapter = CausalLMAdapter(_meta_model(small, LORA_RANK), "model")
     real = materialiser(torch.bfloat16)
@@ -67,7 +69,28 @@ def saved_per_token(config: transformers.LlamaConfig) -> dict[str, float]:
         act = adapter.activation_model(torch.bfloat16, chosen, loss=True, prepare=real)
         # the block's bytes per token (rotary tables, kept once per micro-batch, too)
         out[label] = act.saved[1][1] + act.shared[1]
-    return out
+    return out, act
+
+
+def working_rows(act: Any, seq: int, workspace: float, value: float) -> list[str]:
+    """What the tiled block's backward works with beyond what it keeps at
+    ``seq`` tokens, per moment the probes traced (in hidden-sized values per
+    token), on CUDA: the flash workspace at the attention's backward."""
+    w = act.working[1]
+    tile = act.mlp_tile
+
+    def most(polys: Any, x: int) -> float:
+        return max(c0 + c1 * x + c2 * x * x for c0, c1, c2 in polys)
+
+    moments = {
+        "outside the MLP tiles (the largest)": most(w.outside, seq),
+        f"in an MLP tile of {tile} tokens": most(w.tile_base, seq) + most(w.tile_work, tile),
+        "at the attention's backward, with the CUDA flash workspace": most(w.attention, seq)
+        + workspace,
+    }
+    rows = ["| moment of the backward | values per token |", "|---|---:|"]
+    rows += [f"| {k} | {v / value:.2f} |" for k, v in moments.items()]
+    return rows
 
 
 def main() -> None:
@@ -80,7 +103,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     config = llama_8b()
     hidden_bytes = config.hidden_size * 2
-    per_token = saved_per_token(config)
+    per_token, tiled = saved_per_token(config)
     rows = [
         "| block | saved per token (KiB) | hidden-sized bf16 values | vs never tiled |",
         "|---|---:|---:|---:|",
@@ -118,6 +141,12 @@ def main() -> None:
         f"(`backward_workspace`, from PyTorch's kernel source; not measured here): "
         f"{fused / value:.2f} hidden-sized values fused, {split / value:.2f} with the "
         f"backward split over key/value head groups (tiled blocks).\n"
+        f"\nWhat the tiled block's backward works with beyond what it keeps, at {MILLION} "
+        f"tokens on CUDA (traced op by op by the probes; its output's gradient included):\n\n"
+        + "\n".join(working_rows(tiled, MILLION, split, value))
+        + f"\n\nA one-layer backward stage at {MILLION} tokens: "
+        f"{tiled.stage_peak(1, 2, MILLION, cuda=True) / value:.2f} values per token "
+        f"({tiled.stage_peak(1, 2, MILLION, cuda=True) / GIB:.1f} GiB) beside its weights.\n"
     )
     emit(out, args.append)
 

@@ -17,15 +17,26 @@ positions), measured by a fourth probe of two sequences. A tensor counts
 only while the layer's graph keeps it (:func:`~..runtime.profiler.saved_bytes`).
 
 On top of what a stage keeps for its backward, one layer at a time works with
-transient values: a tile of MLP intermediates and their gradients (or the
-whole MLP's, untiled), the attention's input gradients (on CUDA with the
-flash kernel's workspace, which tiled blocks split over head groups:
-:mod:`.attention`), one loss chunk's logits, the gradients of the stage's
-output and input (the input is counted once, with what its first layer keeps:
-the adapter's layers keep it intact, so the stage holds no copy; the output
-itself is freed before the backward unless router statistics come with it).
-:class:`ActivationModel` adds the largest of those (no two layers' transients
-exist at once) to a stage's weights, gradients and saved activations.
+transient values. A decoder block's are measured too: at each probe length
+its backward runs as a backward stage runs it (its output freed first, the
+output's gradient handed to autograd, which frees it once used) while
+:class:`_LiveBytes` traces the bytes of the tensors alive beyond what the
+forward kept, op by op: outside the tiles of its per-token work (its input's
+gradient, the attention's and the projections' gradients, an untiled MLP's
+intermediates), at each tile's start and within a tile, and at the attention
+kernel's backward. The same code runs the same ops at every length, so each
+moment's bytes are a polynomial fitted over the three lengths, and the
+prediction at a long sequence is the largest of them there (the largest at
+the probes' lengths is often a weight-sized moment, which a long sequence
+dwarfs). On CUDA the flash kernel's workspace is added at the attention's
+backward (split over head groups in tiled blocks: :mod:`.attention`; the CPU
+kernel has none). The head's loss chunk (or whole logits) and its input's
+gradient are known and counted as such. :class:`ActivationModel` adds the
+largest transient of a stage's layers (no two layers' exist at once) to its
+weights, gradients and saved activations; the stage's input is counted once,
+with what its first layer keeps (the adapter's layers keep it intact, so the
+stage holds no copy), and its output is freed before the backward unless
+router statistics come with it.
 """
 
 from __future__ import annotations

@@ -348,8 +348,9 @@ def plan_for_activations(
     Long sequences make a stage's activations large and its weights small in
     comparison, so when nothing fits half the budget a stage may take more of
     it, leaving the next stage's weights a smaller share (a quarter, an
-    eighth, a sixteenth; the plan's stages must then keep their weights
-    within that share); the result says which limit and cap hold from then on.
+    eighth, a sixteenth of it, then the largest layer's weights: one-layer
+    stages; the plan's stages must then keep their weights within that
+    share); the result says which limit and cap hold from then on.
     ``weight_cap``: the cap that holds now (from such an earlier decision).
 
     ``boundary``: bytes of one layer-input value of a micro-batch (a causal
@@ -398,10 +399,14 @@ def plan_for_activations(
     )
     splits: list[tuple[float, float | None]] = [(memory_limit, weight_cap)]
     if device_budget is not None:
+        # a share below the largest layer's weights holds no next stage; at
+        # the end, as little as one does: that layer's weights
+        one = max(_layer_weights(estimates), default=0.0)
+        reserves = [r * device_budget for r in _RESERVES if r * device_budget > one] + [one]
         splits += [
-            (_USABLE * device_budget - r * device_budget, r * device_budget)
-            for r in _RESERVES
-            if weight_cap is None or r * device_budget < weight_cap
+            (_USABLE * device_budget - r, r)
+            for r in reserves
+            if (weight_cap is None or r < weight_cap) and _USABLE * device_budget - r > memory_limit
         ]
     for limit, cap in splits:
         if cap != weight_cap and host_ok and _fits(current, peaks, estimates, limit, cap):

@@ -145,10 +145,16 @@ def test_long_sequences_let_a_stage_use_more_than_half_of_the_device():
         ones, est, saved, transient, 2, 4, **{**kw, "user_plan": True}, device_budget=200
     )
     assert given.plan is ones and not given.warning and given.memory_limit == pytest.approx(130)
-    # stages whose weights exceed what is left for the next one: nothing fits
+    # heavy layers: the last resort leaves the next stage one layer's weights
+    # (60): one-layer stages of 60 + 50 + 5 within 0.9 x 200 - 60
     heavy = costs(memory=60.0)
     big = plan_for_activations(ones, heavy, [50.0] * 8, transient, 2, 4, **kw, device_budget=200)
-    assert big.warning and big.memory_limit == 100 and big.weight_cap is None
+    assert not big.warning and (big.memory_limit, big.weight_cap) == (120, 60)
+    assert big.plan.num_slots == 15 and max(big.peaks) == 115
+    assert "(the next stage's weights need at most 60)" in big.reason
+    # one layer with its activations over even that: nothing fits
+    over = plan_for_activations(ones, heavy, [56.0] * 8, transient, 2, 4, **kw, device_budget=200)
+    assert over.warning and over.memory_limit == 100 and over.weight_cap is None
     # activations that fit half the device: the half it is
     small = plan_for_activations(plan, est, [1.0] * 8, transient, 2, 4, **kw, device_budget=200)
     assert small.plan is plan and small.memory_limit == 100 and small.weight_cap is None
