@@ -32,7 +32,7 @@ from report import emit
 
 from lightning_roundpipe.models.attention import backward_workspace
 from lightning_roundpipe.models.causal_lm import CausalLMAdapter
-from lightning_roundpipe.models.estimate import _meta_model, estimate, materialiser
+from lightning_roundpipe.models.estimate import _meta_model, estimate, materialiser, tile_budget
 
 GIB = 2**30
 MILLION = 1 << 20
@@ -55,7 +55,9 @@ def llama_8b() -> transformers.LlamaConfig:
     )
 
 
-def saved_per_token(config: transformers.LlamaConfig) -> tuple[dict[str, float], Any]:
+def saved_per_token(
+    config: transformers.LlamaConfig, gpu_memory: float
+) -> tuple[dict[str, float], Any]:
     """Bytes per token one block keeps for its backward, never tiled and with
     the tiling a long sequence gets (the slope of the probes' polynomial),
     and the tiled block's activation model."""
@@ -64,7 +66,8 @@ def saved_per_token(config: transformers.LlamaConfig) -> tuple[dict[str, float],
     real = materialiser(torch.bfloat16)
 
     out = {}
-    tiles = adapter.tiles_for(1, torch.bfloat16)  # the smallest tiles: always tiled
+    # the tiles the estimate gives a long sequence on this GPU (tile_memory="auto")
+    tiles = adapter.tiles_for(tile_budget(gpu_memory), torch.bfloat16)
     for label, chosen in (("never tiled", {}), ("tiled", tiles)):
         act = adapter.activation_model(torch.bfloat16, chosen, loss=True, prepare=real)
         # the block's bytes per token (rotary tables, kept once per micro-batch, too)
@@ -103,7 +106,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     config = llama_8b()
     hidden_bytes = config.hidden_size * 2
-    per_token, tiled = saved_per_token(config)
+    per_token, tiled = saved_per_token(config, args.gpu_memory * GIB)
     rows = [
         "| block | saved per token (KiB) | hidden-sized bf16 values | vs never tiled |",
         "|---|---:|---:|---:|",

@@ -312,7 +312,9 @@ def test_each_decoder_gets_the_models_mask_type():
 @pytest.mark.parametrize("kind", ["gpt2", "falcon", "gpt_oss", "gemma3_text", "phi3"])
 def test_packed_positions_are_treated_as_the_model_treats_them(kind):
     """Positions that restart: GPT-2 and Phi-3 keep the sequences apart (their
-    masks get the positions), Falcon and GPT-OSS only use them for rotary."""
+    masks get the positions), GPT-OSS only uses them for rotary, and Falcon
+    did too before transformers 5.2x (the adapter reads which from the model's
+    source: ``test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source``)."""
     model = tiny(kind)
     ref = copy.deepcopy(model)
     ids, _, _ = lm_data(4).tensors
@@ -329,6 +331,63 @@ def test_packed_positions_are_treated_as_the_model_treats_them(kind):
     torch.testing.assert_close(attached(model, step, plan="2|2|2"), expected.detach())
     for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source():
+    from lightning_roundpipe.models.layout import _masks_get_positions
+
+    def create_causal_mask(**kw):
+        return None
+
+    create_sliding_window_causal_mask = create_causal_mask
+
+    class Keyword:
+        def forward(self, x, position_ids):
+            return create_causal_mask(config=None, inputs_embeds=x, position_ids=position_ids)
+
+    class NoneGiven:
+        def forward(self, x, position_ids):
+            return create_causal_mask(config=None, inputs_embeds=x, position_ids=None)
+
+    class Absent:
+        def forward(self, x, position_ids):
+            return create_causal_mask(config=None, inputs_embeds=x)
+
+    class InADict:
+        def forward(self, x, position_ids):
+            kw = {"config": None, "inputs_embeds": x, "position_ids": position_ids}
+            return create_sliding_window_causal_mask(**kw)
+
+    class SetLater:
+        def forward(self, x, position_ids):
+            kw = {"config": None, "inputs_embeds": x}
+            kw["position_ids"] = position_ids
+            return create_causal_mask(**kw)
+
+    class ChosenHelper:
+        def forward(self, x, position_ids, window=None):
+            make = create_causal_mask if window is None else create_sliding_window_causal_mask
+            return make(config=None, inputs_embeds=x, position_ids=position_ids)
+
+    class NoMask:
+        def forward(self, x, position_ids):
+            return x
+
+    expected = {
+        Keyword: True,
+        NoneGiven: False,
+        Absent: False,
+        InADict: True,
+        SetLater: True,
+        ChosenHelper: True,
+        NoMask: None,
+    }
+    assert {cls: _masks_get_positions(cls) for cls in expected} == expected
+    # the models of this transformers release: all but GPT-OSS's give them
+    transformers = pytest.importorskip("transformers")
+    assert _masks_get_positions(transformers.GptOssModel) is False
+    for name in ("LlamaModel", "GPT2Model", "MistralModel", "Qwen3MoeModel", "Gemma3TextModel"):
+        assert _masks_get_positions(getattr(transformers, name)) is True, name
 
 
 def test_dropout_before_the_first_block_is_the_models_in_evaluation():
@@ -564,9 +623,13 @@ def test_call_arguments_and_uses_the_pipeline_does_not_implement_are_refused():
     gpt2 = tiny("gpt2")
     with pytest.raises(TypeError, match=r"arguments \['token_type_ids'\] are not supported"):
         attached(gpt2, lambda: gpt2(ids, token_type_ids=torch.zeros_like(ids)))
-    # GPT-2's second positional argument is past_key_values, bound as the model binds it
-    with pytest.raises(TypeError, match="past_key_values is not supported"):
+    # GPT-2's second positional argument is its key-value cache (past_key_values,
+    # renamed cache in transformers 5.2x), bound as the model binds it
+    with pytest.raises(TypeError, match=r"(past_key_values|cache) is not supported"):
         attached(gpt2, lambda: gpt2(ids, object()))
+    for arg in ("past_key_values", "cache"):  # either name, by keyword
+        with pytest.raises(TypeError, match=f"{arg} is not supported .* without {arg}$"):
+            attached(gpt2, lambda arg=arg: gpt2(ids, **{arg: object()}))
     moe = tiny("mixtral", output_router_logits=True)
     with pytest.raises(
         ValueError,

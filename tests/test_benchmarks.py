@@ -160,9 +160,15 @@ def test_activation_per_token_measures_a_block_untiled_and_tiled():
         num_hidden_layers=2,
         vocab_size=500,
     )
-    per_token = load("activation_per_token").saved_per_token(config)
+    bench = load("activation_per_token")
+    per_token, tiled = bench.saved_per_token(config, 80 * 2**30)
     # tiling keeps a block's input-sized values, not its MLP's and norms' working set
     assert 0 < per_token["tiled"] < per_token["never tiled"] / 2
+    # what its backward works with at 1M tokens, moment by moment, on CUDA
+    value = (1 << 20) * config.hidden_size * 2
+    rows = bench.working_rows(tiled, 1 << 20, 0.5 * value, value)
+    assert rows[0].startswith("| moment of the backward |") and len(rows) == 5
+    assert all(float(r.rsplit("|", 2)[1]) > 0 for r in rows[2:])
 
 
 def test_frozen_base_measures_both_bases_in_their_own_processes():

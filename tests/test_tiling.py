@@ -384,7 +384,11 @@ def test_attention_backward_split_over_head_groups_trains_like_untiled(precision
 
 
 def test_adamw_training_of_a_dense_model_chunked_and_tiled_equals_untiled(monkeypatch):
-    count = same_training(tiny("llama"), monkeypatch, "32-true", lm=AdamLM)
+    # Adam turns the last-bit rounding of a near-zero gradient (tiles sum in
+    # another order) into a step of up to lr; 3 steps of lr 1e-2 move the
+    # weights by ~3e-2, and on an AVX2 CPU one element in 1024 ends 1.6e-5 off
+    tol = dict(atol=5e-5, rtol=1.3e-6)
+    count = same_training(tiny("llama"), monkeypatch, "32-true", lm=AdamLM, tol=tol)
     assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
 
 

@@ -47,12 +47,16 @@ from .tiling import ChunkedLogits, shifted
 
 __all__ = ["CausalLMAdapter", "causal_lm_loss"]
 
+# a key-value cache argument: transformers renamed past_key_values to cache (5.2x)
+_CACHE_ARGS = ("past_key_values", "cache")
+
 # call arguments the adapter reads; any other with a value is refused
 _HANDLED = (
     "input_ids",
     "attention_mask",
     "position_ids",
     "past_key_values",
+    "cache",
     "inputs_embeds",
     "labels",
     "use_cache",
@@ -382,12 +386,13 @@ class CausalLMAdapter(_Adapter):
         name = self.name
         attention_mask, labels = a.get("attention_mask"), a.get("labels")
         logits_to_keep = a.get("logits_to_keep", 0)
-        if a.get("past_key_values") is not None:
-            raise TypeError(
-                f"{name}: past_key_values is not supported by the RoundPipe pipeline (it keeps no "
-                "key-value cache, so e.g. prefix tuning cannot work); call the model without "
-                "past_key_values"
-            )
+        for arg in _CACHE_ARGS:
+            if a.get(arg) is not None:
+                raise TypeError(
+                    f"{name}: {arg} is not supported by the RoundPipe pipeline (it keeps no "
+                    f"key-value cache, so e.g. prefix tuning cannot work); call the model without "
+                    f"{arg}"
+                )
         if attention_mask is not None and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
         ):
@@ -458,8 +463,9 @@ class CausalLMAdapter(_Adapter):
             if position_ids.shape[0] != batch.shape[0]:
                 position_ids = position_ids.expand(batch.shape[0], -1)
             inputs["position_ids"] = position_ids
-            no_cache = not self._cache(a.get("past_key_values"), a.get("use_cache"))
-            packs = self.layout.family.packed_sequences
+            given = next((a[k] for k in _CACHE_ARGS if a.get(k) is not None), None)
+            no_cache = not self._cache(given, a.get("use_cache"))
+            packs = self.layout.packs_sequences
             if packs and attention_mask is None and no_cache and is_packed(position_ids):
                 inputs["packed"] = True
         router = self._router_loss(a)

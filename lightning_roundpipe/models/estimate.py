@@ -289,6 +289,13 @@ def boundary_bytes(plan: Any, tokens: int, hidden: int, element: int) -> int:
     return value_bytes(tokens, hidden, element) * plan.boundaries_per_microbatch()
 
 
+def tile_budget(gpu_memory: float) -> int:
+    """Bytes per tile on a GPU of ``gpu_memory`` bytes as ``tile_memory="auto"``
+    sizes them: an eighth of a stage's memory (half of what the CUDA context
+    leaves: a stage and the next one, prefetched)."""
+    return int((gpu_memory - CUDA_CONTEXT) // 2) // 8
+
+
 def estimate(
     config: Any,
     *,
@@ -343,9 +350,8 @@ def estimate(
     limit = int(budget_all // 2)  # a stage and the next one, prefetched
     if limit <= 0:
         raise ValueError(f"gpu_memory must be more than {CUDA_CONTEXT} bytes, got {gpu_memory}")
-    budget = limit // 8  # tile_memory="auto"
     size = torch.empty(0, dtype=dtype).element_size()
-    tiles = adapter.tiles_for(budget, dtype)
+    tiles = adapter.tiles_for(tile_budget(gpu_memory), dtype)
     models: dict[tuple, ActivationModel] = {}
     real = materialiser(dtype)
 

@@ -80,7 +80,8 @@ class Family:
     embed_dropout: str | None = None
     mask_rule: str = FULL
     # the model gives position_ids to its mask functions, which then keep
-    # packed sequences apart (False: it never detects packing)
+    # packed sequences apart (False: it never detects packing); where the
+    # model's forward can be read, what it does decides (Layout.packs_sequences)
     packed_sequences: bool = True
     # the model always materialises the mask (allow_is_causal_skip=False)
     always_mask: bool = False
@@ -187,7 +188,8 @@ FAMILIES: tuple[Family, ...] = (
         embed="word_embeddings",
         layers="h",
         norm="ln_f",
-        # FalconModel builds its mask without position_ids and always materialised
+        # FalconModel always materialises its mask, built without position_ids
+        # before transformers 5.2x (with them since: the layout reads which)
         packed_sequences=False,
         always_mask=True,
         slices_layers=False,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -126,6 +127,14 @@ def _entry_is(entry: tuple[Any, int], t: torch.Tensor) -> bool:
     if t.grad_fn is not None:
         return node is t.grad_fn and index == t.output_nr
     return t.requires_grad and getattr(node, "variable", None) is t
+
+
+@functools.cache
+def _no_cache(make: Any) -> dict[str, None]:
+    """The mask helper's "no key/value cache" argument: transformers renamed it
+    from ``past_key_values`` to ``cache`` (the old name warns, then goes in 5.40)."""
+    name = "cache" if "cache" in inspect.signature(make).parameters else "past_key_values"
+    return {name: None}
 
 
 class _PerToken:
@@ -394,7 +403,7 @@ class _Decoder(nn.Module):
             config=self.config,
             inputs_embeds=hidden_states,
             attention_mask=attention_mask,
-            past_key_values=None,
+            **_no_cache(make),
             position_ids=None,  # packing is known: no detection on the device
             **kwargs,
         )

@@ -3,6 +3,10 @@ config settings the pipeline layers would not honour as the model does."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,76 @@ class Layout:
     rotary: nn.Module | None
     positions: nn.Module | None
     dropout: nn.Module | None
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether the model keeps packed sequences apart (its mask functions
+        get ``position_ids``): read from its forward's source, where models
+        changed between transformers releases (Falcon's in 5.2x), else the
+        family entry's ``packed_sequences``."""
+        read = _masks_get_positions(type(self.base))
+        return self.family.packed_sequences if read is None else read
+
+
+@functools.cache
+def _masks_get_positions(model_cls: type) -> bool | None:
+    """Whether ``model_cls.forward`` gives ``position_ids`` to one of its
+    ``create_*_mask`` calls, by keyword or in a dict it unpacks into one;
+    None when its source cannot be read or it calls none. (The source, not
+    a run: nothing of the model runs before the pipeline is built.)"""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(model_cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+    def given(value: ast.expr) -> bool:
+        return not (isinstance(value, ast.Constant) and value.value is None)
+
+    def is_helper(name: str) -> bool:
+        return name.startswith("create_") and name.endswith("_mask")
+
+    # names of dicts with a "position_ids" entry ({"position_ids": ...} or
+    # d["position_ids"] = ...), and of variables bound to a mask helper
+    # (mask_function = create_causal_mask if ... else create_sliding_...)
+    dicts: set[str] = set()
+    helpers: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and any(
+                    isinstance(n, ast.Name) and is_helper(n.id) for n in ast.walk(node.value)
+                ):
+                    helpers.add(target.id)
+                elif isinstance(target, ast.Name) and isinstance(node.value, ast.Dict):
+                    pairs = zip(node.value.keys, node.value.values, strict=True)
+                    if any(
+                        isinstance(k, ast.Constant) and k.value == "position_ids" and given(v)
+                        for k, v in pairs
+                    ):
+                        dicts.add(target.id)
+                elif (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.value, ast.Name)
+                    and isinstance(target.slice, ast.Constant)
+                    and target.slice.value == "position_ids"
+                    and given(node.value)
+                ):
+                    dicts.add(target.value.id)
+    found: bool | None = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        if not (is_helper(name) or name in helpers):
+            continue
+        gets = any(
+            (k.arg == "position_ids" and given(k.value))
+            or (k.arg is None and isinstance(k.value, ast.Name) and k.value.id in dicts)
+            for k in node.keywords
+        )
+        found = gets or bool(found)
+    return found
 
 
 def _child(root: nn.Module, path: str | None) -> nn.Module | None:

@@ -97,6 +97,19 @@ def _nearest(p: Sequence[float], i: int, limit: float, lo: int) -> int:
     return j
 
 
+def _memory_furthest(mem: Sequence[float], i: int, limit: float, hi: int) -> int:
+    """:func:`_furthest` over a memory prefix, taking at least one layer:
+    :func:`check_memory` saw each layer fit alone, and a prefix difference
+    can round a layer whose figure equals the limit to just above it."""
+    return max(min(i + 1, hi), _furthest(mem, i, limit, hi))
+
+
+def _memory_nearest(mem: Sequence[float], i: int, limit: float, lo: int) -> int:
+    """:func:`_nearest` over a memory prefix, leaving at least one layer (see
+    :func:`_memory_furthest`)."""
+    return min(max(i - 1, lo), _nearest(mem, i, limit, lo))
+
+
 def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, int] | None:
     """Fewest slots with every slot time ``<= t`` (and memory ``<= limit``).
 
@@ -107,14 +120,14 @@ def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, i
     n = costs.num_layers
     top = _nearest(both, n, t, 0)
     if limit is not None:
-        top = max(top, _nearest(mem, n, limit, 0))
+        top = max(top, _memory_nearest(mem, n, limit, 0))
     if top == n:
         return None
     nf, i = 0, 0
     while i < top:
         j = _furthest(fwd, i, t, top)
         if limit is not None:
-            j = min(j, _furthest(mem, i, limit, top))
+            j = min(j, _memory_furthest(mem, i, limit, top))
         if j == i:
             return None
         nf += 1
@@ -123,7 +136,7 @@ def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, i
     while i > 0:
         j = _nearest(both, i, t, 0)
         if limit is not None:
-            j = max(j, _nearest(mem, i, limit, 0))
+            j = max(j, _memory_nearest(mem, i, limit, 0))
         if j == i:
             return None
         nb += 1
@@ -138,19 +151,19 @@ def _plan_at(costs: LayerCosts, t: float, limit: float | None) -> StagePlan:
     n = costs.num_layers
     top = _nearest(both, n, t, 0)
     if limit is not None:
-        top = max(top, _nearest(mem, n, limit, 0))
+        top = max(top, _memory_nearest(mem, n, limit, 0))
     forward, i = [], 0
     while i < top:
         j = _furthest(fwd, i, t, top)
         if limit is not None:
-            j = min(j, _furthest(mem, i, limit, top))
+            j = min(j, _memory_furthest(mem, i, limit, top))
         forward.append(j - i)
         i = j
     backward, i = [], top
     while i > 0:
         j = _nearest(both, i, t, 0)
         if limit is not None:
-            j = max(j, _nearest(mem, i, limit, 0))
+            j = max(j, _memory_nearest(mem, i, limit, 0))
         backward.append(i - j)
         i = j
     return StagePlan(tuple(forward), n - top, tuple(backward))
@@ -371,7 +384,7 @@ def _min_max_cut(
         while i < n:
             j = _furthest(pre, i, t, n)
             if mem is not None:
-                j = min(j, _furthest(mem, i, limit, n))
+                j = min(j, _memory_furthest(mem, i, limit, n))
             out.append(j - i)
             i = j
         return out

@@ -13,6 +13,7 @@ from lightning_roundpipe.plan import (
     PlanError,
     StagePlan,
     balanced_partition,
+    frontier,
     partition,
     partition_exhaustive,
 )
@@ -138,6 +139,26 @@ def test_memory_limit_shapes_the_plan():
     plan = partition(costs, 2, 4, memory_limit=4)
     assert all(mem <= 4 for mem in plan.stage_memory(costs))
     assert plan.fused <= 2
+
+
+def test_a_layer_whose_memory_is_the_limit_fits_whatever_the_prefix_sums_round_to():
+    # 0.1 + 0.2 - 0.1 is 0.20000000000000004: read from the prefix sums, the
+    # second layer is just over a limit it equals (stage weights capped at
+    # exactly the largest layer's make such figures). Partitioning used to
+    # fail an assertion here (or loop forever while rebalancing)
+    costs = LayerCosts([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], memory=[0.1, 0.2, 0.1])
+    assert str(partition(costs, 2, 4, memory_limit=0.2)) == "1,1|1|1,1"
+    assert [str(p) for p in frontier(costs, 0.2)] == ["1,1|1|1,1"]
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(2, 40)
+        memory = [rng.uniform(0.1, 1.0) * 1e9 for _ in range(n)]
+        costs = LayerCosts(
+            [rng.uniform(1, 2) for _ in range(n)], [rng.uniform(2, 4) for _ in range(n)], memory
+        )
+        limit = max(memory)
+        for plan in (partition(costs, 2, 4, memory_limit=limit), *frontier(costs, limit)):
+            assert max(plan.stage_memory(costs)) <= limit * (1 + 1e-12)
 
 
 def test_figure1_case_balances_forward_stages():
