@@ -139,7 +139,14 @@ def main() -> None:
         f"memory alone; with {args.host_memory:g} GiB of host memory {both.longest_seq} "
         f"tokens ({both.longest_bound}; model state {both.host['state'] / GIB:.1f} GiB, "
         f"the base loaded in fp32) or {once.longest_seq} tokens ({once.longest_bound}; "
-        f"model state {once.host['state'] / GIB:.1f} GiB, the base loaded in bf16).\n"
+        f"model state {once.host['state'] / GIB:.1f} GiB, the base loaded in bf16)"
+        + (
+            ""
+            if once.device_longest_host is None
+            else f"; the {once.device_longest_seq} tokens of the device alone need "
+            f"{once.device_longest_host / GIB:.0f} GiB of host memory (bf16 base)"
+        )
+        + ".\n"
         f"\nCUDA flash-attention backward workspace of one block at {MILLION} tokens "
         f"(`backward_workspace`, from PyTorch's kernel source; not measured here): "
         f"{fused / value:.2f} hidden-sized values fused, {split / value:.2f} with the "

@@ -103,11 +103,20 @@ def main() -> None:
         print(json.dumps(trial(args.hidden, args.layers, args.trial, args.vocab)))
         return
     rows = []
+    # both trials at once, each in its own process (resident memory is per
+    # process; nothing here is timed)
+    procs = []
     for base in ("float32", "bfloat16"):
         cmd = [sys.executable, __file__, "--hidden", str(args.hidden), "--layers"]
         cmd += [str(args.layers), "--vocab", str(args.vocab), "--trial", base]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        procs.append(
+            (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        )
+    for cmd, proc in procs:
+        out, err = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
+        rows.append(json.loads(out.strip().splitlines()[-1]))
     n = rows[0]["parameters"]
     lines = [
         "| base loaded in | model built (MiB) | after one step (MiB) | predicted state (MiB) "

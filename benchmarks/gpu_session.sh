@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_session.sh throughput  # 0.6B, sequence 2048, 4 strategies (~9 min)
 #   bash benchmarks/gpu_session.sh seqlen      # longest sequence, 0.6B, micro-batch 1 (~9 min)
 #   bash benchmarks/gpu_session.sh engine      # engine throughput, protocol ablation, overheads (~5 min)
+#   bash benchmarks/gpu_session.sh longctx-memory      # Llama-3.1-8B LoRA blocks at 64K-1M tokens:
+#                                                      # predicted vs measured peak (~9 min)
+#   bash benchmarks/gpu_session.sh longctx-throughput  # Qwen3-1.7B at 8K/32K/128K tokens (~5 min)
 #
 # Markdown tables (ready for docs/benchmarks.md), raw JSON and logs go to $OUT
 # (set by the device tool) or runs/gpu. Every trial runs in its own process
@@ -16,7 +19,7 @@
 # a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?give a part: tests, throughput, seqlen or engine}"
+part="${1:?give a part: tests, throughput, seqlen, engine, longctx-memory or longctx-throughput}"
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -75,8 +78,18 @@ engine)
             echo "overhead: exit $?" | tee -a "$out/overhead.md"
     fi
     ;;
+longctx-memory | longctx-throughput)
+    which="${part#longctx-}"
+    extra=()
+    if [ "$smoke" = 1 ]; then
+        extra=(--smoke --budget 240 --trial-timeout 120)
+    fi
+    python benchmarks/long_context_gpu.py "$which" ${extra[@]+"${extra[@]}"} \
+        --json "$out/long-context-$which.json" --append "$out/long-context-$which.md"
+    ;;
 *)
-    echo "unknown part '$part': give tests, throughput, seqlen or engine" >&2
+    echo "unknown part '$part': give tests, throughput, seqlen, engine, longctx-memory or" \
+        "longctx-throughput" >&2
     exit 2
     ;;
 esac

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import child_result
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "tiny": (64, 128, 4, 4, 2, 256),
@@ -172,17 +174,7 @@ def trial(
         "--devices",
         str(devices),
     ]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout)[-800:]
-    if "out of memory" in tail.lower():
-        return {"oom": True}
-    return {"error": tail.strip().splitlines()[-1] if tail.strip() else f"exit {proc.returncode}"}
+    return child_result(cmd, timeout)
 
 
 def main() -> None:

@@ -3,8 +3,11 @@ it to a markdown file (``--append docs/benchmarks.md``)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def emit(text: str, append: Path | None) -> None:
@@ -12,6 +15,24 @@ def emit(text: str, append: Path | None) -> None:
     if append:
         with open(append, "a", encoding="utf-8") as fh:
             fh.write("\n" + text)
+
+
+def child_result(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """Run a trial's child process, which prints its result as one JSON line,
+    within ``timeout`` seconds: that result, ``{"oom": True}`` when it died
+    of an out-of-memory error, else ``{"error": ...}`` with its last line (a
+    trial that runs out of time is reported, not raised)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout)[-2000:].strip()
+    if "out of memory" in tail.lower():
+        return {"oom": True}
+    return {"error": tail.splitlines()[-1][:300] if tail else f"exit {proc.returncode}"}
 
 
 #: for a benchmark's child process (its code is ``RESIDENT + ...``): ``status``

@@ -1,4 +1,5 @@
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,7 +36,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--stress-runs",
         type=int,
-        default=50,
+        default=30,
         help="seeds for the optimizer-protocol stress test (CI runs the default)",
     )
     parser.addoption(
@@ -54,3 +55,16 @@ def chaos_runs(request):
 @pytest.fixture
 def stress_runs(request):
     return request.config.getoption("--stress-runs")
+
+
+@pytest.fixture
+def concurrently():
+    """Run zero-argument callables at once and return their results in order:
+    for calls that each wait on a child process of their own (its start-up,
+    importing torch and Lightning, is most of a short child's time)."""
+
+    def run(*calls):
+        with ThreadPoolExecutor(len(calls)) as pool:
+            return [f.result() for f in [pool.submit(c) for c in calls]]
+
+    return run

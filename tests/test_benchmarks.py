@@ -66,17 +66,18 @@ def test_overhead_benchmark_parts():
     assert opt_ms > 0 and sync_ms > 0 and async_ms > 0
 
 
-def test_lm_runner_trials_in_fresh_processes():
+def test_lm_runner_trials_in_fresh_processes(concurrently):
     pytest.importorskip("transformers")
-    mod = load("lm_runner")
-    ok = mod.trial("roundpipe_sync", "tiny", 32, 4, 1, 2, 2)
-    assert ok.get("tokens_per_second", 0) > 0, ok
     import torch
 
+    mod = load("lm_runner")
+    ok, fsdp = concurrently(
+        lambda: mod.trial("roundpipe_sync", "tiny", 32, 4, 1, 2, 2),
+        lambda: mod.trial("fsdp_offload", "tiny", 32, 4, 1, 2, 1),
+    )
+    assert ok.get("tokens_per_second", 0) > 0, ok
     if not torch.cuda.is_available():
-        assert mod.trial("fsdp_offload", "tiny", 32, 4, 1, 2, 1) == {
-            "skipped": "FSDP CPU offload needs CUDA"
-        }
+        assert fsdp == {"skipped": "FSDP CPU offload needs CUDA"}
 
 
 def test_throughput_table_and_bars_from_results(tmp_path):
@@ -121,7 +122,7 @@ def test_gpu_session_script_parts(tmp_path):
         )
 
     bad = session("everything")
-    assert bad.returncode == 2 and "give tests, throughput, seqlen or engine" in bad.stderr
+    assert bad.returncode == 2 and "give tests, throughput, seqlen, engine, longctx" in bad.stderr
     ok = session("seqlen")
     assert ok.returncode == 0, ok.stderr[-2000:]
     table = (tmp_path / "max_seqlen.md").read_text()
@@ -206,3 +207,39 @@ def test_layered_benchmark_reports_fewer_boundary_bytes_and_the_same_loss():
     assert limited["plan"].endswith("|layered")
     assert 0 < limited["peak"] <= 0.4 * one["peak"]
     assert limited["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
+def test_long_context_gpu_runs_its_trials_and_reports_them():
+    """The GPU long-sequence benchmark's wiring, on CPU with a tiny model (no
+    device memory to measure here): a trial fits and reports its plan and
+    tokens/s, the part keeps to its budget, and the tables say what ran."""
+    mod = load("long_context_gpu")
+    got = mod.run_trial(dict(model="tiny", layers=2, lora=4, seq=96, steps=2))
+    assert got["plan"] and got["tokens_per_second"] > 0 and len(got["step_seconds"]) == 2
+    assert "measured_bytes" not in got  # (CUDA only)
+    calls = []
+
+    def fake(spec, timeout):
+        calls.append(timeout)
+        return {"tokens_per_second": 10.0, "measured_bytes": 3 * 2**30} if spec["seq"] else {}
+
+    out = mod.run_part([{"seq": 1}, {"seq": 2}], 60.0, 100.0, runner=fake)
+    assert calls == [60.0, 60.0] and len(out) == 2
+    skipped = mod.run_part([{"seq": 1}], 60.0, 10.0, runner=fake)
+    assert skipped == [{"skipped": "the part's 10 s budget was spent"}]
+    rows = mod.memory_rows(
+        [1024, 2048],
+        [
+            {
+                "plan": "1|1|1",
+                "predicted_bytes": 2**31,
+                "measured_bytes": 2**30,
+                "step_seconds": [1.0],
+            },
+            {"oom": True},
+        ],
+    )
+    assert rows[2] == "| 1024 | `1\\|1\\|1` | 2.00 | 1.00 | 0.500 | 1.0 | ran |"
+    assert rows[3].endswith("| out of memory |")
+    rows = mod.throughput_rows([8192], [{"tokens_per_second": 1234.4, "measured_bytes": 2**30}])
+    assert rows[2] == "| 8192 | 1234 | 1.00 | ran |"

@@ -18,6 +18,7 @@ from lightning_roundpipe.models.attention import backward_workspace
 from lightning_roundpipe.models.memory import (
     _backward_working,
     _fit_trace,
+    _Fp32Matmuls,
     _LiveBytes,
     _probe_inputs,
     _quadratic,
@@ -211,12 +212,13 @@ def fit_peak(seq: int) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
-def test_the_predicted_peak_follows_the_measured_peak():
+def test_the_predicted_peak_follows_the_measured_peak(concurrently):
     """One CPU worker, fp32, the loss chunked and the MLPs tiled: how much the
     peak grows from 256 to 8,192 tokens per sequence (the fixed costs of the
     process cancel), measured in fresh processes and predicted."""
-    m_short, p_short = fit_peak(256)
-    m_long, p_long = fit_peak(8192)
+    (m_short, p_short), (m_long, p_long) = concurrently(
+        lambda: fit_peak(256), lambda: fit_peak(8192)
+    )
     measured, predicted = m_long - m_short, p_long - p_short
     # the prediction bounds the live growth, not far above it (1.18x: the
     # blocks' transients are measured by the probes, the head's loss chunk
@@ -343,9 +345,11 @@ def test_the_probes_predict_a_long_blocks_backward_working_memory(kind):
         leaf = inputs["hidden_states"].detach().requires_grad_()
         inputs["hidden_states"] = leaf
         live = _LiveBytes()
-        with torch.enable_grad(), live:
+        # bf16 products in fp32 underneath, as in the probes: the same bytes, faster
+        with _Fp32Matmuls(), torch.enable_grad(), live:
             out = layers[i](**inputs)
-        got = _backward_working(live, out, leaf)
+        with _Fp32Matmuls():
+            got = _backward_working(live, out, leaf)
         assert got is not None and act.working[i] is not None
         assert bool(got.attention) == (kind != "gemma2")
         measured = max(
@@ -422,9 +426,18 @@ def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(t
     host = state + acts / 4
     code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", host)
     assert code == 0, text
-    assert "(bounded by host memory)" in text and "fits: yes" in text
+    assert "(bounded by host memory;" in text and "fits: yes" in text
     longest = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
     assert 0 < longest < device
+    # it says what the devices alone allow and the host memory that needs,
+    # which then bounds the sequence no more (the report rounds to 0.01 GiB)
+    alone = text.split("the GPUs alone allow ")[1]
+    assert int(alone.split()[0]) == device
+    needed = gib_in(alone, "tokens, with ")
+    assert host < needed
+    code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", needed + 0.01)
+    assert "(bounded by device memory)" in text and "fits: yes" in text
+    assert int(text.split("longest sequence at micro-batch 1: ")[1].split()[0]) == device
     # the edge again, now of the host: it fits, one more quarter does not
     args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", host)
     assert "fits: yes" in run_cli(*args, "--seq", longest)[1]
@@ -457,7 +470,7 @@ def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):
     longest = {}
     for dtype, bound in (("float32", "host"), ("bfloat16", "device")):
         text = run_cli(*args, "--host-memory", host, "--frozen-dtype", dtype)[1]
-        assert f"(bounded by {bound} memory)" in text
+        assert f"(bounded by {bound} memory" in text
         longest[dtype] = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
     assert longest["float32"] < longest["bfloat16"] == device
 

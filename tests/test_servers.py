@@ -129,13 +129,15 @@ def error(out: Path, rank: int) -> str:
 
 
 # --------------------------------------------------------------- exactness
-def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path):
+def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path, concurrently):
     """torchrun --nnodes=2 --nproc-per-node=1: batch 4 per server equals one
     server with batch 8 on the same samples (synchronous optimizer, gradient
     accumulation, clipping by the global norm); the logged loss is reduced
     across servers; the checkpoint is written once and loads on one server."""
-    servers(tmp_path / "two", "--batch-size", "4", torchrun=True)
-    one_server(tmp_path / "one", "--batch-size", "8")
+    concurrently(
+        lambda: servers(tmp_path / "two", "--batch-size", "4", torchrun=True),
+        lambda: one_server(tmp_path / "one", "--batch-size", "8"),
+    )
     a, b = result(tmp_path / "two", 0), result(tmp_path / "two", 1)
     ref = result(tmp_path / "one", 0)
     assert (a["world_size"], a["global_rank"], b["global_rank"]) == (2, 0, 1)

@@ -180,6 +180,11 @@ class Estimate:
     longest_bound: str = "device memory"
     #: half of a GPU's usable bytes: a stage's share when its weights matter
     half_budget: int = 0
+    #: where host memory bounds ``longest_seq``: the longest sequence the GPUs
+    #: alone allow, and the host bytes it needs (model state and, at the
+    #: engine's default share of what that leaves, its plan's boundary values)
+    device_longest_seq: int | None = None
+    device_longest_host: float | None = None
 
     @property
     def cluster_tokens_per_second(self) -> float:
@@ -214,7 +219,14 @@ class Estimate:
             + ("" if self.host_memory is None else f" of {gib(self.host_memory)}"),
             f"fits: {'yes' if self.fits else 'NO'}",
             f"longest sequence at micro-batch 1: {self.longest_seq} tokens "
-            f"(bounded by {self.longest_bound})",
+            f"(bounded by {self.longest_bound}"
+            + (
+                ""
+                if self.device_longest_seq is None or self.device_longest_host is None
+                else f"; the GPUs alone allow {self.device_longest_seq} tokens, with "
+                f"{gib(self.device_longest_host)} of host memory"
+            )
+            + ")",
             f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
             f"(weight uploads need {self.upload_seconds:.3g} s per step)",
         ]
@@ -419,6 +431,15 @@ def estimate(
         bound = "host memory"
     else:
         bound = "device memory"
+    device_longest = device_host = None
+    if bound == "host memory":
+        # what the GPUs alone allow, and the host memory that would let it run:
+        # its plan's boundary values at the engine's default share of the host
+        device_longest = longest_sequence(lambda s: fits(s, host=False), longest + 1, search)
+        if device_longest:
+            alone, _, _ = plan_at(device_longest, 1, host=False)
+            values = boundary_bytes(alone, device_longest, hidden, size)
+            device_host = state + values / HOST_ACTIVATION_SHARE
     notes = []
     if seq is None:
         seq = max(1, min(longest, ceiling) if longest else 1)
@@ -501,6 +522,8 @@ def estimate(
         longest_seq=longest,
         longest_bound=bound,
         half_budget=limit,
+        device_longest_seq=device_longest or None,
+        device_longest_host=device_host,
         step_seconds=step,
         tokens_per_second=seq * micro_batch * m / step if step > 0 else math.inf,
         upload_seconds=upload,
