@@ -272,7 +272,11 @@ def main(argv: list[str] | None = None) -> None:
         record = {
             "date": str(datetime.date.today()),
             **info,
-            "setting": {"precision": "bf16-mixed", "micro_batch": 1, "part": args.part},
+            "setting": {
+                "precision": "32-true" if info["device"] == "no GPU" else "bf16-mixed",
+                "micro_batch": 1,
+                "part": args.part,
+            },
             "results": {key: {str(s): r for s, r in zip(seqs, results, strict=True)}},
         }
         args.json.write_text(json.dumps(record, indent=1) + "\n")
