@@ -345,11 +345,11 @@ def test_the_probes_predict_a_long_blocks_backward_working_memory(kind):
         leaf = inputs["hidden_states"].detach().requires_grad_()
         inputs["hidden_states"] = leaf
         live = _LiveBytes()
-        # bf16 products in fp32 underneath, as in the probes: the same bytes, faster
+        # bf16 products in fp32 underneath, as in the probes (and in the
+        # backward's trace): the same bytes, faster
         with _Fp32Matmuls(), torch.enable_grad(), live:
             out = layers[i](**inputs)
-        with _Fp32Matmuls():
-            got = _backward_working(live, out, leaf)
+        got = _backward_working(live, out, leaf)
         assert got is not None and act.working[i] is not None
         assert bool(got.attention) == (kind != "gemma2")
         measured = max(

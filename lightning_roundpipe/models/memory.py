@@ -291,13 +291,17 @@ class _Fp32Matmuls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self._OPS:
-            low = [
-                a
-                for a in args
-                if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dtype in self._LOW
-            ]
-            if low:
-                dtype = low[0].dtype
+            dtype = next(
+                (
+                    a.dtype
+                    for a in args
+                    if isinstance(a, torch.Tensor)
+                    and a.device.type == "cpu"
+                    and a.dtype in self._LOW
+                ),
+                None,
+            )
+            if dtype is not None:
                 up = [
                     a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a
                     for a in args
@@ -416,7 +420,7 @@ def _backward_working(live: _LiveBytes, out: Any, x: torch.Tensor) -> _LiveBytes
     live.forget([hidden])
     if not hidden.requires_grad:
         return None
-    with live, watching_tiles(live):
+    with _Fp32Matmuls(), live, watching_tiles(live):
         live.start()
         # the output's gradient counts until autograd has used it, as in a
         # stage (gradients of the input only: the parameters' are counted apart)
@@ -564,51 +568,50 @@ def probe_activations(
     paired: list[float] = [0.0 for _ in layers]  # two sequences at the last length
     works: list[list[_LiveBytes | None]] = [[] for _ in layers]
     last = lengths[-1]
-    # (entered before the tracers in the loop, which see its outputs only)
-    with _Fp32Matmuls():
-        for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
-            # tile at the probe exactly when the real call tiles
-            probe_tiles = {}
-            if mlp_tile:
-                probe_tiles["mlp_tile"] = max(1, batch * seq // PROBE_TILES)
-            x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router, batch)
-            for i, layer in enumerate(layers):
-                rep = runnable(layer)
-                key = (_signature(layer), seq, batch)
-                if i == 0:  # (the model's own embedding: it keeps its indices only)
-                    got = batch * _embedding_bytes(embed, seq)
-                elif layer is head and loss_chunk:
-                    # a chunked loss keeps the head's input and, until backward,
-                    # its gradient (and no logits): counted below, exactly
-                    got = 0.0
-                else:
-                    if key not in measured:
-                        inputs = dict(x, **probe_tiles)
-                        leaf = inputs["hidden_states"].detach().requires_grad_()
-                        inputs["hidden_states"] = leaf
-                        counted: dict[int, int] = {}
-                        # a block's backward is measured too (the head's is known)
-                        live = _LiveBytes() if layer is not head and batch == 1 else None
-                        with (
-                            torch.enable_grad(),
-                            saved_bytes(rep, counted, 0),
-                            live or contextlib.nullcontext(),
-                        ):
-                            out = rep(**inputs)
-                            if layer is head and loss is not None:
-                                labels = torch.zeros(batch, seq, dtype=torch.long)
-                                loss(out, labels)
-                        work = None if live is None else _backward_working(live, out, leaf)
-                        measured[key] = [float(counted[0]), None if layer is head else out, work]
-                    got, nxt, work = measured[key]
-                    if nxt is not None:
-                        x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
-                    if batch == 1:
-                        works[i].append(work)
+    for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
+        # tile at the probe exactly when the real call tiles
+        probe_tiles = {}
+        if mlp_tile:
+            probe_tiles["mlp_tile"] = max(1, batch * seq // PROBE_TILES)
+        x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router, batch)
+        for i, layer in enumerate(layers):
+            rep = runnable(layer)
+            key = (_signature(layer), seq, batch)
+            if i == 0:  # (the model's own embedding: it keeps its indices only)
+                got = batch * _embedding_bytes(embed, seq)
+            elif layer is head and loss_chunk:
+                # a chunked loss keeps the head's input and, until backward,
+                # its gradient (and no logits): counted below, exactly
+                got = 0.0
+            else:
+                if key not in measured:
+                    inputs = dict(x, **probe_tiles)
+                    leaf = inputs["hidden_states"].detach().requires_grad_()
+                    inputs["hidden_states"] = leaf
+                    counted: dict[int, int] = {}
+                    # a block's backward is measured too (the head's is known)
+                    live = _LiveBytes() if layer is not head and batch == 1 else None
+                    with (
+                        torch.enable_grad(),
+                        saved_bytes(rep, counted, 0),
+                        _Fp32Matmuls(),  # (below the tracer, which sees its outputs only)
+                        live or contextlib.nullcontext(),
+                    ):
+                        out = rep(**inputs)
+                        if layer is head and loss is not None:
+                            labels = torch.zeros(batch, seq, dtype=torch.long)
+                            loss(out, labels)
+                    work = None if live is None else _backward_working(live, out, leaf)
+                    measured[key] = [float(counted[0]), None if layer is head else out, work]
+                got, nxt, work = measured[key]
+                if nxt is not None:
+                    x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
                 if batch == 1:
-                    per_layer[i].append(got)
-                else:
-                    paired[i] = got
+                    works[i].append(work)
+            if batch == 1:
+                per_layer[i].append(got)
+            else:
+                paired[i] = got
     element = torch.empty(0, dtype=dtype).element_size()
     saved = [_quadratic(lengths, ys) for ys in per_layer]
     # what two sequences keep less than twice one's: kept once per micro-batch
