@@ -20,25 +20,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:?give a part: tests, throughput, seqlen, engine, longctx-memory or longctx-throughput}"
+case "$part" in
+tests | throughput | seqlen | engine | longctx-memory | longctx-throughput) ;;
+*)
+    echo "unknown part '$part': give tests, throughput, seqlen, engine, longctx-memory or" \
+        "longctx-throughput" >&2
+    exit 2
+    ;;
+esac
+
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this tree, no install
 smoke="${SMOKE:-0}"
 
+# (Lightning's version from its metadata: importing it costs seconds)
 python - <<'EOF' | tee "$out/machine.txt"
-import platform, torch, lightning
+import platform, torch
+from importlib.metadata import version
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-print(f"{gpu}; {platform.machine()}; torch {torch.__version__}; lightning {lightning.__version__}")
+print(f"{gpu}; {platform.machine()}; torch {torch.__version__}; lightning {version('lightning')}")
 EOF
 
 case "$part" in
 tests)
     # the CUDA variants (engine on a GPU, pinned/device memory leak check),
     # then the strategy tests again with a GPU present
-    python -m pytest -q -p no:cacheprovider -m gpu -x 2>&1 | tee "$out/tests-gpu.log"
+    python -m pytest -q -p no:cacheprovider -n 0 -m gpu -x 2>&1 | tee "$out/tests-gpu.log"
     if [ "$smoke" != 1 ]; then
-        timeout 420 python -m pytest -q -p no:cacheprovider tests/strategy 2>&1 |
+        timeout 420 python -m pytest -q -p no:cacheprovider -n 0 tests/strategy 2>&1 |
             tee "$out/tests-strategy.log"
     fi
     ;;
@@ -55,7 +66,7 @@ throughput)
     ;;
 seqlen)
     if [ "$smoke" = 1 ]; then
-        args=(--size tiny --low 64 --high 256 --step 64 --strategies roundpipe)
+        args=(--size tiny --low 128 --high 128 --strategies roundpipe)  # one trial
         export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
     else
         args=(--size 0.6b --low 4096 --high 131072 --step 4096
@@ -86,11 +97,6 @@ longctx-memory | longctx-throughput)
     fi
     python benchmarks/long_context_gpu.py "$which" ${extra[@]+"${extra[@]}"} \
         --json "$out/long-context-$which.json" --append "$out/long-context-$which.md"
-    ;;
-*)
-    echo "unknown part '$part': give tests, throughput, seqlen, engine, longctx-memory or" \
-        "longctx-throughput" >&2
-    exit 2
     ;;
 esac
 echo "results in $out: $(ls "$out" | tr '\n' ' ')"

@@ -29,6 +29,8 @@ def longest(strategy: str, size: str, low: int, high: int, step: int, devices: i
     if first.get("oom"):
         return f"< {low}"
     lo, hi = low // step, high // step  # lo passes; search (lo, hi]
+    if hi <= lo:  # nothing above --low to search
+        return f">= {low}"
     top = trial(strategy, size, hi * step, 1, 1, 2, devices)
     if "tokens_per_second" in top:
         return f">= {hi * step}"

@@ -1,11 +1,41 @@
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 
+def pytest_xdist_auto_num_workers(config):
+    """How many test processes ``-n auto`` (the default options) starts: one
+    per core, at most 4: many tests run two CPU workers or child processes of
+    their own, so more processes would only compete for the cores. On two
+    cores this takes the suite from 14 to under 10 minutes, overlapping one
+    process's waits (child processes starting, watchdogs, injected delays)
+    with the other's work."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    """In a test process of several (pytest-xdist), torch computes with this
+    process's share of the cores, and so do the child processes its tests
+    start: the CPU workers' threads each run torch's intra-op threads, and
+    oversubscribed they spin for their turn (a test several times slower)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        import torch
+    except ImportError:  # the planning tests do not need torch
+        return
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` when no CUDA device is present."""
+    """Skip tests marked ``gpu`` when no CUDA device is present; with one,
+    run them one after another in one test process (they measure the
+    device's memory)."""
     try:
         import torch
 
@@ -13,6 +43,9 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:  # the planning tests do not need torch
         has_cuda = False
     if has_cuda:
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group("cuda"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
@@ -68,3 +101,38 @@ def concurrently():
             return [f.result() for f in [pool.submit(c) for c in calls]]
 
     return run
+
+
+LONG_FIT = dict(
+    vocab=32_000,
+    hidden=64,
+    mlp=2,
+    layers=4,
+    batch=1,
+    tile_memory=8_000_000,
+    device_memory_limit=2**34,
+    live=True,
+)
+"""The one-step long-sequence fit whose peaks tests/test_memory.py and
+tests/test_tiling.py both read: one sequence per micro-batch, a 32,000-token
+vocabulary, the loss chunked and the MLPs tiled, fp32 on one CPU worker,
+resident memory following the live tensors (``live``)."""
+
+
+@pytest.fixture(scope="session")
+def long_fit_peaks():
+    """``{tokens: (measured peak growth, predicted peak stage bytes)}`` of
+    :data:`LONG_FIT` at 256 and 8,192 tokens, each fit in a fresh process
+    (benchmarks/long_context.py), the two at once and once per session: the
+    fits cost most of a minute."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("bench_long_context", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seqs = (256, 8192)
+    with ThreadPoolExecutor(len(seqs)) as pool:
+        runs = [pool.submit(mod.peak_growth, seq, **LONG_FIT) for seq in seqs]
+        return dict(zip(seqs, [r.result() for r in runs], strict=True))

@@ -61,7 +61,7 @@ class Replica(CausalLM):
         return out.loss
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--nodes", type=int, default=1)
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--watchdog", type=float, default=60.0)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--clip", type=float, default=0.05)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # two servers share this machine's cores
     L.seed_everything(0)
     module = Replica(args.fail_at, args.kill_at, args.hang_at, not args.no_log)

@@ -123,10 +123,37 @@ def test_gpu_session_script_parts(tmp_path):
 
     bad = session("everything")
     assert bad.returncode == 2 and "give tests, throughput, seqlen, engine, longctx" in bad.stderr
+    assert not any(tmp_path.iterdir())  # refused before it wrote anything
     ok = session("seqlen")
     assert ok.returncode == 0, ok.stderr[-2000:]
     table = (tmp_path / "max_seqlen.md").read_text()
-    assert "| roundpipe | 1 | >= 256 |" in table and (tmp_path / "machine.txt").exists()
+    assert "| roundpipe | 1 | >= 128 |" in table
+    assert "lightning 2." in (tmp_path / "machine.txt").read_text()
+
+
+def test_the_longest_sequence_is_bisected_between_low_and_high(monkeypatch):
+    """max_seqlen's search, with trials that fit up to a known length: the
+    lengths it tries, what it reports, and a range with nothing above --low."""
+    mod = load("max_seqlen")
+    tried = []
+
+    def fits_up_to(limit):
+        def trial(strategy, size, seq, *args):
+            tried.append(seq)
+            return {"tokens_per_second": 1.0} if seq <= limit else {"oom": True}
+
+        return trial
+
+    monkeypatch.setattr(mod, "trial", fits_up_to(700))
+    assert mod.longest("roundpipe", "tiny", 64, 1024, 64, 1) == "640"
+    assert tried == [64, 1024, 512, 768, 640, 704]
+    monkeypatch.setattr(mod, "trial", fits_up_to(5000))
+    assert mod.longest("roundpipe", "tiny", 64, 1024, 64, 1) == ">= 1024"
+    assert mod.longest("roundpipe", "tiny", 128, 128, 64, 1) == ">= 128"
+    monkeypatch.setattr(mod, "trial", fits_up_to(32))
+    assert mod.longest("roundpipe", "tiny", 64, 1024, 64, 1) == "< 64"
+    monkeypatch.setattr(mod, "trial", lambda *a: {"skipped": "needs CUDA"})
+    assert mod.longest("auto", "tiny", 64, 1024, 64, 1) == "needs CUDA"
 
 
 def test_a_trial_that_runs_out_of_time_is_reported(monkeypatch):
