@@ -370,6 +370,54 @@ def run_cli(*args):
     return code, out.getvalue()
 
 
+def test_probe_products_in_fp32_reuse_a_parameters_copy_until_it_changes():
+    """_Fp32Matmuls computes bf16 CPU products in fp32 and rounds them back:
+    a parameter's fp32 copy is made once and reused (a linear's weight
+    reaches the product as a transposed view of it), made again after the
+    parameter changes, and dropped with the parameter."""
+    import gc
+
+    lin = torch.nn.Linear(48, 80).bfloat16()
+    x = torch.randn(5, 48, dtype=torch.bfloat16, requires_grad=True)
+
+    def expected(lin):
+        return (x.float() @ lin.weight.float().t() + lin.bias.float()).bfloat16()
+
+    with _Fp32Matmuls():
+        first = lin(x)
+        kept = _Fp32Matmuls._weights[lin.weight][1]
+        first.sum().backward()  # the input's gradient: the weight untransposed
+        again = lin(x)
+    assert _Fp32Matmuls._weights[lin.weight][1] is kept
+    assert torch.equal(first, expected(lin)) and torch.equal(again, expected(lin))
+    torch.testing.assert_close(x.grad, lin.weight.float().sum(0).bfloat16().expand(5, 48))
+    with torch.no_grad():
+        lin.weight.mul_(-2)
+    with _Fp32Matmuls():
+        changed = lin(x)
+    assert _Fp32Matmuls._weights[lin.weight][1] is not kept
+    assert torch.equal(changed, expected(lin))
+    del lin, first, again, changed
+    gc.collect()
+    assert len(_Fp32Matmuls._weights) == 0
+
+
+def test_random_values_for_the_probes_are_finite_of_a_weights_scale_and_reproducible():
+    from lightning_roundpipe.models.estimate import _fill_random
+
+    big = torch.empty(700, 4096, dtype=torch.bfloat16)  # past the drawn run
+    _fill_random(big, torch.Generator().manual_seed(0))
+    assert torch.isfinite(big).all()
+    assert abs(big.float().std().item() - 0.02) < 1e-3 and abs(big.float().mean()) < 1e-3
+    assert len({tuple(row.tolist()) for row in big[:, :8]}) == 700  # no row repeats another
+    again = torch.empty_like(big)
+    _fill_random(again, torch.Generator().manual_seed(0))
+    assert torch.equal(big, again)
+    small = torch.empty(3, 5).t()  # not contiguous: drawn directly
+    _fill_random(small, torch.Generator().manual_seed(0))
+    assert torch.isfinite(small).all() and small.std() > 0
+
+
 def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     path = config_file(tmp_path)
     code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", 4)

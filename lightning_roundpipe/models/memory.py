@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..runtime.profiler import saved_bytes
 from ..runtime.worker import backward_handing_over
@@ -276,7 +277,14 @@ class _Fp32Matmuls(TorchDispatchMode):
     bytes, not values). Torch's reduced-precision CPU GEMM with an
     untransposed second operand (a linear's input gradient) runs about 60x
     slower than fp32 on CPUs without AVX-512 BF16: for a Llama-3.1-8B MLP
-    weight and 48 tokens, 20 s instead of 0.36 s on an AVX2 machine."""
+    weight and 48 tokens, 20 s instead of 0.36 s on an AVX2 machine. A
+    parameter's fp32 copy is kept while the parameter lives and is unchanged
+    (the probes run each layer at several lengths, forward and backward: for
+    Llama-3.1-8B, converting its weights again each time was a third of the
+    estimate's time)."""
+
+    # parameter -> (its version when copied, its fp32 copy)
+    _weights = WeakIdKeyDictionary()
 
     _OPS = frozenset(
         {
@@ -303,11 +311,28 @@ class _Fp32Matmuls(TorchDispatchMode):
             )
             if dtype is not None:
                 up = [
-                    a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a
+                    self._fp32(a) if isinstance(a, torch.Tensor) and a.dtype == dtype else a
                     for a in args
                 ]
                 return func(*up, **kwargs).to(dtype)
         return func(*args, **kwargs)
+
+    @classmethod
+    def _fp32(cls, a: torch.Tensor) -> torch.Tensor:
+        """``a`` in fp32; a parameter, or a view of one, from its kept copy."""
+        base = a if a._base is None else a._base
+        if not (
+            isinstance(base, nn.Parameter)
+            and base.dtype == a.dtype
+            and base.is_contiguous()
+            and base.storage_offset() == 0
+        ):
+            return a.float()
+        kept = cls._weights.get(base)
+        if kept is None or kept[0] != base._version:
+            kept = (base._version, base.detach().float())
+            cls._weights[base] = kept
+        return kept[1].as_strided(a.size(), a.stride(), a.storage_offset())
 
 
 class _LiveBytes(TorchDispatchMode):
