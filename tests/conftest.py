@@ -125,13 +125,9 @@ def long_fit_peaks():
     :data:`LONG_FIT` at 256 and 8,192 tokens, each fit in a fresh process
     (benchmarks/long_context.py), the two at once and once per session: the
     fits cost most of a minute."""
-    import importlib.util
-    from pathlib import Path
+    from test_benchmarks import load
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context.py"
-    spec = importlib.util.spec_from_file_location("bench_long_context", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("long_context")
     seqs = (256, 8192)
     with ThreadPoolExecutor(len(seqs)) as pool:
         runs = [pool.submit(mod.peak_growth, seq, **LONG_FIT) for seq in seqs]
