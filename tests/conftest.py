@@ -5,6 +5,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 
+def _cores() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config):
     """How many test processes ``-n auto`` (the default options) starts: one
     per core, at most 4: many tests run two CPU workers or child processes of
@@ -12,7 +19,7 @@ def pytest_xdist_auto_num_workers(config):
     cores this takes the suite from 14 to under 10 minutes, overlapping one
     process's waits (child processes starting, watchdogs, injected delays)
     with the other's work."""
-    return max(1, min(4, os.cpu_count() or 1))
+    return max(1, min(4, _cores()))
 
 
 def pytest_configure(config):
@@ -23,7 +30,7 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
         return
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, _cores() // workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         import torch
