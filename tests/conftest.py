@@ -1,3 +1,4 @@
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -97,17 +98,18 @@ def stress_runs(request):
     return request.config.getoption("--stress-runs")
 
 
+def _at_once(*calls):
+    """Run zero-argument callables at once and return their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 @pytest.fixture
 def concurrently():
-    """Run zero-argument callables at once and return their results in order:
-    for calls that each wait on a child process of their own (its start-up,
-    importing torch and Lightning, is most of a short child's time)."""
-
-    def run(*calls):
-        with ThreadPoolExecutor(len(calls)) as pool:
-            return [f.result() for f in [pool.submit(c) for c in calls]]
-
-    return run
+    """:func:`_at_once`, for calls that each wait on a child process of their
+    own (its start-up, importing torch and Lightning, is most of a short
+    child's time)."""
+    return _at_once
 
 
 LONG_FIT = dict(
@@ -136,6 +138,5 @@ def long_fit_peaks():
 
     mod = load("long_context")
     seqs = (256, 8192)
-    with ThreadPoolExecutor(len(seqs)) as pool:
-        runs = [pool.submit(mod.peak_growth, seq, **LONG_FIT) for seq in seqs]
-        return dict(zip(seqs, [r.result() for r in runs], strict=True))
+    peaks = _at_once(*[functools.partial(mod.peak_growth, seq, **LONG_FIT) for seq in seqs])
+    return dict(zip(seqs, peaks, strict=True))

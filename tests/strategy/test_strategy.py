@@ -250,8 +250,13 @@ def test_checkpoint_loads_without_roundpipe_and_resume_matches(tmp_path):
     t1 = fit(first, data, sync(), devices=2, max_epochs=1)  # 4 steps: an epoch boundary
     ckpt = tmp_path / "half.ckpt"
     t1.save_checkpoint(ckpt)
-    # an ordinary Lightning user loads it without lightning_roundpipe (in a
-    # process of its own, started now: its imports overlap the resume below)
+    resumed = CausalLM("qwen3")
+    L.seed_everything(0)
+    t2 = L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=8, **QUIET)
+    t2.fit(resumed, loader(data), loader(data), ckpt_path=ckpt)
+    assert_same(params(resumed), params(straight), atol=1e-6, rtol=1e-6)
+
+    # an ordinary Lightning user loads it without lightning_roundpipe
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
         "from tests.strategy.modules import CausalLM\n"
@@ -259,22 +264,8 @@ def test_checkpoint_loads_without_roundpipe_and_resume_matches(tmp_path):
         "assert 'lightning_roundpipe' not in sys.modules\n"
         "print(sum(p.numel() for p in m.parameters()))\n"
     )
-    user = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        resumed = CausalLM("qwen3")
-        L.seed_everything(0)
-        t2 = L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=8, **QUIET)
-        t2.fit(resumed, loader(data), loader(data), ckpt_path=ckpt)
-        assert_same(params(resumed), params(straight), atol=1e-6, rtol=1e-6)
-    except BaseException:
-        user.kill()
-        user.communicate()
-        raise
-    stdout, stderr = user.communicate(timeout=300)
-    assert user.returncode == 0, stderr[-3000:]
-    assert int(stdout.strip()) == sum(p.numel() for p in first.parameters())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip()) == sum(p.numel() for p in first.parameters())
 
 
 def test_checkpoint_from_default_strategy_resumes_under_roundpipe(tmp_path):
