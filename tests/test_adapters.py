@@ -45,6 +45,8 @@ LLAMA_LIKE = dict(
     max_position_embeddings=64,
 )
 TOP2 = dict(num_experts_per_tok=2)
+SLIDE_FULL = ["sliding_attention", "full_attention"]
+GRANITE = dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5)
 # model_type -> (config class, model class, settings): tiny, 2 decoder blocks,
 # no dropout, and each family's quirk switched on so that it matters
 TINY = {
@@ -176,8 +178,212 @@ TINY = {
             **TOP2,
         ),
     ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            head_dim=4,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **TOP2,
+        ),
+    ),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(LLAMA_LIKE, clip_qkv=0.5)),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            sliding_window=4,
+            layer_types=SLIDE_FULL,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            },
+        ),
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(LLAMA_LIKE, num_experts=4, **TOP2)),
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        "FlexOlmoForCausalLM",
+        dict(LLAMA_LIKE, num_experts=4, pad_token_id=0, **TOP2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+            **TOP2,
+        ),
+    ),
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(LLAMA_LIKE, sliding_window=4, residual_dropout=0.0, embedding_dropout=0.0),
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            no_rope_layers=[1, 0],
+            layer_types=SLIDE_FULL,
+            sliding_window=4,
+            pad_token_id=0,
+        ),
+    ),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(LLAMA_LIKE, head_dim=8, pad_token_id=0)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(LLAMA_LIKE, head_dim=8, pad_token_id=0)),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            moe_intermediate_size=16,
+            use_qk_norm=True,
+            **TOP2,
+        ),
+    ),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+    "ministral": (
+        "MinistralConfig",
+        "MinistralForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, sliding_window=4, layer_types=SLIDE_FULL),
+    ),
+    "ministral3": (
+        "Ministral3Config",
+        "Ministral3ForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, sliding_window=4),
+    ),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, sliding_window=4, layer_types=SLIDE_FULL, logit_scale=0.5),
+    ),
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(LLAMA_LIKE, sliding_window=4, layer_types=SLIDE_FULL),
+    ),
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        "ExaoneMoeForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            sliding_window=4,
+            layer_types=SLIDE_FULL,
+            mlp_layer_types=["dense", "sparse"],
+            first_k_dense_replace=1,
+            num_experts=4,
+            moe_intermediate_size=16,
+            **TOP2,
+        ),
+    ),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(LLAMA_LIKE, num_local_experts=4, **TOP2, **GRANITE),
+    ),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        dict(LLAMA_LIKE, num_local_experts=4, shared_intermediate_size=16, **TOP2, **GRANITE),
+    ),
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        # no router jitter: it draws random numbers, which the default strategy draws otherwise
+        dict(LLAMA_LIKE, sliding_window=4, num_local_experts=4, router_jitter_noise=0.0, **TOP2),
+    ),
+    "seed_oss": (
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, attention_dropout=0.0, residual_dropout=0.0),
+    ),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=16,
+            moe_num_shared_experts=1,
+        ),
+    ),
+    "hunyuan_v1_dense": (
+        "HunYuanDenseV1Config",
+        "HunYuanDenseV1ForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8),
+    ),
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        "HunYuanMoEV1ForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, num_experts=4, moe_topk=2),
+    ),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", LLAMA_LIKE),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", LLAMA_LIKE),
+    "vaultgemma": (
+        "VaultGemmaConfig",
+        "VaultGemmaForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=4,
+            layer_types=SLIDE_FULL,
+            final_logit_softcapping=2.0,
+        ),
+    ),
+    "solar_open": (
+        "SolarOpenConfig",
+        "SolarOpenForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, n_routed_experts=4, moe_intermediate_size=16, **TOP2),
+    ),
 }
-MOE_AUX = ["qwen3_moe", "mixtral", "gpt_oss"]  # families whose model adds a router loss
+# Mixture-of-Experts families whose model adds no router loss
+NO_ROUTER_LOSS = [
+    "deepseek_v3",
+    "deepseek_v2",
+    "glm4_moe",
+    "exaone_moe",
+    "hunyuan_v1_moe",
+    "solar_open",
+]
+# families whose model adds a router loss
+MOE_AUX = [
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "olmoe",
+    "flex_olmo",
+    "qwen2_moe",
+    "granitemoe",
+    "granitemoeshared",
+    "phimoe",
+    "ernie4_5_moe",
+]
 
 
 def tiny(kind: str, **settings) -> nn.Module:
@@ -391,13 +597,51 @@ def test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source():
 
 
 def test_dropout_before_the_first_block_is_the_models_in_evaluation():
-    for kind, rate in (("phi", dict(embd_pdrop=0.5)), ("gpt2", dict(embd_pdrop=0.5))):
+    cases = [("phi", dict(embd_pdrop=0.5)), ("gpt2", dict(embd_pdrop=0.5))]
+    cases.append(("starcoder2", dict(embedding_dropout=0.5)))  # a rate, not a module
+    for kind, rate in cases:
         model = tiny(kind, **rate).eval()
         ids, mask, labels = lm_data(4).tensors
         with torch.no_grad():
             expected = model(input_ids=ids, attention_mask=mask, labels=labels)
             got = attached(model, lambda m=model, i=ids, a=mask: m(input_ids=i, attention_mask=a))
         torch.testing.assert_close(got.logits, expected.logits)
+
+
+def test_an_embedding_dropout_rate_drops_out_while_training_only():
+    model = tiny("starcoder2", embedding_dropout=0.5)
+    embed = CausalLMAdapter(model, "model").layers()[0]
+    ids, _, _ = lm_data(4).tensors
+    plain = model.model.embed_tokens(ids).detach()
+    torch.manual_seed(0)
+    dropped = embed(input_ids=ids)["hidden_states"].detach()
+    zeros = (dropped == 0).float().mean()
+    assert 0.35 < float(zeros) < 0.65  # the rate, and the rest scaled by 1 / (1 - rate)
+    torch.testing.assert_close(dropped[dropped != 0], 2 * plain[dropped != 0])
+    model.eval()
+    torch.testing.assert_close(embed(input_ids=ids)["hidden_states"], plain)
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "kind"),
+    [("ExaoneConfig", "llama"), ("InternLM3Config", "llama"), ("SarvamMoEConfig", "glm4_moe")],
+)
+def test_a_model_type_that_loads_a_supported_familys_class_is_that_family(config_cls, kind):
+    """Model types whose auto class is a supported family's ``*ForCausalLM``
+    run that class's code: the pipeline follows the class."""
+    config = getattr(transformers, config_cls)(
+        **{**TINY[kind][2], "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert type(model).__name__ == TINY[kind][1] and config.model_type != kind
+    assert CausalLMAdapter(model, "model").layout.family.model_types[0] == kind
+    trains_like_the_default_strategy(LM(model))
+    # a class of the same name outside transformers is not taken for it
+    subclass = type(type(model).__name__, (type(model),), {"__module__": "user_models"})
+    model.__class__ = subclass
+    with pytest.raises(ValueError, match=rf"model_type {config.model_type!r}, which RoundPipe"):
+        CausalLMAdapter(model, "model")
 
 
 @contextlib.contextmanager
@@ -563,10 +807,13 @@ def test_an_unimplemented_config_setting_is_refused_naming_it():
             dict(use_bidirectional_attention=True),
             r"config\.use_bidirectional_attention=True is not supported",
         ),
-        (
-            "deepseek_v3",
-            dict(output_router_logits=True),
-            r"config\.output_router_logits=True is not supported.*adds no router loss",
+        *(
+            (
+                kind,
+                dict(output_router_logits=True),
+                r"config\.output_router_logits=True is not supported.*adds no router loss",
+            )
+            for kind in NO_ROUTER_LOSS
         ),
         ("llama", dict(is_causal=False), r"config\.is_causal=False is not supported"),
     ]
@@ -630,6 +877,21 @@ def test_call_arguments_and_uses_the_pipeline_does_not_implement_are_refused():
     for arg in ("past_key_values", "cache"):  # either name, by keyword
         with pytest.raises(TypeError, match=f"{arg} is not supported .* without {arg}$"):
             attached(gpt2, lambda arg=arg: gpt2(ids, **{arg: object()}))
+    # a MoE model without a router loss would return the routers' logits
+    for kind in NO_ROUTER_LOSS:
+        moe = tiny(kind)
+        with pytest.raises(
+            TypeError,
+            match=r"output_router_logits=True is not supported by the RoundPipe pipeline: "
+            r"\w+ForCausalLM adds no router loss.* without output_router_logits$",
+        ):
+            attached(moe, lambda m=moe: m(input_ids=ids, output_router_logits=True))
+    # on a dense model the argument means nothing, to the model as to the pipeline
+    llama = tiny("llama").eval()
+    with torch.no_grad():
+        expected = llama(input_ids=ids, attention_mask=mask).logits
+        got = attached(llama, lambda: llama(ids, attention_mask=mask, output_router_logits=True))
+    torch.testing.assert_close(got.logits, expected)
     moe = tiny("mixtral", output_router_logits=True)
     with pytest.raises(
         ValueError,
@@ -670,7 +932,7 @@ def test_an_unknown_family_is_refused_listing_every_supported_one():
         "which RoundPipe does not support (supported: Llama (llama), Qwen2 (qwen2),"
     )
     for family in FAMILIES:
-        assert f"{family.name} ({family.model_types[0]})" in message
+        assert f"{family.name} ({'/'.join(family.model_types)})" in message
     assert "layers=" not in message  # naming it would not help
     with pytest.raises(LayerStackNotFound, match=r"^layers='lm' is a Hugging Face model with "):
         find_adapter(Holder(lm=opt()), layers="lm")

@@ -130,6 +130,58 @@ def test_a_tiled_mlp_and_its_gradients_equal_the_whole_call(dtype, tile, dim):
         torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
 
 
+class Jittered(nn.Module):
+    """An MLP that scales its input by fresh noise (Mixtral's router jitter),
+    keeping each call's noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+        self.noises: list[torch.Tensor] = []
+
+    def forward(self, x):
+        noise = torch.empty_like(x).uniform_(0.5, 1.5)  # in place, as Mixtral's
+        self.noises.append(noise.detach().clone())
+        return self.mlp(x * noise) + torch.rand_like(x)  # and a functional draw
+
+
+def test_random_numbers_a_tile_draws_are_drawn_again_by_its_recompute():
+    torch.manual_seed(0)
+    block = Jittered()
+    x = torch.randn(3, 13, 8, requires_grad=True)
+    g = torch.randn(3, 13, 8)
+    out = tiled(block, tiling.trainable(block), x, 5)
+    forward = block.noises[:]
+    assert len(forward) == 3  # tiles of 5, 5 and 3 positions
+    out.backward(g)
+    # the recompute got the forward's noise, not new draws
+    assert len(block.noises) == 6
+    for a, b in zip(block.noises[3:], forward, strict=True):
+        assert torch.equal(a, b)
+    # and so the gradients are those of the forward that ran
+    ref = copy.deepcopy(block.mlp)
+    rx = x.detach().clone().requires_grad_()
+    (ref(rx * torch.cat(forward, 1)) * g).sum().backward()
+    torch.testing.assert_close(x.grad, rx.grad)
+    for (name, p), q in zip(block.mlp.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_recompute_drawing_otherwise_than_its_forward_is_refused():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        draws = 1 if len(calls) == 1 else 2  # forward: one draw; recompute: two
+        for _ in range(draws):
+            x = x * torch.rand_like(x)
+        return x
+
+    out = tiled(fn, [], torch.ones(1, 2, 4, requires_grad=True), 2)
+    with pytest.raises(RuntimeError, match="recompute drew more random numbers than its forward"):
+        out.sum().backward()
+
+
 def test_dropout_is_seen_only_while_it_draws():
     block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
     assert draws_random(block)
@@ -284,6 +336,14 @@ def test_chunked_and_tiled_fp32_training_equals_untiled(kind, monkeypatch):
 def test_chunked_and_tiled_bf16_training_equals_untiled(kind, monkeypatch):
     count = same_training(tiny(kind), monkeypatch, "bf16-mixed", tol=dict(atol=1e-2, rtol=1.6e-2))
     tiled_as_designed(count, kind)
+
+
+@pytest.mark.parametrize("kind", ["granitemoe", "deepseek_v2", "olmo3", "phimoe"])
+def test_families_with_their_own_blocks_train_chunked_and_tiled_like_untiled(kind, monkeypatch):
+    """Granite-MoE's experts under another name, DeepSeek-V2's complex rotary
+    table, OLMo 3's rotary table per layer type, PhiMoE's sparsemixer."""
+    count = same_training(tiny(kind), monkeypatch, "32-true")
+    assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
 
 
 def lora(model: nn.Module, **settings) -> nn.Module:

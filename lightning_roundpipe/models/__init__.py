@@ -9,9 +9,9 @@ becomes engine work:
   with autograd on, ``backward`` of anything computed from them runs the
   pipelined backward (the engine re-runs the forward with the output gradient).
 * :class:`CausalLMAdapter`: Hugging Face decoder-only causal LMs of every
-  family in :data:`FAMILIES` (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma 2,
-  Gemma 3, Phi, Phi-3, GPT-2, GPT-NeoX, OLMo 2, Cohere, Granite, StableLM,
-  Falcon, Qwen3-MoE, Mixtral, GPT-OSS, DeepSeek-V3; also wrapped by PEFT).
+  family in :data:`FAMILIES` (Llama, Qwen2/3, Mistral, Gemma 1-3, Phi,
+  GPT-2, GPT-NeoX, OLMo, Cohere, Granite, Falcon, Mixtral, GPT-OSS, DeepSeek
+  and 30 more, MoE included; also wrapped by PEFT).
   Layers: the embedding stage (token embeddings, or the given
   ``inputs_embeds``, and what the family's model does before its first block),
   each decoder block (the mask the model itself builds for that layer, full or

@@ -162,6 +162,7 @@ class CausalLMAdapter(_Adapter):
                 multiplier=_scalar(target, family.embed_multiplier),
                 dropout=layout.dropout,
                 experts=self._experts,
+                dropout_rate=_scalar(layout.base, family.embed_dropout_rate) or 0.0,
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
@@ -412,6 +413,17 @@ class CausalLMAdapter(_Adapter):
                     f"{name}: {key}=True is not supported by the RoundPipe pipeline (it returns "
                     f"the loss and logits only); call the model without {key}"
                 )
+        if (
+            a.get("output_router_logits")
+            and self.layout.family.router_aux is None
+            and hasattr(self.target.config, "output_router_logits")
+        ):
+            raise TypeError(
+                f"{name}: output_router_logits=True is not supported by the RoundPipe pipeline: "
+                f"{type(self.target).__name__} adds no router loss, it would only return every "
+                "router's logits, and the pipeline returns the loss and logits; call the model "
+                "without output_router_logits"
+            )
         if labels is not None and not _keeps_all(logits_to_keep):
             raise TypeError(
                 f"{name}: logits_to_keep={logits_to_keep!r} with labels= is not supported by the "

@@ -78,6 +78,8 @@ class Family:
     embed_multiplier: str | None = None
     # dropout applied to the embeddings, the given inputs_embeds too
     embed_dropout: str | None = None
+    # the same as a rate: an attribute of the *Model (Starcoder2's embedding_dropout)
+    embed_dropout_rate: str | None = None
     mask_rule: str = FULL
     # the model gives position_ids to its mask functions, which then keep
     # packed sequences apart (False: it never detects packing); where the
@@ -113,6 +115,17 @@ class Family:
 
 
 _MOE = RouterAux()
+
+
+def _no_router_loss(cls: str) -> Setting:
+    """The refusal for a Mixture-of-Experts model that adds no router loss."""
+    return Setting(
+        "output_router_logits",
+        False,
+        f"{cls} adds no router loss, it would only return every router's logits, and the "
+        "pipeline returns the loss and logits",
+    )
+
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama",)),
@@ -214,18 +227,71 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
         mlp=None,  # its MLP returns (output, router scores)
     ),
+    Family("DeepSeek-V3", ("deepseek_v3",), refused=(_no_router_loss("DeepseekV3ForCausalLM"),)),
+    # DeepseekV2RotaryEmbedding returns one complex table, which the blocks take as it is
+    Family("DeepSeek-V2", ("deepseek_v2",), refused=(_no_router_loss("DeepseekV2ForCausalLM"),)),
+    # the families below follow the Llama layout; what differs is in the entry
+    Family("OLMo", ("olmo",)),
+    Family("OLMo 3", ("olmo3",), mask_rule=LAYER_TYPES, rotary_per_layer_type=True),
+    Family("OLMoE", ("olmoe",), router_aux=_MOE),
+    Family("FlexOlmo", ("flex_olmo",), router_aux=_MOE),
+    Family("Qwen2-MoE", ("qwen2_moe",), mask_rule=LAYER_TYPES, router_aux=_MOE),
+    # Starcoder2Model drops out its embeddings with a rate (config.embedding_dropout)
     Family(
-        "DeepSeek-V3",
-        ("deepseek_v3",),
-        refused=(
-            Setting(
-                "output_router_logits",
-                False,
-                "DeepseekV3ForCausalLM adds no router loss, it would only return every router's "
-                "logits, and the pipeline returns the loss and logits",
-            ),
-        ),
+        "Starcoder2",
+        ("starcoder2",),
+        mask_rule=SLIDING_IF_WINDOW,
+        embed_dropout_rate="embedding_dropout",
     ),
+    Family("SmolLM3", ("smollm3",), mask_rule=LAYER_TYPES),
+    Family("GLM", ("glm", "glm4")),
+    Family("GLM-4-MoE", ("glm4_moe",), refused=(_no_router_loss("Glm4MoeForCausalLM"),)),
+    Family("Helium", ("helium",)),
+    Family("Ministral", ("ministral",), mask_rule=LAYER_TYPES),
+    Family("Ministral 3", ("ministral3",), mask_rule=SLIDING_IF_WINDOW),
+    Family(
+        "Cohere 2",
+        ("cohere2",),
+        mask_rule=LAYER_TYPES,
+        slices_layers=False,
+        logit_scale="logit_scale",
+    ),
+    Family("EXAONE 4", ("exaone4",), mask_rule=LAYER_TYPES, slices_layers=False),
+    Family(
+        "EXAONE-MoE",
+        ("exaone_moe",),
+        mask_rule=LAYER_TYPES,
+        refused=(_no_router_loss("ExaoneMoeForCausalLM"),),
+    ),
+    Family(
+        "Granite-MoE",
+        ("granitemoe", "granitemoeshared"),
+        embed_multiplier="model.embedding_multiplier",
+        logit_divisor="config.logits_scaling",
+        router_aux=_MOE,
+        mlp="block_sparse_moe",  # (GraniteMoeShared's shared_mlp beside it runs whole)
+    ),
+    Family("PhiMoE", ("phimoe",), mask_rule=SLIDING_IF_WINDOW, router_aux=_MOE),
+    Family("Seed-OSS", ("seed_oss",)),
+    Family("ERNIE 4.5", ("ernie4_5",)),
+    Family("ERNIE 4.5 MoE", ("ernie4_5_moe",), router_aux=_MOE),
+    Family("Hunyuan", ("hunyuan_v1_dense",)),
+    Family(
+        "Hunyuan-MoE",
+        ("hunyuan_v1_moe",),
+        refused=(_no_router_loss("HunYuanMoEV1ForCausalLM"),),
+    ),
+    Family("Apertus", ("apertus",)),
+    Family("Arcee", ("arcee",)),
+    Family("Nemotron", ("nemotron",), slices_layers=False),
+    Family("BitNet", ("bitnet",)),
+    Family(
+        "VaultGemma",
+        ("vaultgemma",),
+        mask_rule=LAYER_TYPES,
+        logit_softcap="config.final_logit_softcapping",
+    ),
+    Family("Solar Open", ("solar_open",), refused=(_no_router_loss("SolarOpenForCausalLM"),)),
 )
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -249,7 +249,9 @@ class _Embed(nn.Module):
     """The token embeddings (or the given ``inputs_embeds``: exactly one of
     them, the model's own rule), then what the family's ``*Model`` does before
     its first block, in its order: an embedding multiplier, learned absolute
-    positions, dropout. With ``router=True`` the router statistics start at zero."""
+    positions, dropout (a module, or a rate applied in the embedding's
+    train/eval mode, which is the model's). With ``router=True`` the router
+    statistics start at zero."""
 
     def __init__(
         self,
@@ -258,12 +260,14 @@ class _Embed(nn.Module):
         multiplier: float | None = None,
         dropout: nn.Module | None = None,
         experts: int = 0,
+        dropout_rate: float = 0.0,
     ) -> None:
         super().__init__()
         self.embed = embed
         self.positions = positions
         self.multiplier = multiplier
         self.dropout = dropout
+        self.dropout_rate = dropout_rate
         self.experts = experts
 
     def forward(
@@ -285,6 +289,8 @@ class _Embed(nn.Module):
             h = h + self.positions(position_ids).to(h.device)
         if self.dropout is not None:
             h = self.dropout(h)
+        if self.dropout_rate:
+            h = nn.functional.dropout(h, self.dropout_rate, training=self.embed.training)
         stats: dict[str, torch.Tensor] = {}
         if router:
             stats = {

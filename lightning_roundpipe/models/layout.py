@@ -132,10 +132,41 @@ def _model_type(module: nn.Module) -> Any:
     return getattr(getattr(module, "config", None), "model_type", None)
 
 
+@functools.cache
+def _families_by_class() -> dict[str, Family]:
+    """``*ForCausalLM`` class name -> family, from transformers' causal-LM
+    auto mapping (model types such as ``exaone`` or ``internlm3`` load a
+    supported family's classes under their own name); empty without
+    transformers."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return {}
+    out: dict[str, Family] = {}
+    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        family = family_for(model_type)
+        if family is None:
+            continue
+        for name in (names,) if isinstance(names, str) else names:
+            out.setdefault(name, family)
+    return out
+
+
+def _family_of(module: nn.Module) -> Family | None:
+    """The family of a causal LM: by ``config.model_type``, else, for a
+    transformers class under another model type, by the class (what runs is
+    the class's code)."""
+    family = family_for(_model_type(module))
+    cls = type(module)
+    if family is None and cls.__module__.startswith("transformers.models."):
+        family = _families_by_class().get(cls.__name__)
+    return family
+
+
 def layout_of(module: nn.Module) -> Layout | None:
     """The module's layout when it is a causal LM of a supported family laid
     out as its entry says; else None (:func:`layout_problem` says why)."""
-    family = family_for(_model_type(module))
+    family = _family_of(module)
     if family is None or any(_child(module, p) is None for p in family.module_paths()):
         return None
     base = _child(module, family.base)
@@ -161,7 +192,7 @@ def layout_problem(module: nn.Module) -> str | None:
     model_type = _model_type(module)
     if not isinstance(model_type, str) or layout_of(module) is not None:
         return None
-    family = family_for(model_type)
+    family = _family_of(module)
     cls = type(module).__name__
     if family is None:
         return (

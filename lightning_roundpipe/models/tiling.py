@@ -21,8 +21,11 @@ at a time with the same result:
 
 Torch has no sequence-tiled autograd primitive (``torch.utils.checkpoint``
 recomputes a whole call at once), hence these two small autograd functions.
-Modules that draw random numbers while training (dropout) are never tiled: a
-recompute in backward would draw different ones (:func:`draws_random`).
+Dropout modules are never tiled while they draw (:func:`draws_random`), so a
+tiled run keeps the untiled run's dropout masks. Other random numbers drawn
+inside a tile (the router jitter of Mixtral's and PhiMoE's expert blocks) are
+recorded in forward and handed back to the tile's recompute in backward
+(:class:`_RandomTape`), so the gradient is that of the forward that ran.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["ChunkedLogits", "draws_random", "shifted", "tiled", "trainable", "watching_tiles"]
 
@@ -228,6 +232,50 @@ def tiled(
     return _Tiled.apply(fn, tile, dim, len(xs), *xs, *params)
 
 
+class _RandomTape(TorchDispatchMode):
+    """Inside it, random ops (``nondeterministic_seeded``) are recorded in
+    order, their results copied (``recording``), or are not run and hand
+    back what a recording holds (replay). What a tile of :func:`tiled`
+    draws in forward is so drawn again by its recompute in backward, from
+    whichever generator the forward drew them (the worker's seeded one), at
+    the memory of the values drawn. Torch's checkpoint instead restores the
+    default generators' states, which the workers' seeded draws do not use."""
+
+    def __init__(self, recording: list[tuple[bool, Any]] | None = None) -> None:
+        super().__init__()
+        self.replay = recording is not None
+        self.tape: list[tuple[bool, Any]] = list(recording) if recording is not None else []
+        self.used = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        if not self.replay:
+            out = func(*args, **kwargs)
+            inplace = bool(args) and out is args[0]
+            self.tape.append((inplace, _copied(out)))
+            return out
+        if self.used == len(self.tape):
+            raise RuntimeError(
+                f"a tiled module's recompute drew more random numbers than its forward "
+                f"({func}); its random draws must not depend on the values it computes"
+            )
+        inplace, value = self.tape[self.used]
+        self.used += 1
+        if inplace:
+            return args[0].copy_(value)
+        return _copied(value)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
 class _Tiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tile, dim, n, *tensors):
@@ -235,7 +283,12 @@ class _Tiled(torch.autograd.Function):
         ctx.dtypes = [p.dtype for p in tensors[n:]]
         ctx.save_for_backward(*tensors)
         pieces = zip(*(x.split(tile, dim) for x in tensors[:n]), strict=True)
-        return torch.cat([fn(*(p.contiguous() for p in piece)) for piece in pieces], dim)
+        outs, ctx.draws = [], []
+        for piece in pieces:
+            with _RandomTape() as tape:
+                outs.append(fn(*(p.contiguous() for p in piece)))
+            ctx.draws.append(tape.tape or None)
+        return torch.cat(outs, dim)
 
     @staticmethod
     def backward(ctx, g):
@@ -250,8 +303,12 @@ class _Tiled(torch.autograd.Function):
             for p, w in zip(params, want_p, strict=True)
         ]
         start = 0
-        for *pieces, gpiece in zip(
-            *(x.split(ctx.tile, ctx.dim) for x in xs), g.split(ctx.tile, ctx.dim), strict=True
+        draws, ctx.draws = ctx.draws, None
+        for *pieces, gpiece, drawn in zip(
+            *(x.split(ctx.tile, ctx.dim) for x in xs),
+            g.split(ctx.tile, ctx.dim),
+            draws,
+            strict=True,
         ):
             with _one_tile():
                 with torch.enable_grad():
@@ -259,7 +316,17 @@ class _Tiled(torch.autograd.Function):
                         p.detach().contiguous().requires_grad_(w)
                         for p, w in zip(pieces, want_x, strict=True)
                     ]
-                    out = ctx.fn(*ins)
+                    if drawn is None:
+                        out = ctx.fn(*ins)
+                    else:
+                        with _RandomTape(drawn) as replay:
+                            out = ctx.fn(*ins)
+                        if replay.used != len(drawn):
+                            raise RuntimeError(
+                                "a tiled module's recompute drew fewer random numbers than its "
+                                "forward; its random draws must not depend on the values it "
+                                "computes"
+                            )
                     wanted = [i for i, w in zip(ins, want_x, strict=True) if w] + chosen
                     found = list(torch.autograd.grad(out, wanted, gpiece))
                 del ins, out
