@@ -46,6 +46,18 @@ LLAMA_LIKE = dict(
 )
 TOP2 = dict(num_experts_per_tok=2)
 SLIDE_FULL = ["sliding_attention", "full_attention"]
+# Gated DeltaNet blocks, then attention
+HYBRID = dict(
+    head_dim=8,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+HYBRID_MOE = dict(
+    num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
+)
 GRANITE = dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5)
 # model_type -> (config class, model class, settings): tiny, 2 decoder blocks,
 # no dropout, and each family's quirk switched on so that it matters
@@ -356,6 +368,33 @@ TINY = {
             final_logit_softcapping=2.0,
         ),
     ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            layer_types=["chunked_attention", "full_attention"],
+            attention_chunk_size=4,
+            no_rope_layers=[1, 0],  # block 1: no rotary, attention temperature tuning
+            floor_scale=4,
+            intermediate_size=16,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            moe_layers=[1],  # block 0 dense, block 1 MoE with a shared expert
+        ),
+    ),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(LLAMA_LIKE, **HYBRID)),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(LLAMA_LIKE, **HYBRID, **HYBRID_MOE),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(LLAMA_LIKE, **HYBRID, **HYBRID_MOE),
+    ),
     "solar_open": (
         "SolarOpenConfig",
         "SolarOpenForCausalLM",
@@ -370,6 +409,7 @@ NO_ROUTER_LOSS = [
     "exaone_moe",
     "hunyuan_v1_moe",
     "solar_open",
+    "llama4_text",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -383,6 +423,8 @@ MOE_AUX = [
     "granitemoeshared",
     "phimoe",
     "ernie4_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
 ]
 
 
@@ -512,15 +554,22 @@ def test_each_decoder_gets_the_models_mask_type():
     assert kinds(tiny("llama", sliding_window=4)) == [full, full]  # LlamaModel never slides
     assert kinds(tiny("gemma3_text")) == [sliding, full]
     assert kinds(tiny("gpt_oss")) == [sliding, full]
+    assert kinds(tiny("llama4_text")) == ["chunked_attention", full]
+    model = tiny("llama4_text")
+    assert [b.is_moe_layer for b in model.model.layers] == [False, True]
+    assert [b.self_attn.use_rope for b in model.model.layers] == [True, False]
     assert kinds(tiny("phi3", sliding_window=None)) == [full, full]
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "falcon", "gpt_oss", "gemma3_text", "phi3"])
+@pytest.mark.parametrize(
+    "kind", ["gpt2", "falcon", "gpt_oss", "gemma3_text", "phi3", "qwen3_5_text"]
+)
 def test_packed_positions_are_treated_as_the_model_treats_them(kind):
     """Positions that restart: GPT-2 and Phi-3 keep the sequences apart (their
     masks get the positions), GPT-OSS only uses them for rotary, and Falcon
     did too before transformers 5.2x (the adapter reads which from the model's
-    source: ``test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source``)."""
+    source: ``test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source``);
+    Qwen3.5 keeps them apart in its attention blocks, not in its linear-attention ones."""
     model = tiny(kind)
     ref = copy.deepcopy(model)
     ids, _, _ = lm_data(4).tensors

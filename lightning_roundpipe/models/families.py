@@ -25,8 +25,10 @@ FULL = "full"  # one causal mask for every layer (LlamaModel)
 SLIDING_IF_WINDOW = "sliding_if_window"  # every layer sliding when config.sliding_window is set
 LAYER_TYPES = "layer_types"  # the mask named by config.layer_types[i]
 MASK_RULES = (FULL, SLIDING_IF_WINDOW, LAYER_TYPES)
-# the attention types those models build masks for (their causal_mask_mapping keys)
+# the attention types most models build masks for (their causal_mask_mapping keys)
 LAYER_KINDS = ("full_attention", "sliding_attention")
+# a linear-attention block gets the 2-D padding mask (create_recurrent_attention_mask)
+HYBRID_KINDS = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class Family:
     # the same as a rate: an attribute of the *Model (Starcoder2's embedding_dropout)
     embed_dropout_rate: str | None = None
     mask_rule: str = FULL
+    # the attention types its *Model builds masks for (LAYER_TYPES)
+    layer_kinds: tuple[str, ...] = LAYER_KINDS
     # the model gives position_ids to its mask functions, which then keep
     # packed sequences apart (False: it never detects packing); where the
     # model's forward can be read, what it does decides (Layout.packs_sequences)
@@ -290,6 +294,37 @@ FAMILIES: tuple[Family, ...] = (
         ("vaultgemma",),
         mask_rule=LAYER_TYPES,
         logit_softcap="config.final_logit_softcapping",
+    ),
+    # Llama4TextMoe returns (output, router logits): its feed_forward is never tiled
+    Family(
+        "Llama 4",
+        ("llama4_text",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=("full_attention", "chunked_attention"),
+        mlp=None,
+        refused=(_no_router_loss("Llama4ForCausalLM"),),
+    ),
+    # hybrids: Gated DeltaNet (linear attention) blocks between attention blocks;
+    # the rotary module takes the text positions for all its (multimodal) axes
+    Family(
+        "Qwen3.5",
+        ("qwen3_5_text",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+    ),
+    Family(
+        "Qwen3.5-MoE",
+        ("qwen3_5_moe_text",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        router_aux=_MOE,
+    ),
+    Family(
+        "Qwen3-Next",
+        ("qwen3_next",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        router_aux=_MOE,
     ),
     Family("Solar Open", ("solar_open",), refused=(_no_router_loss("SolarOpenForCausalLM"),)),
 )

@@ -34,6 +34,7 @@ __all__ = ["balance_loss", "is_packed"]
 _MASK_FUNCTIONS = {
     "full_attention": "create_causal_mask",
     "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask",
 }
 # the running router statistics carried from stage to stage
 ROUTER_KEYS = ("router_counts", "router_probs", "router_tokens")
@@ -396,6 +397,10 @@ class _Decoder(nn.Module):
         are kept apart from ``position_ids``."""
         from transformers import masking_utils
 
+        if self.kind == "linear_attention":
+            # create_recurrent_attention_mask's result, without its device check
+            # for an all-ones mask (a mask is given only with padding)
+            return None if attention_mask is None else attention_mask.contiguous()
         make = getattr(masking_utils, _MASK_FUNCTIONS[self.kind])
         kwargs: dict[str, Any] = {}
         if attention_mask is not None or self.always_mask:

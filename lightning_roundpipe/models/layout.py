@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .families import LAYER_KINDS, LAYER_TYPES, SLIDING_IF_WINDOW, Family, Setting, family_for
+from .families import LAYER_TYPES, SLIDING_IF_WINDOW, Family, Setting, family_for
 from .families import supported_families as _supported
 
 __all__ = ["Layout", "check_config", "layout_of", "layout_problem"]
@@ -281,11 +281,11 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
                 "give one attention type per layer"
             )
         for i, kind in enumerate(types[:n]):
-            if kind not in LAYER_KINDS:
+            if kind not in family.layer_kinds:
                 raise ValueError(
                     f"{name}: config.layer_types[{i}]={kind!r} is not supported by the RoundPipe "
                     f"pipeline: {type(layout.base).__name__} builds "
-                    f"{' and '.join(map(repr, LAYER_KINDS))} masks only; use one of those "
+                    f"{' and '.join(map(repr, family.layer_kinds))} masks only; use one of those "
                     "layer types"
                 )
     for key in ("output_attentions", "output_hidden_states"):
