@@ -273,6 +273,30 @@ TINY = {
             **TOP2,
         ),
     ),
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            pad_token_id=0,
+            **TOP2,
+        ),
+    ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, **TOP2),
+    ),
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
     "ministral": (
         "MinistralConfig",
@@ -410,6 +434,7 @@ NO_ROUTER_LOSS = [
     "hunyuan_v1_moe",
     "solar_open",
     "llama4_text",
+    "glm4_moe_lite",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -425,6 +450,7 @@ MOE_AUX = [
     "ernie4_5_moe",
     "qwen3_5_moe_text",
     "qwen3_next",
+    "minimax_m2",
 ]
 
 

@@ -11,7 +11,7 @@ becomes engine work:
 * :class:`CausalLMAdapter`: Hugging Face decoder-only causal LMs of every
   family in :data:`FAMILIES` (Llama, Qwen2/3, Mistral, Gemma 1-3, Phi,
   GPT-2, GPT-NeoX, OLMo, Cohere, Granite, Falcon, Mixtral, GPT-OSS, DeepSeek
-  and 34 more, MoE and linear-attention hybrids included; also wrapped by PEFT).
+  and 36 more, MoE and linear-attention hybrids included; also wrapped by PEFT).
   Layers: the embedding stage (token embeddings, or the given
   ``inputs_embeds``, and what the family's model does before its first block),
   each decoder block (the mask the model itself builds for that layer, full or

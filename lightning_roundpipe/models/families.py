@@ -250,6 +250,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("SmolLM3", ("smollm3",), mask_rule=LAYER_TYPES),
     Family("GLM", ("glm", "glm4")),
     Family("GLM-4-MoE", ("glm4_moe",), refused=(_no_router_loss("Glm4MoeForCausalLM"),)),
+    Family(
+        "GLM-4-MoE-Lite",
+        ("glm4_moe_lite",),
+        refused=(_no_router_loss("Glm4MoeLiteForCausalLM"),),
+    ),
     Family("Helium", ("helium",)),
     Family("Ministral", ("ministral",), mask_rule=LAYER_TYPES),
     Family("Ministral 3", ("ministral3",), mask_rule=SLIDING_IF_WINDOW),
@@ -275,6 +280,7 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
         mlp="block_sparse_moe",  # (GraniteMoeShared's shared_mlp beside it runs whole)
     ),
+    Family("MiniMax-M2", ("minimax_m2",), router_aux=_MOE),
     Family("PhiMoE", ("phimoe",), mask_rule=SLIDING_IF_WINDOW, router_aux=_MOE),
     Family("Seed-OSS", ("seed_oss",)),
     Family("ERNIE 4.5", ("ernie4_5",)),
