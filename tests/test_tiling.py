@@ -346,6 +346,23 @@ def test_families_with_their_own_blocks_train_chunked_and_tiled_like_untiled(kin
     assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
 
 
+def test_a_tiled_block_drawing_random_numbers_trains_reproducibly(monkeypatch):
+    """PhiMoE's sparsemixer draws random numbers while training: its tiles
+    replay them in their recompute (inside the workers' seeded random
+    streams), and two runs give the same losses and weights."""
+    model = tiny("phimoe", router_jitter_noise=0.01)
+    runs = []
+    for _ in range(2):
+        count = Counting(monkeypatch)
+        mod = LM(copy.deepcopy(model))
+        fit(mod, SMALL)
+        assert count.tiled >= 3 * 2 * 2
+        runs.append(mod)
+    torch.testing.assert_close(torch.stack(runs[0].losses), torch.stack(runs[1].losses))
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def lora(model: nn.Module, **settings) -> nn.Module:
     peft = pytest.importorskip("peft")
     settings.setdefault("target_modules", "all-linear")
