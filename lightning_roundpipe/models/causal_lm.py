@@ -407,6 +407,20 @@ class CausalLMAdapter(_Adapter):
                 f"{shape}; the pipeline builds each layer's mask itself, so prepared masks are "
                 "not supported"
             )
+        positions = a.get("position_ids")
+        if positions is not None and (
+            not isinstance(positions, torch.Tensor) or positions.dim() != 2
+        ):
+            shape = (
+                tuple(positions.shape)
+                if isinstance(positions, torch.Tensor)
+                else type(positions).__name__
+            )
+            raise TypeError(
+                f"{name}: position_ids must be a 2-D (batch or 1, sequence) tensor, got {shape}; "
+                "the pipeline splits them with the batch (multimodal rotary positions, one row "
+                "per axis, are not supported): pass the text positions"
+            )
         for key in ("output_attentions", "output_hidden_states"):
             if a.get(key):
                 raise TypeError(
