@@ -588,14 +588,15 @@ def test_each_decoder_gets_the_models_mask_type():
 
 
 @pytest.mark.parametrize(
-    "kind", ["gpt2", "falcon", "gpt_oss", "gemma3_text", "phi3", "qwen3_5_text"]
+    "kind", ["gpt2", "falcon", "gpt_oss", "gemma3_text", "phi3", "qwen3_5_text", "llama4_text"]
 )
 def test_packed_positions_are_treated_as_the_model_treats_them(kind):
     """Positions that restart: GPT-2 and Phi-3 keep the sequences apart (their
     masks get the positions), GPT-OSS only uses them for rotary, and Falcon
     did too before transformers 5.2x (the adapter reads which from the model's
     source: ``test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source``);
-    Qwen3.5 keeps them apart in its attention blocks, not in its linear-attention ones."""
+    Qwen3.5 keeps them apart in its attention blocks, not in its linear-attention
+    ones; Llama 4 counts its attention chunks from each sequence's own positions."""
     model = tiny(kind)
     ref = copy.deepcopy(model)
     ids, _, _ = lm_data(4).tensors
@@ -669,6 +670,16 @@ def test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source():
     assert _masks_get_positions(transformers.GptOssModel) is False
     for name in ("LlamaModel", "GPT2Model", "MistralModel", "Qwen3MoeModel", "Gemma3TextModel"):
         assert _masks_get_positions(getattr(transformers, name)) is True, name
+
+
+def test_one_dimensional_positions_are_one_row_for_the_whole_batch():
+    model = tiny("gpt2").eval()  # GPT-2 takes (sequence) positions
+    ids, _, _ = lm_data(4).tensors
+    positions = torch.arange(SEQ) + 3
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=positions).logits
+        got = attached(model, lambda: model(input_ids=ids, position_ids=positions))
+    torch.testing.assert_close(got.logits, expected)
 
 
 def test_dropout_before_the_first_block_is_the_models_in_evaluation():

@@ -179,7 +179,8 @@ def test_call_arguments_the_pipeline_does_not_implement_are_refused():
     check(
         {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(3, 4, SEQ)},
         TypeError,
-        r"position_ids must be a 2-D \(batch or 1, sequence\) tensor, got \(3, 4, 12\)",
+        r"position_ids must be a \(sequence\) or \(batch or 1, sequence\) tensor, "
+        r"got \(3, 4, 12\)",
     )
     check(
         {"input_ids": ids, "labels": ids, "logits_to_keep": 1},

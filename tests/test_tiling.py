@@ -178,8 +178,67 @@ def test_a_recompute_drawing_otherwise_than_its_forward_is_refused():
         return x
 
     out = tiled(fn, [], torch.ones(1, 2, 4, requires_grad=True), 2)
-    with pytest.raises(RuntimeError, match="recompute drew more random numbers than its forward"):
+    with pytest.raises(RuntimeError, match="recompute drew other random numbers than its forward"):
         out.sum().backward()
+
+
+def replays_exactly(fn, derivative, x: torch.Tensor, tile: int = 3) -> None:
+    """``tiled(fn)``'s input gradient is ``derivative(x, out)`` (computed from
+    the output the forward drew): the recompute got every draw back, whatever
+    argument the op wrote, and again from a retained graph."""
+    torch.manual_seed(0)
+    x = x.detach().requires_grad_()
+    out = tiled(fn, [], x, tile)
+    g = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+    (again,) = torch.autograd.grad(out, x, g)
+    torch.testing.assert_close(again, gx)
+    torch.testing.assert_close(gx, g * derivative(x.detach(), out.detach()))
+
+
+def test_draws_written_into_an_out_argument_or_another_argument_are_replayed():
+    def into_out(x):  # bernoulli.out: the draw lands in a given tensor
+        mask = torch.empty_like(x)
+        torch.bernoulli(torch.full_like(x, 0.5), out=mask)
+        return x * (mask + 0.5)
+
+    def rrelu(x):  # rrelu_with_noise writes its noise argument, which backward reads
+        return -nn.functional.rrelu(-(x * x + 1), training=True)  # a * (x^2 + 1)
+
+    x = torch.randn(2, 7, 4)
+    replays_exactly(into_out, lambda x, out: out / x, x)
+    replays_exactly(rrelu, lambda x, out: 2 * x * out / (x * x + 1), x)
+
+
+def test_nothing_is_recorded_where_no_backward_follows(monkeypatch):
+    tapes = []
+
+    class Counted(tiling._RandomTape):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            tapes.append(self)
+
+    monkeypatch.setattr(tiling, "_RandomTape", Counted)
+
+    def fn(x):
+        return x * torch.rand_like(x)
+
+    with torch.no_grad():  # a forward stage: no recompute will follow
+        tiled(fn, [], torch.ones(1, 4, 2), 2)
+    assert tapes == []
+    tiled(fn, [], torch.ones(1, 4, 2, requires_grad=True), 2).sum().backward()
+    assert len(tapes) == 4  # two tiles recorded, two replayed
+
+
+def test_a_module_with_a_dropout_rate_draws_random_numbers_while_training():
+    class Rated(nn.Module):  # F.dropout(x, p=self.residual_dropout), as Seed-OSS's MLP
+        def __init__(self, rate):
+            super().__init__()
+            self.residual_dropout = rate
+
+    assert draws_random(Rated(0.1)) and not draws_random(Rated(0.0))
+    assert not draws_random(Rated(0.1).eval())
+    assert not draws_random(nn.Sequential(Rated(0.0), nn.Dropout(0.0)))
 
 
 def test_dropout_is_seen_only_while_it_draws():
@@ -487,6 +546,13 @@ def test_dropout_and_tuple_mlps_are_never_tiled(monkeypatch):
     count.chunked = 0
     fit(LM(tiny("gpt2")), SMALL)  # (and is tiled without it)
     assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
+
+
+def test_an_mlp_with_a_dropout_rate_is_not_tiled_and_trains_like_untiled(monkeypatch):
+    """Seed-OSS's MLP drops out its output with F.dropout and a rate: untiled,
+    so its masks are the untiled run's."""
+    count = same_training(tiny("seed_oss", residual_dropout=0.1), monkeypatch, "32-true")
+    assert count.tiled == 0 and count.norms > 0
 
 
 def test_tiled_norms_beside_dropout_train_like_untiled(monkeypatch):

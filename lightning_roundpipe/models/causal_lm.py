@@ -409,7 +409,7 @@ class CausalLMAdapter(_Adapter):
             )
         positions = a.get("position_ids")
         if positions is not None and (
-            not isinstance(positions, torch.Tensor) or positions.dim() != 2
+            not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2)
         ):
             shape = (
                 tuple(positions.shape)
@@ -417,7 +417,8 @@ class CausalLMAdapter(_Adapter):
                 else type(positions).__name__
             )
             raise TypeError(
-                f"{name}: position_ids must be a 2-D (batch or 1, sequence) tensor, got {shape}; "
+                f"{name}: position_ids must be a (sequence) or (batch or 1, sequence) tensor, got "
+                f"{shape}; "
                 "the pipeline splits them with the batch (multimodal rotary positions, one row "
                 "per axis, are not supported): pass the text positions"
             )
@@ -486,6 +487,8 @@ class CausalLMAdapter(_Adapter):
         if attention_mask is not None and not bool(attention_mask.all()):
             inputs["attention_mask"] = attention_mask
         if position_ids is not None:
+            if position_ids.dim() == 1:
+                position_ids = position_ids.unsqueeze(0)
             if position_ids.shape[0] != batch.shape[0]:
                 position_ids = position_ids.expand(batch.shape[0], -1)
             inputs["position_ids"] = position_ids

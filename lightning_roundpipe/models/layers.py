@@ -410,6 +410,18 @@ class _Decoder(nn.Module):
             kwargs["and_mask_function"] = masking_utils.packed_sequence_mask_function(
                 _packed_ids(ids)
             )
+            if self.kind == "chunked_attention":
+                # the model counts chunks from each packed sequence's own
+                # positions (it remaps the chunked mask to them): a causal mask
+                # with that overlay is the same mask
+                start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+                chunks = masking_utils.remap_positions_for_packed_sequence(
+                    masking_utils.chunked_overlay(self.config.attention_chunk_size, start), ids
+                )
+                kwargs["and_mask_function"] = masking_utils.and_masks(
+                    kwargs["and_mask_function"], chunks
+                )
+                make = masking_utils.create_causal_mask
         return make(
             config=self.config,
             inputs_embeds=hidden_states,

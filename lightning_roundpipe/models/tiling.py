@@ -21,8 +21,9 @@ at a time with the same result:
 
 Torch has no sequence-tiled autograd primitive (``torch.utils.checkpoint``
 recomputes a whole call at once), hence these two small autograd functions.
-Dropout modules are never tiled while they draw (:func:`draws_random`), so a
-tiled run keeps the untiled run's dropout masks. Other random numbers drawn
+Dropout (a module, or a dropout rate a module gives ``F.dropout``) is never
+tiled while it draws (:func:`draws_random`), so a tiled run keeps the untiled
+run's dropout masks. Other random numbers drawn
 inside a tile (the router jitter of Mixtral's and PhiMoE's expert blocks) are
 recorded in forward and handed back to the tile's recompute in backward
 (:class:`_RandomTape`), so the gradient is that of the forward that ran.
@@ -84,9 +85,22 @@ _DROPOUTS = (
 
 
 def draws_random(module: nn.Module) -> bool:
-    """Whether ``module`` would draw random numbers in its current mode
-    (an active dropout): such a module cannot be recomputed tile by tile."""
-    return any(m.training and isinstance(m, _DROPOUTS) and m.p > 0 for m in module.modules())
+    """Whether ``module`` would draw dropout masks in its current mode: an
+    active dropout module, or a module in training with a positive float
+    ``*dropout*`` attribute (a rate its forward gives ``F.dropout``, as
+    Seed-OSS's and Starcoder2's MLPs do). Tiled, it would draw other masks
+    than untiled (the tiles' recompute replays them: :class:`_RandomTape`)."""
+    for m in module.modules():
+        if not m.training:
+            continue
+        if isinstance(m, _DROPOUTS):
+            if m.p > 0:
+                return True
+            continue
+        for name, value in vars(m).items():
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                return True
+    return False
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -229,43 +243,70 @@ def tiled(
     one tile of each). ``fn`` must return a tensor and draw no random numbers
     (:func:`draws_random`)."""
     xs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
-    return _Tiled.apply(fn, tile, dim, len(xs), *xs, *params)
+    # random draws are recorded only where a backward may recompute the tiles
+    return _Tiled.apply(fn, tile, dim, len(xs), torch.is_grad_enabled(), *xs, *params)
 
 
 class _RandomTape(TorchDispatchMode):
     """Inside it, random ops (``nondeterministic_seeded``) are recorded in
-    order, their results copied (``recording``), or are not run and hand
-    back what a recording holds (replay). What a tile of :func:`tiled`
-    draws in forward is so drawn again by its recompute in backward, from
-    whichever generator the forward drew them (the worker's seeded one), at
-    the memory of the values drawn. Torch's checkpoint instead restores the
-    default generators' states, which the workers' seeded draws do not use."""
+    order with copies of what they return and of the arguments they write
+    (``recording``), or are not run and hand back what a recording holds
+    (replay). What a tile of :func:`tiled` draws in forward is so drawn again
+    by its recompute in backward, from whichever generator the forward drew
+    them (the worker's seeded one), at the memory of the values drawn.
+    Torch's checkpoint instead restores the default generators' states,
+    which the workers' seeded draws do not use."""
 
-    def __init__(self, recording: list[tuple[bool, Any]] | None = None) -> None:
+    supports_higher_order_operators = True  # (passed through: only aten ops draw)
+
+    def __init__(self, recording: list[tuple[Any, ...]] | None = None) -> None:
         super().__init__()
         self.replay = recording is not None
-        self.tape: list[tuple[bool, Any]] = list(recording) if recording is not None else []
+        self.tape: list[tuple[Any, ...]] = list(recording) if recording is not None else []
         self.used = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags:
+        if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
             return func(*args, **kwargs)
+        written = _written(func, args, kwargs)
         if not self.replay:
             out = func(*args, **kwargs)
-            inplace = bool(args) and out is args[0]
-            self.tape.append((inplace, _copied(out)))
+            aliased = bool(written) and _aliases_first(func)  # (then kept once)
+            kept = None if aliased else _copied(out)
+            self.tape.append((func, kept, [_copied(w) for w in written]))
             return out
-        if self.used == len(self.tape):
+        if self.used == len(self.tape) or self.tape[self.used][0] != func:
             raise RuntimeError(
-                f"a tiled module's recompute drew more random numbers than its forward "
+                f"a tiled module's recompute drew other random numbers than its forward "
                 f"({func}); its random draws must not depend on the values it computes"
             )
-        inplace, value = self.tape[self.used]
+        _, out, values = self.tape[self.used]
         self.used += 1
-        if inplace:
-            return args[0].copy_(value)
-        return _copied(value)
+        for target, value in zip(written, values, strict=True):
+            target.copy_(value)
+        if written and _aliases_first(func):
+            return written[0]
+        return _copied(out)
+
+
+def _written(func: Any, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments an aten op writes (``self`` of ``uniform_``, the
+    ``out=`` of ``bernoulli.out``, the ``noise`` of ``rrelu_with_noise``)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+def _aliases_first(func: Any) -> bool:
+    """Whether the op returns (an alias of) the first argument it writes."""
+    returns = func._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None
 
 
 def _copied(value: Any) -> Any:
@@ -278,16 +319,16 @@ def _copied(value: Any) -> Any:
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tile, dim, n, *tensors):
+    def forward(ctx, fn, tile, dim, n, record, *tensors):
         ctx.fn, ctx.tile, ctx.dim, ctx.n = fn, tile, dim, n
         ctx.dtypes = [p.dtype for p in tensors[n:]]
         ctx.save_for_backward(*tensors)
         pieces = zip(*(x.split(tile, dim) for x in tensors[:n]), strict=True)
         outs, ctx.draws = [], []
         for piece in pieces:
-            with _RandomTape() as tape:
+            with _RandomTape() if record else contextlib.nullcontext() as tape:
                 outs.append(fn(*(p.contiguous() for p in piece)))
-            ctx.draws.append(tape.tape or None)
+            ctx.draws.append(tape.tape if tape is not None and tape.tape else None)
         return torch.cat(outs, dim)
 
     @staticmethod
@@ -295,7 +336,7 @@ class _Tiled(torch.autograd.Function):
         n = ctx.n
         saved = ctx.saved_tensors
         xs, params = saved[:n], saved[n:]
-        want_x, want_p = ctx.needs_input_grad[4 : 4 + n], ctx.needs_input_grad[4 + n :]
+        want_x, want_p = ctx.needs_input_grad[5 : 5 + n], ctx.needs_input_grad[5 + n :]
         chosen = [p for p, w in zip(params, want_p, strict=True) if w]
         gx = [torch.empty_like(x) if w else None for x, w in zip(xs, want_x, strict=True)]
         gp = [
@@ -303,7 +344,7 @@ class _Tiled(torch.autograd.Function):
             for p, w in zip(params, want_p, strict=True)
         ]
         start = 0
-        draws, ctx.draws = ctx.draws, None
+        draws = ctx.draws  # (kept: a retained graph may be differentiated again)
         for *pieces, gpiece, drawn in zip(
             *(x.split(ctx.tile, ctx.dim) for x in xs),
             g.split(ctx.tile, ctx.dim),
@@ -323,9 +364,9 @@ class _Tiled(torch.autograd.Function):
                             out = ctx.fn(*ins)
                         if replay.used != len(drawn):
                             raise RuntimeError(
-                                "a tiled module's recompute drew fewer random numbers than its "
-                                "forward; its random draws must not depend on the values it "
-                                "computes"
+                                "a tiled module's recompute drew other random numbers than its "
+                                "forward (fewer); its random draws must not depend on the values "
+                                "it computes"
                             )
                     wanted = [i for i, w in zip(ins, want_x, strict=True) if w] + chosen
                     found = list(torch.autograd.grad(out, wanted, gpiece))
@@ -339,4 +380,4 @@ class _Tiled(torch.autograd.Function):
                         v.add_(found.pop(0))
             start += size
         params_out = [None if v is None else v.to(d) for v, d in zip(gp, ctx.dtypes, strict=True)]
-        return (None, None, None, None, *gx, *params_out)
+        return (None, None, None, None, None, *gx, *params_out)
