@@ -76,6 +76,13 @@ def run_one(
     from lightning_roundpipe import RoundPipeStrategy
 
     gpu = torch.cuda.is_available()
+    if strategy == "fsdp_offload" and not gpu:
+        return {"skipped": "FSDP CPU offload needs CUDA"}
+    if strategy == "deepspeed_offload":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            return {"skipped": "deepspeed is not installed"}
     module = build_module(size)
     vocab = SIZES[size][5]
     data = TensorDataset(torch.randint(0, vocab, ((steps + 1) * batch, seq)))
@@ -89,18 +96,12 @@ def run_one(
         module.model.gradient_checkpointing_enable()
         strat, devices = "auto", 1
     elif strategy == "fsdp_offload":
-        if not gpu:
-            return {"skipped": "FSDP CPU offload needs CUDA"}
         from lightning.pytorch.strategies import FSDPStrategy
         from torch.distributed.fsdp import CPUOffload
 
         module.model.gradient_checkpointing_enable()
         strat = FSDPStrategy(cpu_offload=CPUOffload(offload_params=True))
     elif strategy == "deepspeed_offload":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            return {"skipped": "deepspeed is not installed"}
         module.model.gradient_checkpointing_enable()
         strat = "deepspeed_stage_3_offload"
     else:
@@ -108,14 +109,21 @@ def run_one(
     assert lightning_roundpipe  # registers "roundpipe"
 
     times: list[float] = []
+    engine_stats: list[tuple[float, float, int]] = []  # RoundPipe: (time, waited, bytes moved)
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            times.append(time.perf_counter() - self.t0)
+            now = time.perf_counter()
+            times.append(now - self.t0)
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is not None:
+                engine_stats.append((now, engine.wait_seconds, engine.bytes_moved))
+                self.traffic = engine.traffic()  # one iteration's bytes by kind
 
+    timer = Timer()
     trainer = L.Trainer(
         strategy=strat,
         accelerator="gpu" if gpu else "cpu",
@@ -127,7 +135,7 @@ def run_one(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Timer()],
+        callbacks=[timer],
     )
     try:
         trainer.fit(module, loader)
@@ -138,7 +146,21 @@ def run_one(
             return {"oom": True}
         raise
     per_step = sum(times[accumulate:]) / max(1, steps - 1)  # the first step warms up
-    return {"tokens_per_second": batch * seq / per_step if per_step else float("nan")}
+    result = {
+        "tokens_per_second": batch * seq / per_step if per_step else float("nan"),
+        "step_seconds": [
+            round(sum(times[i : i + accumulate]), 4) for i in range(0, len(times), accumulate)
+        ],
+    }
+    if len(engine_stats) > 2:  # after the warm-up step: the host waited, bytes moved
+        (t0, w0, b0), (t1, w1, b1) = engine_stats[1], engine_stats[-1]
+        result["wait_fraction"] = round((w1 - w0) / (t1 - t0), 4)
+        result["transfer_gb_per_s"] = round((b1 - b0) / (t1 - t0) / 1e9, 2)
+        result["plan"] = str(getattr(trainer.strategy, "stage_plan", None))
+        result["traffic_bytes"] = getattr(timer, "traffic", None)
+    if gpu:
+        result["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return result
 
 
 def trial(

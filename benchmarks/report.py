@@ -4,6 +4,7 @@ it to a markdown file (``--append docs/benchmarks.md``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +18,28 @@ def emit(text: str, append: Path | None) -> None:
             fh.write("\n" + text)
 
 
+def _keep(log: str, cmd: list[str], how: str, out, err) -> None:
+    def text(x) -> str:
+        return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+    with open(log, "a") as f:
+        f.write(f"==== {' '.join(cmd[1:])}: {how}\n{text(out)[-4000:]}\n{text(err)[-12000:]}\n")
+
+
 def child_result(cmd: list[str], timeout: float) -> dict[str, Any]:
     """Run a trial's child process, which prints its result as one JSON line,
     within ``timeout`` seconds: that result, ``{"oom": True}`` when it died
     of an out-of-memory error, else ``{"error": ...}`` with its last line (a
     trial that runs out of time is reported, not raised)."""
+    log = os.environ.get("ROUNDPIPE_TRIAL_LOG")  # a file that keeps every trial's output
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        if log:
+            _keep(log, cmd, f"timed out after {timeout:.0f} s", exc.stdout, exc.stderr)
         return {"error": f"timed out after {timeout:.0f} s"}
+    if log:
+        _keep(log, cmd, f"exit {proc.returncode}", proc.stdout, proc.stderr)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)

@@ -27,12 +27,19 @@ from lm_runner import STRATEGIES, trial
 from report import emit
 
 
-def measure(sizes, seq, batch, micro, steps, devices) -> dict[str, dict[str, dict]]:
-    """Every strategy on every size, each in a fresh process: {size: {strategy: result}}."""
-    return {
-        size: {s: trial(s, size, seq, batch, micro, steps, devices) for s in STRATEGIES}
-        for size in sizes
-    }
+def measure(
+    sizes, seq, batch, micro, steps, devices, strategies=STRATEGIES, progress=None
+) -> dict[str, dict[str, dict]]:
+    """Every strategy on every size, each in a fresh process: {size: {strategy:
+    result}}; ``progress(results)`` is called after each trial."""
+    results: dict[str, dict[str, dict]] = {}
+    for size in sizes:
+        for s in strategies:
+            results.setdefault(size, {})[s] = trial(s, size, seq, batch, micro, steps, devices)
+            sys.stderr.write(f"{size} {s}: {results[size][s]}\n")
+            if progress:
+                progress(results)
+    return results
 
 
 def _peers(res: dict[str, dict]) -> tuple[float | None, float | None]:
@@ -101,13 +108,32 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--append", type=Path)
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
-    results = measure(args.sizes, args.seq, args.batch, args.micro, args.steps, args.devices)
+    setting = {k: getattr(args, k) for k in ("seq", "batch", "micro", "steps", "devices")}
+    doc = {"date": str(datetime.date.today()), "device": device, "torch": torch.__version__}
+    doc["setting"] = {"precision": "bf16-mixed" if torch.cuda.is_available() else "32-true"}
+    doc["setting"].update(setting)
+
+    def save(results: dict) -> None:  # after every trial: a stopped run keeps what it measured
+        if args.json:
+            args.json.write_text(json.dumps({**doc, "results": results}, indent=1) + "\n")
+
+    results = measure(
+        args.sizes,
+        args.seq,
+        args.batch,
+        args.micro,
+        args.steps,
+        args.devices,
+        args.strategies,
+        save,
+    )
     out = (
         f"### Throughput ({datetime.date.today()})\n\n`python benchmarks/throughput.py`: "
         f"{device}, {platform.machine()}, torch {torch.__version__}; sequence {args.seq}, "
@@ -115,10 +141,6 @@ def main() -> None:
         f"{args.steps} steps.\n\n" + table(results) + "\n"
     )
     emit(out, args.append)
-    if args.json:
-        setting = {k: getattr(args, k) for k in ("seq", "batch", "micro", "steps", "devices")}
-        doc = {"date": str(datetime.date.today()), "device": device, "setting": setting}
-        args.json.write_text(json.dumps({**doc, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from .plan.decide import after_out_of_memory
+from .runtime.device import is_out_of_memory
 from .runtime.nested import batch_size_of
 from .runtime.worker import WorkerError
 
@@ -163,7 +164,7 @@ class FirstBatchRetry:
         strategy = self.strategy
         engine = strategy.engine
         if (
-            not isinstance(err.__cause__, torch.OutOfMemoryError)
+            not is_out_of_memory(err.__cause__)
             or engine is None
             or self.left <= 0
         ):

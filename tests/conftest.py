@@ -61,6 +61,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def cuda_allocated():
+    """Measures the device memory the caching allocator counts as in use, with
+    the device idle and cuBLAS's per-stream workspaces released: cuBLAS keeps
+    one for every stream it ran on until they are cleared (Lightning clears
+    them at teardown), which is not memory a run left behind."""
+    import torch
+
+    def measure() -> int:
+        torch.cuda.synchronize()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        return torch.cuda.memory_allocated()
+
+    return measure
+
+
 @pytest.fixture(autouse=True)
 def no_thread_leak():
     """Every test must leave no thread of its own running."""

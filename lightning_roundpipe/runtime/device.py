@@ -289,6 +289,10 @@ class DeviceContext:
             if dtype is not None and t.dtype != dtype:
                 return t.to(dtype)
             return t.clone() if fresh else t
+        if t.device.type == "cpu" and not t.is_pinned():
+            # from pageable memory a non_blocking copy is staged and blocks this
+            # thread; a page-locked copy (torch's caching host allocator) does not
+            t = t.pin_memory()
         with torch.cuda.stream(stream):
             out = t.to(self.device, non_blocking=True)
             if dtype is not None and out.dtype != dtype:
@@ -301,13 +305,37 @@ class DeviceContext:
         is complete once an event recorded on ``stream`` afterwards is."""
         if not self.is_cuda:
             return t
-        if t.is_sparse:  # e.g. nn.Embedding(sparse=True) gradients
-            t = t.to_dense()
         with torch.cuda.stream(stream):
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            out.copy_(t, non_blocking=True)
-        t.record_stream(stream)
+            # a sparse gradient (nn.Embedding(sparse=True)) is made dense on the
+            # copy stream, after whatever the caller made that stream wait for
+            src = t.to_dense() if t.is_sparse else t
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            out.copy_(src, non_blocking=True)
+        for part in (t._indices(), t._values()) if t.is_sparse else (t,):
+            part.record_stream(stream)
         return out
+
+
+#: what CUDA libraries say when their own allocation fails: cuBLAS and cuDNN
+#: report it as a RuntimeError, not as torch.OutOfMemoryError
+_OUT_OF_MEMORY = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "cudaErrorMemoryAllocation",
+    "CUDA_ERROR_OUT_OF_MEMORY",
+)
+
+
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says a device ran out of memory: torch's
+    ``OutOfMemoryError``, or a library's allocation failure raised as a
+    ``RuntimeError`` (cuBLAS's handle or workspace, cuDNN's workspace)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
+    return any(marker.lower() in text for marker in _OUT_OF_MEMORY)
 
 
 def as_device(d: torch.device | str | int) -> torch.device:

@@ -48,7 +48,7 @@ from torch import nn
 from ..plan.schedule import Task
 from .calls import Call, Gain, Job, Runtime
 from .courier import Courier
-from .device import DeviceContext, LayerRandomness, layer_seed
+from .device import DeviceContext, LayerRandomness, is_out_of_memory, layer_seed
 from .host import LayerReplica, _Param
 from .nested import call_layer, flatten_tensors, map_tensors
 from .profiler import (
@@ -280,7 +280,7 @@ class Worker:
                 where += ", completing its transfers"
             where += "" if mb is None else f", micro-batch {mb}"
             extra = ""
-            if isinstance(exc, torch.OutOfMemoryError):
+            if is_out_of_memory(exc):
                 extra = self._oom_advice(t)
             if isinstance(exc, HandoffTimeout):
                 extra = "\n" + call.schedule.grid(mark=job.index)

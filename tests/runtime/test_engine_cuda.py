@@ -97,11 +97,10 @@ def test_several_iterations_with_prefetch_and_steps():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_pinned_and_device_memory_return_to_their_start_after_close():
+def test_pinned_and_device_memory_return_to_their_start_after_close(cuda_allocated):
     from lightning_roundpipe.runtime import pinned_bytes
 
-    torch.cuda.synchronize()
-    pinned, allocated = pinned_bytes(), torch.cuda.memory_allocated()
+    pinned, allocated = pinned_bytes(), cuda_allocated()
     for i in range(5):
         layers = mlp()
         x, y = torch.randn(16, 8), torch.randn(16, 4)
@@ -111,6 +110,5 @@ def test_pinned_and_device_memory_return_to_their_start_after_close():
             eng.step(opt.step)
             eng.synchronize()
             assert pinned_bytes() > pinned
-        torch.cuda.synchronize()
+        assert cuda_allocated() == allocated, f"run {i} left device memory"
         assert pinned_bytes() == pinned, f"run {i} left page-locked memory registered"
-        assert torch.cuda.memory_allocated() == allocated, f"run {i} left device memory"

@@ -20,18 +20,19 @@ QUIET = dict(
 
 @pytest.fixture
 def oom_when(monkeypatch):
-    """Make a stage raise torch.OutOfMemoryError when ``pred(layers, micro-batch
-    size, iteration, stage)`` holds; returns the list of failures injected."""
+    """Make a stage raise torch.OutOfMemoryError (or ``error()``) when
+    ``pred(layers, micro-batch size, iteration, stage)`` holds; returns the
+    list of failures injected."""
     hits = []
 
-    def install(pred):
+    def install(pred, error=lambda: torch.OutOfMemoryError("CUDA out of memory (injected)")):
         original = worker_mod.Worker._layers
 
         def layers(self, job, j, replicas, x, *args, **kwargs):
             size = batch_size_of(x)
             if pred(len(replicas), size, job.call.iteration, job.task):
                 hits.append((len(replicas), size, job.call.iteration, job.task))
-                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                raise error()
             return original(self, job, j, replicas, x, *args, **kwargs)
 
         monkeypatch.setattr(worker_mod.Worker, "_layers", layers)
@@ -84,6 +85,29 @@ def test_async_run_after_replanning_equals_a_run_that_fitted(oom_when):
     assert hits and strategy.microbatches == 2
     for a, b in zip(weights(mod), weights(ref), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_library_allocation_failure_is_replanned_like_out_of_memory(oom_when):
+    # cuBLAS and cuDNN report their own failed allocations as a RuntimeError
+    message = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    hits = oom_when(
+        lambda layers, size, it, *_: size is not None and size > 4, lambda: RuntimeError(message)
+    )
+    strategy = RoundPipeStrategy(oom_replans=8)
+    with pytest.warns(UserWarning, match=r"re-planned with num_microbatches=2"):
+        fit(CausalLM(), strategy)
+    assert hits and strategy.microbatches == 2
+
+
+def test_what_counts_as_out_of_memory():
+    from lightning_roundpipe.runtime.device import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # not from a library
+    assert not is_out_of_memory(None)
 
 
 @pytest.mark.parametrize(

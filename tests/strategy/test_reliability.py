@@ -84,13 +84,11 @@ def test_ctrl_c_stops_cleanly_and_no_thread_survives(async_optimizer):
     assert threading.active_count() == before
 
 
-def _twenty_fits(accelerator, devices, workers_per_device=1):
+def _twenty_fits(accelerator, devices, workers_per_device=1, cuda_allocated=None):
     cuda = accelerator == "gpu"
-    if cuda:
-        torch.cuda.synchronize()
     before = threading.active_count()
     pinned = pinned_bytes()
-    allocated = torch.cuda.memory_allocated() if cuda else 0
+    allocated = cuda_allocated() if cuda else 0
     data = seq_data(16)
     for i in range(20):
         strategy = RoundPipeStrategy(
@@ -103,8 +101,7 @@ def _twenty_fits(accelerator, devices, workers_per_device=1):
         assert threading.active_count() == before, f"fit {i} left threads behind"
         assert pinned_bytes() == pinned, f"fit {i} left page-locked memory registered"
         if cuda:
-            torch.cuda.synchronize()
-            assert torch.cuda.memory_allocated() == allocated, f"fit {i} left device memory"
+            assert cuda_allocated() == allocated, f"fit {i} left device memory"
     del trainer, strategy
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, RoundPipeEngine)]
@@ -115,8 +112,8 @@ def test_twenty_fits_leak_no_threads_and_no_engines():
 
 
 @pytest.mark.gpu
-def test_twenty_fits_on_a_gpu_leak_no_threads_pinned_or_device_memory():
-    _twenty_fits("gpu", 1, workers_per_device=2)
+def test_twenty_fits_on_a_gpu_leak_no_threads_pinned_or_device_memory(cuda_allocated):
+    _twenty_fits("gpu", 1, workers_per_device=2, cuda_allocated=cuda_allocated)
 
 
 def test_a_second_fit_after_a_failure_works():
