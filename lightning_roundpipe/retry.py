@@ -163,11 +163,7 @@ class FirstBatchRetry:
         re-raise ``err`` (not an out-of-memory error, none left, nothing to change)."""
         strategy = self.strategy
         engine = strategy.engine
-        if (
-            not is_out_of_memory(err.__cause__)
-            or engine is None
-            or self.left <= 0
-        ):
+        if not is_out_of_memory(err.__cause__) or engine is None or self.left <= 0:
             raise err
         start, stop = err.layers
         plan, m, n = engine.plan, engine.num_microbatches, engine.num_devices
