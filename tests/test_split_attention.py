@@ -12,15 +12,17 @@ from lightning_roundpipe.models import attention
 from lightning_roundpipe.models.attention import (
     GroupedAttention,
     backward_workspace,
+    heads_per_call,
     kv_heads_per_call,
 )
 
 
 @pytest.fixture
 def split_on_cpu(monkeypatch):
-    """The CPU flash kernels stand in for CUDA's; every key/value head its own call."""
+    """The CPU flash kernels stand in for CUDA's; every key/value head its own
+    call (also where one call would need less memory)."""
     monkeypatch.setattr(attention, "SPLIT_DEVICES", frozenset({"cpu", "cuda"}))
-    monkeypatch.setattr(attention, "ROWS_PER_CALL", 1)
+    monkeypatch.setattr(attention, "heads_per_call", lambda *_: 1)
 
 
 def qkv(heads, kv_heads, dtype=torch.float32, device="cpu", batch=2, seq=40, dim=16):
@@ -31,7 +33,9 @@ def qkv(heads, kv_heads, dtype=torch.float32, device="cpu", batch=2, seq=40, dim
         return x.transpose(1, 2).requires_grad_()
 
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
-    grad = torch.randn(batch, heads, seq, dim, generator=g).to(device, dtype)
+    # the output's gradient as a model passes it back: (batch, seq, heads, dim)
+    # in memory, as the output, which the model transposes and makes contiguous
+    grad = make(heads).detach()
     return q, k, v, grad
 
 
@@ -113,7 +117,7 @@ def test_heads_per_call_reach_the_rows_a_call_should_cover():
 def test_the_workspace_of_a_split_backward_is_one_groups():
     """Llama-3.1-8B's attention (32 query heads over 8 key/value heads of
     128, bf16) at 1M tokens: the fused backward's workspace is 4 hidden-sized
-    values per token and more; split, about half of one."""
+    values per token and more; split, under one."""
     tokens, value = 1 << 20, (1 << 20) * 4096 * 2
     fused = backward_workspace(tokens, 32, 8, 128, 2, split=False)
     split = backward_workspace(tokens, 32, 8, 128, 2, split=True)
@@ -121,15 +125,31 @@ def test_the_workspace_of_a_split_backward_is_one_groups():
     # (2 values) + softmax statistics
     assert fused == tokens * 32 * (128 * 4 + 4 + 2 * 128 * 2)
     assert 4 * value < fused < 4.1 * value
-    # one group of 4 query heads, and the gradients that call returns
-    assert split == fused // 8 + tokens * (4 * 128 * 2 + 2 * 128 * 2)
-    assert split < 0.7 * value
+    # one group of 4 query heads, the gradients that call returns and the
+    # kernel's contiguous copies of its slices of the output and its gradient
+    assert split == fused // 8 + tokens * (3 * 4 * 128 * 2 + 2 * 128 * 2)
+    assert split < value
     # without grouped query heads there is no expansion; short: nothing is split
     assert backward_workspace(tokens, 32, 32, 128, 2, split=False) == tokens * 32 * (128 * 4 + 4)
     short = attention.ROWS_PER_CALL // 32
     assert backward_workspace(short, 32, 8, 128, 2, split=True) == backward_workspace(
         short, 32, 8, 128, 2, split=False
     )
+
+
+def test_heads_without_groups_are_split_only_where_that_needs_less_memory():
+    """Without grouped query heads the fused backward keeps just the fp32
+    accumulator: two calls' copies cost more than half of it saves, many
+    calls less."""
+    tokens = attention.ROWS_PER_CALL // 8  # 16 heads: two calls of 8
+    assert heads_per_call(tokens, 16, 16, 128, 2) == 16
+    fused = backward_workspace(tokens, 16, 16, 128, 2, split=False)
+    assert backward_workspace(tokens, 16, 16, 128, 2, split=True) == fused
+    long = attention.ROWS_PER_CALL  # one head a call: 16 calls
+    assert heads_per_call(long, 16, 16, 128, 2) == 1
+    split = backward_workspace(long, 16, 16, 128, 2, split=True)
+    assert split < backward_workspace(long, 16, 16, 128, 2, split=False) / 2
+    assert heads_per_call(tokens, 32, 8, 128, 2) == kv_heads_per_call(tokens * 4, 8) < 8
 
 
 @pytest.mark.gpu
@@ -163,5 +183,11 @@ def test_on_a_gpu_the_split_backward_gives_the_fused_gradients_with_less_memory(
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
     predicted = backward_workspace(seq, heads, kv_heads, 128, 2, split=True)
-    assert split < fused
-    assert split <= 1.15 * predicted, (split, predicted, fused)
+    if heads != kv_heads:
+        assert split < fused / 2, (split, fused)
+    else:  # two calls would need more than one: not split
+        assert heads_per_call(seq, heads, kv_heads, 128, 2) == kv_heads
+        assert split <= 1.02 * fused, (split, fused)
+    assert 0.85 * predicted <= split <= 1.15 * predicted, (split, predicted, fused)
+    unsplit = backward_workspace(seq, heads, kv_heads, 128, 2, split=False)
+    assert 0.85 * unsplit <= fused <= 1.15 * unsplit, (fused, unsplit)

@@ -502,7 +502,7 @@ def test_attention_backward_split_over_head_groups_trains_like_untiled(precision
     """Tiled blocks run their attention's backward a key/value head at a
     time (on CUDA; here the CPU kernels stand in): training equals untiled."""
     monkeypatch.setattr(attention, "SPLIT_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(attention, "ROWS_PER_CALL", 1)
+    monkeypatch.setattr(attention, "heads_per_call", lambda *_: 1)
     split = attention._SplitFlash.apply
     calls = []
 

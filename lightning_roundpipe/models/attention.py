@@ -41,6 +41,7 @@ __all__ = [
     "GroupedAttention",
     "attention_heads",
     "backward_workspace",
+    "heads_per_call",
     "kv_heads_per_call",
 ]
 
@@ -70,6 +71,40 @@ def kv_heads_per_call(rows_per_kv_head: int, kv_heads: int) -> int:
     return min(kv_heads, max(1, math.ceil(ROWS_PER_CALL / max(1, rows_per_kv_head))))
 
 
+def _call_workspace(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, element: int, calls_kv: int
+) -> int:
+    """Bytes one backward call over ``calls_kv`` key/value heads works with
+    beyond the gradients it leaves in place (see :func:`backward_workspace`)."""
+    group = heads // max(1, kv_heads)
+    rows = tokens * group * calls_kv
+    per_row = head_dim * 4 + 4  # fp32 accumulator, softmax statistics
+    if group > 1:
+        per_row += 2 * head_dim * element  # expanded key and value gradients
+    out = rows * per_row
+    if calls_kv < kv_heads:
+        # the call's own gradients, copied into place afterwards, and the
+        # contiguous copies the kernel makes of its slices of the output and
+        # of the output's gradient (head slices of a model's layout are strided;
+        # measured on an H200)
+        out += 3 * rows * head_dim * element + 2 * tokens * calls_kv * head_dim * element
+    return out
+
+
+def heads_per_call(tokens: int, heads: int, kv_heads: int, head_dim: int, element: int) -> int:
+    """Key/value heads per backward call for ``tokens`` positions: as
+    :func:`kv_heads_per_call`, or all of them (one call) where splitting would
+    not need less memory (no grouped query heads and only a few calls: the
+    copies cost more than the accumulator saves)."""
+    group = heads // max(1, kv_heads)
+    step = kv_heads_per_call(tokens * group, kv_heads)
+    if step < kv_heads:
+        split = _call_workspace(tokens, heads, kv_heads, head_dim, element, step)
+        if split >= _call_workspace(tokens, heads, kv_heads, head_dim, element, kv_heads):
+            return kv_heads
+    return step
+
+
 def backward_workspace(
     tokens: int, heads: int, kv_heads: int, head_dim: int, element: int, *, split: bool
 ) -> int:
@@ -78,18 +113,11 @@ def backward_workspace(
     micro-batch): an fp32 query-gradient accumulator and softmax statistics
     per query row, and (grouped-query attention) key/value gradients
     expanded to every query head. ``split``: run by :class:`GroupedAttention`,
-    one call's, plus the gradients that call returns before they are copied
-    into place."""
-    group = heads // max(1, kv_heads)
-    calls_kv = kv_heads_per_call(tokens * group, kv_heads) if split else kv_heads
-    rows = tokens * group * calls_kv
-    per_row = head_dim * 4 + 4  # fp32 accumulator, softmax statistics
-    if group > 1:
-        per_row += 2 * head_dim * element  # expanded key and value gradients
-    out = rows * per_row
-    if split and calls_kv < kv_heads:  # the call's own gradients, copied into place
-        out += rows * head_dim * element + 2 * tokens * calls_kv * head_dim * element
-    return out
+    one call's (:func:`heads_per_call`), plus the gradients that call returns
+    before they are copied into place and the kernel's contiguous copies of
+    its slices of the output and of the output's gradient."""
+    calls_kv = heads_per_call(tokens, heads, kv_heads, head_dim, element) if split else kv_heads
+    return _call_workspace(tokens, heads, kv_heads, head_dim, element, calls_kv)
 
 
 def _kernels(device: torch.device) -> tuple[Any, Any] | None:
@@ -184,7 +212,7 @@ class _SplitFlash(torch.autograd.Function):
         batch, heads, seq = q.shape[:3]
         kv_heads = k.shape[1]
         group = heads // kv_heads
-        step = kv_heads_per_call(batch * seq * group, kv_heads)
+        step = heads_per_call(batch * seq, heads, kv_heads, q.shape[-1], q.element_size())
         if g.stride(-1) != 1:
             g = g.contiguous()
 
@@ -208,7 +236,8 @@ class _SplitFlash(torch.autograd.Function):
             ks = slice(start, min(kv_heads, start + step))
             qs = slice(ks.start * group, ks.stop * group)
             part = call(qs, ks)
-            for whole, piece in zip((dq, dk, dv), part, strict=True):
-                whole[:, qs if whole is dq else ks].copy_(piece)
-            del part
+            dq[:, qs].copy_(part[0])
+            dk[:, ks].copy_(part[1])
+            dv[:, ks].copy_(part[2])
+            del part  # before the next call allocates its own
         return dq, dk, dv, None, None

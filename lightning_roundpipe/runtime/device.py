@@ -221,9 +221,11 @@ _NULL_STREAM = _NullStream()
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of ``t`` (only when CUDA is available)."""
+    """A pinned host copy of ``t`` (only when CUDA is available); made
+    contiguous first: an expanded tensor (several elements on one memory
+    location, as ``position_ids.expand(...)``) cannot be pinned as it is."""
     if torch.cuda.is_available() and not t.is_pinned():
-        return t.pin_memory()
+        return t.contiguous().pin_memory()
     return t
 
 
@@ -289,10 +291,10 @@ class DeviceContext:
             if dtype is not None and t.dtype != dtype:
                 return t.to(dtype)
             return t.clone() if fresh else t
-        if t.device.type == "cpu" and not t.is_pinned():
+        if t.device.type == "cpu":
             # from pageable memory a non_blocking copy is staged and blocks this
             # thread; a page-locked copy (torch's caching host allocator) does not
-            t = t.pin_memory()
+            t = pin(t)
         with torch.cuda.stream(stream):
             out = t.to(self.device, non_blocking=True)
             if dtype is not None and out.dtype != dtype:
