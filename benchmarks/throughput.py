@@ -75,7 +75,9 @@ def bars(results: dict[str, dict[str, dict]], title: str, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(results)
+    # sizes where nothing was measured (every strategy skipped) get no group
+    sizes = [n for n, r in results.items() if any("tokens_per_second" in x for x in r.values())]
+    sizes = sizes or list(results)
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / len(STRATEGIES)
     for k, s in enumerate(STRATEGIES):

@@ -10,7 +10,7 @@
 - loss curves of the tiny LM main job under ``strategy="roundpipe_sync"``,
   ``"roundpipe"`` and ``"auto"`` (same module, data and seed; sync equals auto);
 - throughput bars from ``benchmarks/throughput.py``'s raw results
-  (``docs/data/throughput.json``, written with ``--json``; when the file is
+  (``docs/data/gpu-throughput.json``, written with ``--json``; when the file is
   missing, the smoke setting is measured on this machine and saved there);
 - the five ordering rules of the asynchronous optimizer, from a recorded trace
   (``protocol_trace.py``).
@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument(
         "--throughput",
         type=Path,
-        default=HERE.parent / "docs" / "data" / "throughput.json",
-        help="raw results of benchmarks/throughput.py --json (measured here if missing)",
+        default=HERE.parent / "docs" / "data" / "gpu-throughput.json",
+        help="raw results of benchmarks/throughput.py --json (measured here if missing); "
+        "by default the GPU record",
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

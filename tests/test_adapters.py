@@ -615,6 +615,26 @@ def test_packed_positions_are_treated_as_the_model_treats_them(kind):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+def test_packed_chunked_attention_is_refused_on_a_transformers_without_the_remap(monkeypatch):
+    """Before transformers 5.23 the masks could not count Llama 4's chunks from
+    each packed sequence's own positions: refused, naming the version, before
+    anything runs."""
+    from transformers import masking_utils
+
+    model = tiny("llama4_text")
+    ids, _, _ = lm_data(4).tensors
+    positions = torch.cat([torch.arange(6), torch.arange(4)]).expand(4, -1)
+    monkeypatch.delattr(masking_utils, "remap_positions_for_packed_sequence")
+
+    def step():
+        with pytest.raises(ValueError, match=r"chunked attention need transformers>=5\.23"):
+            model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+        # with a mask (or unpacked positions) it runs
+        return model(input_ids=ids, labels=ids, use_cache=False).loss.detach()
+
+    assert torch.isfinite(attached(model, step, plan="2|2|2"))
+
+
 def test_whether_a_model_keeps_packed_sequences_apart_is_read_from_its_source():
     from lightning_roundpipe.models.layout import _masks_get_positions
 

@@ -201,6 +201,56 @@ def test_logits_to_keep_selects_the_models_logits():
             torch.testing.assert_close(got.logits, expected)
 
 
+def test_logits_to_keep_without_transformers_slicing_helper(monkeypatch):
+    """transformers < 5.21 has no ``slice_logits_to_keep``: its models sliced
+    the positions themselves, as the adapter then does."""
+    import transformers.modeling_utils as mu
+
+    model = qwen3(layers=2).eval()  # (its module imports the helper)
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    keeps = (1, torch.tensor([0, 5]))
+    with torch.no_grad():
+        expected = [model(input_ids=ids, logits_to_keep=keep).logits for keep in keeps]
+        monkeypatch.delattr(mu, "slice_logits_to_keep")
+        for keep, want in zip(keeps, expected, strict=True):
+            got = attached(model, lambda keep=keep: model(input_ids=ids, logits_to_keep=keep))
+            torch.testing.assert_close(got.logits, want)
+
+
+def test_a_transformers_older_than_the_adapter_needs_is_refused_at_import():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lightning_roundpipe.models import MIN_TRANSFORMERS, check_transformers
+
+    with pytest.raises(
+        ImportError,
+        match=r"needs transformers>=5\.15\.0 .* but 5\.14\.1 is installed: "
+        r"pip install -U 'transformers>=5\.15\.0'",
+    ):
+        check_transformers("5.14.1")
+    check_transformers(MIN_TRANSFORMERS)
+    check_transformers("6.0.0.dev0")
+    check_transformers(None)  # not installed: other models still train
+    # the package extra asks for the same version
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    floor = re.search(r'"transformers>=([\d.]+)"', pyproject).group(1)
+    assert tuple(map(int, floor.split("."))) + (0,) * (3 - len(floor.split("."))) == tuple(
+        map(int, MIN_TRANSFORMERS.split("."))
+    )
+    # the check runs when the package is imported
+    code = (
+        "import importlib.metadata as m; real = m.version\n"
+        "m.version = lambda n: '5.3.0' if n == 'transformers' else real(n)\n"
+        "import lightning_roundpipe"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "needs transformers>=5.15.0" in proc.stderr and "5.3.0 is installed" in proc.stderr
+
+
 # ------------------------------------------------------------ inputs_embeds
 def embed_case(padded: bool = True):
     g = torch.Generator().manual_seed(3)

@@ -38,6 +38,7 @@ when that is not clear. ``describe_layers()`` gives the layer numbering that
 plan strings use.
 """
 
+from ._requirements import MIN_TRANSFORMERS, check_transformers
 from .base import LayerStackNotFound, SequentialAdapter
 from .causal_lm import CausalLMAdapter, causal_lm_loss
 from .families import FAMILIES, Family, RouterAux, Setting
@@ -46,6 +47,7 @@ from .layers import is_packed
 
 __all__ = [
     "FAMILIES",
+    "MIN_TRANSFORMERS",
     "CausalLMAdapter",
     "Family",
     "LayerStackNotFound",
@@ -53,6 +55,7 @@ __all__ = [
     "SequentialAdapter",
     "Setting",
     "causal_lm_loss",
+    "check_transformers",
     "find_adapter",
     "is_packed",
 ]

@@ -166,6 +166,7 @@ class CausalLMAdapter(_Adapter):
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
+        self._chunked = "chunked_attention" in kinds
         for layer, kind in zip(layout.layers, kinds, strict=True):
             routers: tuple[str, ...] = ()
             if recorder is not None:
@@ -496,6 +497,8 @@ class CausalLMAdapter(_Adapter):
             no_cache = not self._cache(given, a.get("use_cache"))
             packs = self.layout.packs_sequences
             if packs and attention_mask is None and no_cache and is_packed(position_ids):
+                if self._chunked:
+                    _check_packed_chunks()
                 inputs["packed"] = True
         router = self._router_loss(a)
         if router:
@@ -559,11 +562,27 @@ def _keep(logits: torch.Tensor, logits_to_keep: Any) -> torch.Tensor:
     the LM head, which acts on each position alone: the same logits)."""
     if _keeps_all(logits_to_keep):
         return logits
-    from transformers.modeling_utils import slice_logits_to_keep
-
     if isinstance(logits_to_keep, torch.Tensor):
         logits_to_keep = logits_to_keep.to(logits.device)
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:  # transformers < 5.21: the models sliced the positions inline
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return logits[:, keep, :]
     return slice_logits_to_keep(logits, logits_to_keep)
+
+
+def _check_packed_chunks() -> None:
+    """Chunked attention (Llama 4) over packed sequences counts chunks from each
+    sequence's own positions from transformers 5.23 on; refuse it before."""
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "remap_positions_for_packed_sequence"):
+        raise ValueError(
+            "packed sequences (position_ids that restart, no attention_mask) in a model with "
+            "chunked attention need transformers>=5.23, whose masks count chunks from each "
+            "sequence's own positions; upgrade transformers, or pass an attention_mask"
+        )
 
 
 def _check_loss(target: nn.Module, name: str) -> None:
