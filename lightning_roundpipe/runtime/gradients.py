@@ -19,7 +19,7 @@ import torch
 
 from .calls import Gain, Runtime
 from .nested import flatten_tensors
-from .optimizer import LossScaler, NonFiniteError
+from .optimizer import LossScaler, NonFiniteError, all_finite
 from .options import NonFinite
 from .store import Key
 
@@ -124,7 +124,7 @@ class CallerGradients:
         overflow, the loss scale backs off) or raises, as a weight gradient would."""
         if not self._scaler.enabled and self._nonfinite == "ignore":
             return
-        if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if all(g is None or all_finite(g) for g in grads):
             return
         if not self._scaler.enabled and self._nonfinite == "raise":
             raise NonFiniteError(

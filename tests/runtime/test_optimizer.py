@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.runtime import RoundPipeEngine, WorkerError
-from lightning_roundpipe.runtime.optimizer import Chaos, Rules
+from lightning_roundpipe.runtime.optimizer import Chaos, Rules, all_finite
 
 from .models import lm_batch, lm_loss, reference, transformer
 
@@ -276,6 +276,23 @@ class Spike(nn.Module):
     def forward(self, x):
         y = self.lin(x)
         return y * 6e4 if self.spike else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finiteness_check_finds_every_nan_and_infinity(dtype):
+    g = torch.randn(4099, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(g) and all_finite(g[::3]) and all_finite(g[:0])
+    for where in (0, 1, 2048, 4098):  # first, vectorised middle, last element
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            h = g.clone()
+            h[where] = bad
+            assert not all_finite(h), (where, bad)
+            assert not all_finite(h.view(1, -1).expand(2, -1))  # not contiguous
+    assert all_finite(torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).min], dtype=dtype))
+    sparse = torch.sparse_coo_tensor([[1]], [float("nan")], (3,))
+    assert not all_finite(sparse) and all_finite(torch.sparse_coo_tensor([[1]], [1.0], (3,)))
+    assert all_finite(torch.arange(3))
+    assert not all_finite(torch.tensor([1 + 1j, complex("nan")]))
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
