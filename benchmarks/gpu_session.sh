@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # The GPU checks and full-size benchmarks, in parts that each fit one device
-# call (10 minutes) on a single H100/H200; together about 30 minutes:
+# call (10 minutes) on a single H100/H200. A session has 15 device-minutes:
+# carry the wheels (.whl) and combine two or three parts per call.
 #
-#   bash benchmarks/gpu_session.sh tests       # the tests marked gpu           (~3 min)
+#   bash benchmarks/gpu_wheels.sh              # first, here: the wheels to carry (.whl)
+#   bash benchmarks/gpu_session.sh tests       # the tests marked gpu             (~1 min)
 #   bash benchmarks/gpu_session.sh throughput  # link bandwidth; 1.7B, sequence 2048,
 #                                              # 4 strategies (~5 min; STRATEGIES="a b" picks)
-#   bash benchmarks/gpu_session.sh seqlen      # longest sequence, 0.6B, micro-batch 1 (~9 min)
+#   bash benchmarks/gpu_session.sh profile     # a torch.profiler trace of two steady 1.7B
+#                                              # RoundPipe steps: summary and timeline (~2 min)
+#   bash benchmarks/gpu_session.sh lora        # Llama-3.1-8B LoRA r=32 throughput (~6 min)
+#   bash benchmarks/gpu_session.sh seqlen      # longest sequence, 1.7B, micro-batch 1 (~9 min)
 #   bash benchmarks/gpu_session.sh engine      # engine throughput, protocol ablation, overheads (~5 min)
 #   bash benchmarks/gpu_session.sh longctx-memory      # Llama-3.1-8B LoRA blocks at 64K-1M tokens:
 #                                                      # predicted vs measured peak (~9 min)
 #   bash benchmarks/gpu_session.sh longctx-throughput  # Qwen3-1.7B at 8K/32K/128K tokens (~5 min)
+#
+# Done on an H200 on 2026-11-26 (docs/benchmarks.md): tests, throughput
+# (DeepSpeed not installed then), three long-sequence probes.
 #
 # Markdown tables (ready for docs/benchmarks.md), raw JSON and logs go to $OUT
 # (set by the device tool) or runs/gpu. Every trial runs in its own process
@@ -20,15 +28,22 @@
 # a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?give a part: tests, throughput, seqlen, engine, longctx-memory or longctx-throughput}"
+part="${1:?give a part: tests, throughput, profile, lora, seqlen, engine, longctx-memory or longctx-throughput}"
 case "$part" in
-tests | throughput | seqlen | engine | longctx-memory | longctx-throughput) ;;
+tests | throughput | profile | lora | seqlen | engine | longctx-memory | longctx-throughput) ;;
 *)
-    echo "unknown part '$part': give tests, throughput, seqlen, engine, longctx-memory or" \
-        "longctx-throughput" >&2
+    echo "unknown part '$part': give tests, throughput, profile, lora, seqlen, engine," \
+        "longctx-memory or longctx-throughput" >&2
     exit 2
     ;;
 esac
+
+# wheels the GPU machine lacks (benchmarks/gpu_wheels.sh, carried as .whl)
+if command -v nvidia-smi >/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
@@ -74,16 +89,42 @@ throughput)
     ROUNDPIPE_TRIAL_LOG="$out/trials.log" python benchmarks/throughput.py "${args[@]}" \
         --json "$out/throughput.json" --append "$out/throughput.md"
     ;;
-seqlen)
+profile)
     if [ "$smoke" = 1 ]; then
-        args=(--size tiny --low 128 --high 128 --strategies roundpipe)  # one trial
+        args=(--size tiny --seq 64 --batch 8 --micro 2)
+    else
+        args=(--size 1.7b --seq 2048 --batch 64 --micro 4)
+    fi
+    timeout 300 python benchmarks/lm_runner.py --strategy roundpipe "${args[@]}" --steps 6 \
+        --profile "$out/profile" | tee "$out/profile.json"
+    ;;
+lora)
+    if [ "$smoke" = 1 ]; then
+        args=(--sizes llama-tiny --lora 4 --seq 64 --batch 8 --micro 2 --steps 3)
         export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
     else
-        args=(--size 0.6b --low 4096 --high 131072 --step 4096
-            --strategies roundpipe auto fsdp_offload)
-        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-60}"
+        args=(--sizes llama-8b --lora 32 --seq 2048 --batch 32 --micro 4 --steps 4)
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-170}"
     fi
-    python benchmarks/max_seqlen.py "${args[@]}" --append "$out/max_seqlen.md"
+    ROUNDPIPE_TRIAL_LOG="$out/trials.log" python benchmarks/throughput.py "${args[@]}" \
+        --strategies roundpipe auto fsdp_offload deepspeed_offload \
+        --json "$out/throughput-lora.json" --append "$out/throughput-lora.md"
+    ;;
+seqlen)
+    # RoundPipe from 64K up; the others from 8K (no-offload ran out at 64K on an H200)
+    if [ "$smoke" = 1 ]; then
+        runs=("--size tiny --low 128 --high 128 --strategies roundpipe")  # one trial
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
+    else
+        runs=("--size 1.7b --low 65536 --high 524288 --step 16384 --strategies roundpipe"
+            "--size 1.7b --low 8192 --high 65536 --step 4096 --strategies auto fsdp_offload")
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
+    fi
+    for run in "${runs[@]}"; do
+        read -r -a args <<<"$run"
+        ROUNDPIPE_TRIAL_LOG="$out/trials.log" python benchmarks/max_seqlen.py "${args[@]}" \
+            --append "$out/max_seqlen.md"
+    done
     ;;
 engine)
     if [ "$smoke" = 1 ]; then

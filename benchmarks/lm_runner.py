@@ -23,8 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import child_result
 
-SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab (llama-*: Llama, else Qwen3)
     "tiny": (64, 128, 4, 4, 2, 256),
+    "llama-tiny": (64, 224, 4, 4, 2, 256),
+    "llama-8b": (4096, 14336, 32, 32, 8, 128256),  # Llama-3.1-8B
     "0.6b": (1024, 3072, 28, 16, 8, 151936),
     "1.7b": (2048, 6144, 28, 16, 8, 151936),
     "4b": (2560, 9728, 36, 32, 8, 151936),
@@ -33,41 +35,82 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
 STRATEGIES = ("roundpipe", "roundpipe_sync", "auto", "fsdp_offload", "deepspeed_offload")
 
 
-def build_module(size: str, lr: float = 1e-4):
-    import lightning as L
+def build_model(size: str, lora: int = 0, base_dtype=None):
+    """A causal LM of ``size`` from its config (random weights); ``lora``: the
+    rank of LoRA adapters on every linear layer (PEFT), the base frozen and
+    built in ``base_dtype`` (default fp32)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     h, m, n, a, k, v = SIZES[size]
+    shape = dict(
+        vocab_size=v,
+        hidden_size=h,
+        intermediate_size=m,
+        num_hidden_layers=n,
+        num_attention_heads=a,
+        num_key_value_heads=k,
+        head_dim=h // a,
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=False,
+    )
+    if size.startswith("llama"):
+        config, cls = LlamaConfig(rope_theta=500000.0, **shape), LlamaForCausalLM
+    else:
+        config, cls = Qwen3Config(**shape), Qwen3ForCausalLM
+    dtype = base_dtype or torch.float32
+    model = cls._from_config(config, dtype=dtype) if lora else cls(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        adapters = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear")
+        model = get_peft_model(model, adapters)  # (adapters in fp32)
+    return model
+
+
+def build_module(
+    size: str, lr: float = 1e-4, cpu_adam: bool = False, lora: int = 0, base_dtype=None
+):
+    """The LM of ``size`` as a LightningModule; ``cpu_adam``: AdamW as
+    DeepSpeed's CPU Adam (its ZeRO offload refuses a torch optimizer)."""
+    import lightning as L
+    import torch
 
     class LM(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            config = Qwen3Config(
-                vocab_size=v,
-                hidden_size=h,
-                intermediate_size=m,
-                num_hidden_layers=n,
-                num_attention_heads=a,
-                num_key_value_heads=k,
-                head_dim=h // a,
-                max_position_embeddings=1 << 20,
-                tie_word_embeddings=False,
-            )
-            self.model = Qwen3ForCausalLM(config)
+            self.model = build_model(size, lora, base_dtype)
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch[0], labels=batch[0]).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=lr)
+            if cpu_adam:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(self.trainable(), lr=lr, adamw_mode=True)
+            return torch.optim.AdamW(self.trainable(), lr=lr)
+
+        def trainable(self):
+            return [p for p in self.parameters() if p.requires_grad]
 
     return LM()
 
 
 def run_one(
-    strategy: str, size: str, seq: int, batch: int, micro: int, steps: int, devices: int
+    strategy: str,
+    size: str,
+    seq: int,
+    batch: int,
+    micro: int,
+    steps: int,
+    devices: int,
+    lora: int = 0,
+    profile: str | None = None,
 ) -> dict:
+    """One fit; ``lora``: LoRA rank (0: full fine-tuning); ``profile``: a folder
+    for a ``torch.profiler`` trace of steps 3 and 4 (of at least 5) with its
+    summary and timeline (``trace_summary.py``)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -83,7 +126,16 @@ def run_one(
             import deepspeed  # noqa: F401
         except ImportError:
             return {"skipped": "deepspeed is not installed"}
-    module = build_module(size)
+    # a LoRA base in the compute dtype where the strategy takes mixed dtypes
+    # (RoundPipe holds it once on the host; FSDP flattens one dtype per unit)
+    base = (
+        torch.bfloat16
+        if lora and gpu and strategy in ("roundpipe", "roundpipe_sync", "auto")
+        else None
+    )
+    module = build_module(
+        size, cpu_adam=strategy == "deepspeed_offload", lora=lora, base_dtype=base
+    )
     vocab = SIZES[size][5]
     data = TensorDataset(torch.randint(0, vocab, ((steps + 1) * batch, seq)))
     loader = DataLoader(data, batch_size=batch if strategy.startswith("roundpipe") else micro)
@@ -111,8 +163,16 @@ def run_one(
     times: list[float] = []
     engine_stats: list[tuple[float, float, int]] = []  # RoundPipe: (time, waited, bytes moved)
 
+    traced = (2 * accumulate, 4 * accumulate)  # the batches of steps 3 and 4
+    if profile and steps < 5:
+        raise SystemExit("--profile traces steps 3 and 4: give --steps 5 or more")
+
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if profile and batch_idx == traced[0]:
+                self.prof = _start_profiler(gpu)
+            if profile and batch_idx == traced[1]:
+                self.trace = _stop_profiler(self.prof, Path(profile), gpu)
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -158,9 +218,49 @@ def run_one(
         result["transfer_gb_per_s"] = round((b1 - b0) / (t1 - t0) / 1e9, 2)
         result["plan"] = str(getattr(trainer.strategy, "stage_plan", None))
         result["traffic_bytes"] = getattr(timer, "traffic", None)
+    if profile and hasattr(timer, "trace"):
+        result["profile"] = timer.trace
     if gpu:
         result["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
+
+
+def _start_profiler(gpu: bool):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if gpu:
+        torch.cuda.synchronize()
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # workers' ranges
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    prof = profile(activities=activities, experimental_config=config)
+    prof.__enter__()
+    return prof
+
+
+def _stop_profiler(prof, folder: Path, gpu: bool) -> dict:
+    """Stop, write ``trace.json.gz`` and ``timeline.png`` into ``folder``;
+    returns the trace's summary."""
+    import gzip
+    import shutil
+
+    import torch
+
+    if gpu:
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(folder / "trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    import trace_summary
+
+    events = trace_summary.load(folder / "trace.json.gz")
+    if events:
+        trace_summary.picture(events, folder / "timeline.png", "two training steps")
+    return trace_summary.summary(events)
 
 
 def trial(
@@ -172,6 +272,8 @@ def trial(
     steps: int,
     devices: int,
     timeout: float | None = None,
+    lora: int = 0,
+    profile: str | None = None,
 ) -> dict:
     """Run one trial in a fresh process; returns its JSON result. ``timeout``
     (default: ``$ROUNDPIPE_TRIAL_TIMEOUT`` seconds, else an hour) bounds it; a
@@ -195,7 +297,11 @@ def trial(
         str(steps),
         "--devices",
         str(devices),
+        "--lora",
+        str(lora),
     ]
+    if profile:
+        cmd += ["--profile", profile]
     return child_result(cmd, timeout)
 
 
@@ -208,9 +314,19 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--profile", help="a folder for a trace of steps 3 and 4")
     args = parser.parse_args()
     result = run_one(
-        args.strategy, args.size, args.seq, args.batch, args.micro, args.steps, args.devices
+        args.strategy,
+        args.size,
+        args.seq,
+        args.batch,
+        args.micro,
+        args.steps,
+        args.devices,
+        args.lora,
+        args.profile,
     )
     sys.stdout.write(json.dumps(result) + "\n")
 

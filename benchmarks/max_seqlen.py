@@ -22,8 +22,13 @@ from lm_runner import trial
 from report import emit
 
 
-def longest(strategy: str, size: str, low: int, high: int, step: int, devices: int) -> str:
-    first = trial(strategy, size, low, 1, 1, 2, devices)
+def longest(
+    strategy: str, size: str, low: int, high: int, step: int, devices: int, lora: int = 0
+) -> str:
+    def trial_at(seq: int) -> dict:
+        return trial(strategy, size, seq, 1, 1, 2, devices, lora=lora)
+
+    first = trial_at(low)
     if "skipped" in first or "error" in first:
         return first.get("skipped") or first["error"]
     if first.get("oom"):
@@ -31,12 +36,12 @@ def longest(strategy: str, size: str, low: int, high: int, step: int, devices: i
     lo, hi = low // step, high // step  # lo passes; search (lo, hi]
     if hi <= lo:  # nothing above --low to search
         return f">= {low}"
-    top = trial(strategy, size, hi * step, 1, 1, 2, devices)
+    top = trial_at(hi * step)
     if "tokens_per_second" in top:
         return f">= {hi * step}"
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        r = trial(strategy, size, mid * step, 1, 1, 2, devices)
+        r = trial_at(mid * step)
         if "tokens_per_second" in r:
             lo = mid
         else:
@@ -56,18 +61,18 @@ def main() -> None:
         nargs="+",
         default=["roundpipe", "auto", "fsdp_offload", "deepspeed_offload"],
     )
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     parser.add_argument("--append", type=Path)
     args = parser.parse_args()
     rows = ["| strategy | devices | longest sequence |", "|---|---:|---:|"]
     for s in args.strategies:
         for n in args.devices if s.startswith("roundpipe") else [1]:
-            found = longest(s, args.size, args.low, args.high, args.step, n)
+            found = longest(s, args.size, args.low, args.high, args.step, n, args.lora)
             rows.append(f"| {s} | {n} | {found} |")
     out = (
         f"### Longest sequence ({datetime.date.today()})\n\n`python benchmarks/max_seqlen.py`: "
-        f"size {args.size}, micro-batch 1, search {args.low}..{args.high} step {args.step}.\n\n"
-        + "\n".join(rows)
-        + "\n"
+        f"size {args.size}{f', LoRA r={args.lora}' if args.lora else ''}, micro-batch 1, "
+        f"search {args.low}..{args.high} step {args.step}.\n\n" + "\n".join(rows) + "\n"
     )
     emit(out, args.append)
 

@@ -28,14 +28,15 @@ from report import emit
 
 
 def measure(
-    sizes, seq, batch, micro, steps, devices, strategies=STRATEGIES, progress=None
+    sizes, seq, batch, micro, steps, devices, strategies=STRATEGIES, progress=None, lora=0
 ) -> dict[str, dict[str, dict]]:
     """Every strategy on every size, each in a fresh process: {size: {strategy:
     result}}; ``progress(results)`` is called after each trial."""
     results: dict[str, dict[str, dict]] = {}
     for size in sizes:
         for s in strategies:
-            results.setdefault(size, {})[s] = trial(s, size, seq, batch, micro, steps, devices)
+            r = trial(s, size, seq, batch, micro, steps, devices, lora=lora)
+            results.setdefault(size, {})[s] = r
             sys.stderr.write(f"{size} {s}: {results[size][s]}\n")
             if progress:
                 progress(results)
@@ -111,13 +112,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     parser.add_argument("--append", type=Path)
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
-    setting = {k: getattr(args, k) for k in ("seq", "batch", "micro", "steps", "devices")}
+    setting = {k: getattr(args, k) for k in ("seq", "batch", "micro", "steps", "devices", "lora")}
     doc = {"date": str(datetime.date.today()), "device": device, "torch": torch.__version__}
     doc["setting"] = {"precision": "bf16-mixed" if torch.cuda.is_available() else "32-true"}
     doc["setting"].update(setting)
@@ -135,11 +137,13 @@ def main() -> None:
         args.devices,
         args.strategies,
         save,
+        args.lora,
     )
     out = (
         f"### Throughput ({datetime.date.today()})\n\n`python benchmarks/throughput.py`: "
         f"{device}, {platform.machine()}, torch {torch.__version__}; sequence {args.seq}, "
         f"global batch {args.batch}, micro-batch {args.micro}, {args.devices} device(s), "
+        f"{f'LoRA r={args.lora}, ' if args.lora else ''}"
         f"{args.steps} steps.\n\n" + table(results) + "\n"
     )
     emit(out, args.append)

@@ -1,6 +1,7 @@
 """Benchmark scripts run (tiny settings) so they do not rot."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,13 @@ def test_lm_runner_trials_in_fresh_processes(concurrently):
     import torch
 
     mod = load("lm_runner")
-    ok, fsdp = concurrently(
+    ok, fsdp, lora = concurrently(
         lambda: mod.trial("roundpipe_sync", "tiny", 32, 4, 1, 2, 2),
         lambda: mod.trial("fsdp_offload", "tiny", 32, 4, 1, 2, 1),
+        lambda: mod.trial("roundpipe", "llama-tiny", 32, 4, 1, 3, 1, lora=4),
     )
     assert ok.get("tokens_per_second", 0) > 0, ok
+    assert lora.get("tokens_per_second", 0) > 0 and len(lora["step_seconds"]) == 3, lora
     if not torch.cuda.is_available():
         assert fsdp == {"skipped": "FSDP CPU offload needs CUDA"}
 
@@ -122,13 +125,21 @@ def test_gpu_session_script_parts(tmp_path):
         )
 
     bad = session("everything")
-    assert bad.returncode == 2 and "give tests, throughput, seqlen, engine, longctx" in bad.stderr
+    assert bad.returncode == 2 and "give tests, throughput, profile, lora, seqlen" in bad.stderr
     assert not any(tmp_path.iterdir())  # refused before it wrote anything
     ok = session("seqlen")
     assert ok.returncode == 0, ok.stderr[-2000:]
     table = (tmp_path / "max_seqlen.md").read_text()
     assert "| roundpipe | 1 | >= 128 |" in table
     assert "lightning 2." in (tmp_path / "machine.txt").read_text()
+    # the profile of two steps: its summary, trace and timeline
+    ok = session("profile")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    result = json.loads((tmp_path / "profile.json").read_text().strip().splitlines()[-1])
+    summary = result["profile"]
+    assert summary["window_seconds"] > 0 and summary["optimizer_step_seconds"] > 0
+    assert "RP wait weights (rule 2)" in summary["waits"]
+    assert {"trace.json.gz", "timeline.png"} <= {p.name for p in (tmp_path / "profile").iterdir()}
 
 
 def test_the_longest_sequence_is_bisected_between_low_and_high(monkeypatch):
@@ -270,3 +281,34 @@ def test_long_context_gpu_runs_its_trials_and_reports_them():
     assert rows[3].endswith("| out of memory |")
     rows = mod.throughput_rows([8192], [{"tokens_per_second": 1234.4, "measured_bytes": 2**30}])
     assert rows[2] == "| 8192 | 1234 | 1.00 | ran |"
+
+
+def test_the_trace_summary_counts_overlapping_work_once(tmp_path):
+    """Kernels on two streams that overlap count once; copies give bytes over
+    the window and over their own time; RoundPipe ranges are summed by kind."""
+    summary = load("trace_summary")
+
+    def x(name, cat, ts, dur, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        x("gemm", "kernel", 0, 400, stream=7),
+        x("gemm", "kernel", 300, 300, stream=8),  # overlaps: busy 0..600
+        x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 600, 100, bytes=5_000_000),
+        x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 800, 200, bytes=2_000_000),
+        x("RP optimizer step 3", "user_annotation", 0, 250),
+        x("RP wait weights (rule 2)", "user_annotation", 600, 100),
+        x("RP wait act0 mb3", "user_annotation", 700, 50),
+        {"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": "main"}},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = summary.summary(summary.load(path))
+    assert got["window_seconds"] == 0.001  # 0..1000 us
+    assert got["gpu_busy_fraction"] == 0.6 and got["gpu_idle_seconds"] == 0.0004
+    assert got["h2d_gb"] == 0.005 and got["h2d_gb_per_s"] == 5.0
+    assert got["h2d_gb_per_s_while_copying"] == 50.0 and got["d2h_busy_fraction"] == 0.2
+    assert got["optimizer_step_seconds"] == 0.00025
+    assert got["waits"] == {"RP wait act0": 0.00005, "RP wait weights (rule 2)": 0.0001}
+    summary.picture(summary.load(path), tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
