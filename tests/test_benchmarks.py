@@ -146,11 +146,12 @@ def test_the_longest_sequence_is_bisected_between_low_and_high(monkeypatch):
     """max_seqlen's search, with trials that fit up to a known length: the
     lengths it tries, what it reports, and a range with nothing above --low."""
     mod = load("max_seqlen")
-    tried = []
+    tried, ranks = [], set()
 
     def fits_up_to(limit):
-        def trial(strategy, size, seq, *args):
+        def trial(strategy, size, seq, *args, lora=0):
             tried.append(seq)
+            ranks.add(lora)
             return {"tokens_per_second": 1.0} if seq <= limit else {"oom": True}
 
         return trial
@@ -163,7 +164,10 @@ def test_the_longest_sequence_is_bisected_between_low_and_high(monkeypatch):
     assert mod.longest("roundpipe", "tiny", 128, 128, 64, 1) == ">= 128"
     monkeypatch.setattr(mod, "trial", fits_up_to(32))
     assert mod.longest("roundpipe", "tiny", 64, 1024, 64, 1) == "< 64"
-    monkeypatch.setattr(mod, "trial", lambda *a: {"skipped": "needs CUDA"})
+    assert ranks == {0}
+    assert mod.longest("roundpipe", "tiny", 64, 1024, 64, 1, lora=32) == "< 64"
+    assert ranks == {0, 32}  # the LoRA rank reaches every trial
+    monkeypatch.setattr(mod, "trial", lambda *a, **k: {"skipped": "needs CUDA"})
     assert mod.longest("auto", "tiny", 64, 1024, 64, 1) == "needs CUDA"
 
 
