@@ -316,3 +316,12 @@ def test_the_trace_summary_counts_overlapping_work_once(tmp_path):
     assert got["waits"] == {"RP wait act0": 0.00005, "RP wait weights (rule 2)": 0.0001}
     summary.picture(summary.load(path), tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_protocol_delays_reports_both_optimizers(capsys):
+    load("protocol_delays").main(
+        ["--compute", "0.04", "--step", "0.02", "--weight-copy", "0.01", "--grad-copy", "0.01",
+         "--steps", "3"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| synchronous |" in out and "| asynchronous |" in out
