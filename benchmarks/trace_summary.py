@@ -95,6 +95,21 @@ def summary(events: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _roles(events: list[dict[str, Any]]) -> dict[Any, str]:
+    """A host thread's role from the RoundPipe ranges it records (the trace
+    names threads by number only)."""
+    roles: dict[Any, str] = {}
+    for e in events:
+        name = e.get("name", "")
+        if name.startswith("RP optimizer"):
+            roles[e.get("tid")] = "optimizer"
+        elif re.match(r"RP \d+:", name) or name.startswith("RP wait weights"):
+            roles.setdefault(e.get("tid"), "device worker")
+        elif name.startswith("RP wait losses"):
+            roles.setdefault(e.get("tid"), "training loop")
+    return roles
+
+
 def picture(events: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Lanes: kernels per stream, copies each way, RoundPipe ranges per thread."""
     import matplotlib
@@ -103,6 +118,7 @@ def picture(events: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     start = min(e["ts"] for e in events)
+    roles = _roles(events)
     lanes: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         span = ((e["ts"] - start) / 1e6, e["dur"] / 1e6)
@@ -112,7 +128,7 @@ def picture(events: list[dict[str, Any]], path: Path, title: str = "") -> Path:
             lanes[f"copies {_direction(e)}"].append(span)
         elif e.get("name", "").startswith("RP "):
             what = "waits" if e["name"].startswith("RP wait") else "work"
-            lanes[f"thread {e.get('tid')} RP {what}"].append(span)
+            lanes[f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}: {what}"].append(span)
     names = sorted(lanes, key=lambda n: (not n.startswith("kernels"), n))
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(names) + 1.2))
     for i, name in enumerate(names):
