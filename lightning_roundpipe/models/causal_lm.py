@@ -398,28 +398,18 @@ class CausalLMAdapter(_Adapter):
         if attention_mask is not None and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
         ):
-            shape = (
-                tuple(attention_mask.shape)
-                if isinstance(attention_mask, torch.Tensor)
-                else type(attention_mask).__name__
-            )
             raise TypeError(
                 f"{name}: attention_mask must be a 2-D (batch, sequence) padding mask, got "
-                f"{shape}; the pipeline builds each layer's mask itself, so prepared masks are "
-                "not supported"
+                f"{_shape(attention_mask)}; the pipeline builds each layer's mask itself, so "
+                "prepared masks are not supported"
             )
         positions = a.get("position_ids")
         if positions is not None and (
             not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2)
         ):
-            shape = (
-                tuple(positions.shape)
-                if isinstance(positions, torch.Tensor)
-                else type(positions).__name__
-            )
             raise TypeError(
                 f"{name}: position_ids must be a (sequence) or (batch or 1, sequence) tensor, got "
-                f"{shape}; "
+                f"{_shape(positions)}; "
                 "the pipeline splits them with the batch (multimodal rotary positions, one row "
                 "per axis, are not supported): pass the text positions"
             )
@@ -551,6 +541,11 @@ class CausalLMAdapter(_Adapter):
         if self._moe_output:
             return MoeCausalLMOutputWithPast(aux_loss=aux_loss, **fields)
         return CausalLMOutputWithPast(**fields)
+
+
+def _shape(x: Any) -> Any:
+    """A call argument's shape for an error message (its type if not a tensor)."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _keeps_all(logits_to_keep: Any) -> bool:
