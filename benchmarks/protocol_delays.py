@@ -9,8 +9,9 @@ large GPU), ``--step`` seconds of optimizer step, ``--weight-copy`` seconds of
 P copies (fp32 weights into the master copy) and ``--grad-copy`` seconds of G
 copies. Sleeping threads need no cores, so the step times show the ordering
 rules alone: synchronous, about compute + step + copies; asynchronous, what
-the rules leave exposed. Used to read the step times of the first H200 run
-(``docs/benchmarks.md``).
+the rules leave exposed, with one master copy of the weights
+(``double_buffer=False``) and with two (the default). Used to read the step
+times of the first H200 run (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ LAYERS, MICROBATCHES = 8, 16
 
 
 def step_times(
-    compute: float, step: float, weight_copy: float, grad_copy: float, async_mode: bool, steps: int
+    compute: float,
+    step: float,
+    weight_copy: float,
+    grad_copy: float,
+    async_mode: bool,
+    steps: int,
+    double_buffer: bool | None = None,
 ) -> list[float]:
     import torch
     from torch import nn
@@ -56,7 +63,13 @@ def step_times(
     plan = f"|{LAYERS}|"  # one fused stage
     times = []
     with RoundPipeEngine(
-        layers, ["cpu"], MICROBATCHES, plan=plan, async_optimizer=async_mode, chaos=chaos
+        layers,
+        ["cpu"],
+        MICROBATCHES,
+        plan=plan,
+        async_optimizer=async_mode,
+        double_buffer=double_buffer,
+        chaos=chaos,
     ) as eng:
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -77,12 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--append", type=Path)
     args = parser.parse_args(argv)
     rows = ["| optimizer | step times (s) | steady step (s) |", "|---|---|---:|"]
-    for mode in (False, True):
+    modes = {
+        "synchronous": (False, None),
+        "asynchronous, one master copy": (True, False),
+        "asynchronous, two master copies": (True, True),
+    }
+    for name, (mode, double) in modes.items():
         got = step_times(
-            args.compute, args.step, args.weight_copy, args.grad_copy, mode, args.steps
+            args.compute, args.step, args.weight_copy, args.grad_copy, mode, args.steps, double
         )
         steady = statistics.median(got[2:]) if len(got) > 2 else statistics.median(got)
-        name = "asynchronous" if mode else "synchronous"
         rows.append(f"| {name} | {', '.join(f'{t:.2f}' for t in got)} | {steady:.2f} |")
     emit(
         f"### Protocol with injected times ({datetime.date.today()})\n\n"

@@ -8,12 +8,16 @@ an arrow for each rule dependency that actually occurred.
 
     python examples/protocol_trace.py               # docs/images/protocol-rules.png
     python examples/protocol_trace.py --out /tmp/fig --windows 4 --seed 1
+    python examples/protocol_trace.py --copies 1    # one master copy (double_buffer=False)
 
 The rules (see ``lightning_roundpipe/runtime/optimizer.py``), window ``w``
 being the ``forward_backward`` calls before the ``w``-th ``step``:
 
-1. the P copy of update ``w`` waits until window ``w + 1`` has finished
-   uploading the master copy (worker ``after_use`` -> optimizer ``p_copied``);
+1. the P copy of update ``w`` waits until the windows that read the master
+   copy it writes have finished uploading it (worker ``after_use`` ->
+   optimizer ``p_copied``): with two master copies (the default) windows
+   ``w - 1`` and ``w``, so the copy overlaps window ``w + 1``; with one,
+   window ``w + 1``;
 2. window ``k`` reads the master copy only after the P copy of update ``k - 2``
    (``p_copied`` -> worker ``before_upload``);
 3. the G copy of update ``w`` (the buffer lent to the step) waits for every
@@ -114,8 +118,8 @@ def _instrument(protocol, tracked: dict[int, str], rec: _Recorder) -> None:
 
     def consumer_many(orig: Callable) -> Callable:  # before_upload
         @functools.wraps(orig)
-        def wrapper(window, params, block=True):
-            result = orig(window, params, block)
+        def wrapper(window, version, params, block=True):
+            result = orig(window, version, params, block)
             if block:  # the non-blocking form only asks (CUDA prefetch)
                 for name in names(params):
                     rec.add(orig.__name__, window, name)
@@ -161,11 +165,12 @@ def _instrument(protocol, tracked: dict[int, str], rec: _Recorder) -> None:
     protocol.p_copied = producer_one(protocol.p_copied)
 
 
-def record(windows: int = 3, seed: int = 0) -> list[Event]:
+def record(windows: int = 3, seed: int = 0, copies: int = 2) -> list[Event]:
     """Run ``windows`` windows (one ``forward_backward`` and one ``step`` each)
-    on two CPU workers with the asynchronous optimizer and return the trace of
-    the first layer's weight (``"layer 0 weight"``) and the last layer's weight
-    (``"layer 4 weight"``), sorted by time."""
+    on two CPU workers with the asynchronous optimizer (``copies`` master
+    copies of the weights) and return the trace of the first layer's weight
+    (``"layer 0 weight"``) and the last layer's weight (``"layer 4 weight"``),
+    sorted by time."""
     layers = build_layers(seed)
     width = layers[0][0].in_features
     tracked_params = {"layer 0 weight": layers[0][0].weight, "layer 4 weight": layers[-1].weight}
@@ -192,6 +197,7 @@ def record(windows: int = 3, seed: int = 0) -> list[Event]:
         ["cpu", "cpu"],
         2,
         async_optimizer=True,
+        double_buffer=copies == 2,
         seed=seed,
         watchdog_timeout=60,
         profile_iterations=0,
@@ -217,10 +223,12 @@ def _of(events: list[Event], kind: str, window: int, param: str) -> list[Event]:
     return [e for e in events if e.kind == kind and e.window == window and e.param == param]
 
 
-def dependencies(events: list[Event], param: str) -> list[tuple[int, Event, Event]]:
+def dependencies(
+    events: list[Event], param: str, copies: int = 2
+) -> list[tuple[int, Event, Event]]:
     """The rule 1-4 dependencies of ``param`` observed in ``events``, as
     ``(rule, producer, consumer)``: rule 1: last ``after_use`` of window
-    ``w + 1`` -> ``p_copied(w)``; rule 2: ``p_copied(w)`` -> first
+    ``w`` (one master copy: ``w + 1``) -> ``p_copied(w)``; rule 2: ``p_copied(w)`` -> first
     ``before_upload`` of window ``w + 2``; rule 3: last ``after_grad(w)`` ->
     ``g_copied(w)``; rule 4: ``released(w)`` -> first ``before_add(w + 1)``.
     A rule held where ``consumer.t >= producer.t``."""
@@ -228,7 +236,7 @@ def dependencies(events: list[Event], param: str) -> list[tuple[int, Event, Even
     windows = sorted({e.window for e in events if e.param == param})
     for w in windows:
         for rule, (pk, pw, pick_p), (ck, cw, pick_c) in (
-            (1, ("after_use", w + 1, max), ("p_copied", w, min)),
+            (1, ("after_use", w + (copies == 1), max), ("p_copied", w, min)),
             (2, ("p_copied", w, min), ("before_upload", w + 2, min)),
             (3, ("after_grad", w, max), ("g_copied", w, min)),
             (4, ("released", w, min), ("before_add", w + 1, min)),
@@ -252,12 +260,12 @@ def updates(events: list[Event], param: str) -> list[list[Event]]:
     return out
 
 
-def violations(events: list[Event], param: str) -> list[str]:
+def violations(events: list[Event], param: str, copies: int = 2) -> list[str]:
     """Every observed dependency of ``param`` that ran backwards in time."""
     bad = [
         f"rule {rule}: {c.kind}(window {c.window}) at {c.t:.2f} ms before "
         f"{p.kind}(window {p.window}) at {p.t:.2f} ms"
-        for rule, p, c in dependencies(events, param)
+        for rule, p, c in dependencies(events, param, copies)
         if c.t < p.t
     ]
     order = ["wait_grads", "g_copied", "step_begin", "step_end", "released", "p_copied"]
@@ -292,7 +300,7 @@ def _lane_name(thread: str) -> str:
     return f"courier {m.group(1)}" if m else thread
 
 
-def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path:
+def plot(events: list[Event], path: Path, param: str = "layer 0 weight", copies: int = 2) -> Path:
     """Draw the trace of ``param`` (and the steps) into ``path``."""
     import matplotlib
 
@@ -373,7 +381,7 @@ def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path
     # rules 1-4: one arrow per observed dependency, numbered at the arc's middle
     to_px, to_data = ax.transData.transform, ax.transData.inverted().transform
     bends = {1: 0.35, 2: 0.3, 3: -0.35, 4: 0.12}
-    for rule, p, c in dependencies(events, param):
+    for rule, p, c in dependencies(events, param, copies):
         colour = RULE_COLOURS[rule]
         ax.annotate(
             "",
@@ -471,7 +479,12 @@ def plot(events: list[Event], path: Path, param: str = "layer 0 weight") -> Path
     handles += [
         Line2D([], [], color=RULE_COLOURS[r], lw=1.4, label=text)
         for r, text in (
-            (1, "1: P copy of update w waits for window w+1's uploads"),
+            (
+                1,
+                "1: P copy of update w waits for window w's uploads (two master copies)"
+                if copies == 2
+                else "1: P copy of update w waits for window w+1's uploads (one master copy)",
+            ),
             (2, "2: window k uploads after the P copy of update k-2"),
             (3, "3: G copy of update w waits for window w's gradients"),
             (4, "4: window w+1's gradients are added after update w released the buffer"),
@@ -498,16 +511,19 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "docs/images")
     parser.add_argument("--windows", type=int, default=4, help="optimizer steps to record")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the delays")
+    parser.add_argument(
+        "--copies", type=int, choices=(1, 2), default=2, help="master copies (double_buffer)"
+    )
     args = parser.parse_args(argv)
-    events = record(args.windows, args.seed)
+    events = record(args.windows, args.seed, args.copies)
     broken = [
         f"{param}: {text}"
         for param in sorted({e.param for e in events if e.param})
-        for text in violations(events, param)
+        for text in violations(events, param, args.copies)
     ]
     if broken:  # the runtime broke an ordering rule: a bug, never a picture
         raise RuntimeError("ordering rule violated in the recorded trace:\n" + "\n".join(broken))
-    return plot(events, args.out / OUT_NAME)
+    return plot(events, args.out / OUT_NAME, copies=args.copies)
 
 
 if __name__ == "__main__":

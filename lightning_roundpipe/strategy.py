@@ -113,6 +113,13 @@ class RoundPipeStrategy(ParallelStrategy):
             ``"auto"`` (default): an eighth of a stage's device memory (128 MiB
             on CPU workers); ``None``: never tile. The result is the same either
             way.
+        double_buffer: with the asynchronous optimizer, keep the trainable
+            weights' master copy (compute dtype, host memory) twice, so that a
+            step's weight copies overlap the next window instead of waiting
+            for it to finish: 2 more host bytes per trainable parameter in
+            bf16 (nothing for frozen weights such as a LoRA base). ``None``
+            (default): on with the asynchronous optimizer; ``False`` saves the
+            memory; ``True`` with ``async_optimizer=False`` is refused.
         optimizer_threads: intra-op threads for the optimizer thread.
         fuse_optimizer: switch Adam/AdamW to torch's fused CPU kernel (same
             update, several times faster on the host).
@@ -175,6 +182,7 @@ class RoundPipeStrategy(ParallelStrategy):
         layers: str | None = None,
         device_memory_limit: int | None = None,
         tile_memory: int | Literal["auto"] | None = "auto",
+        double_buffer: bool | None = None,
         optimizer_threads: int | None = None,
         fuse_optimizer: bool = True,
         seed: int | None = None,
@@ -219,6 +227,7 @@ class RoundPipeStrategy(ParallelStrategy):
             watchdog_timeout=watchdog_timeout,
             device_memory_limit=device_memory_limit,
             tile_memory=tile_memory,
+            double_buffer=double_buffer,
             optimizer_threads=optimizer_threads,
             profile_iterations=profile_iterations,
             replan_margin=replan_margin,

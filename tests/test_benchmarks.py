@@ -324,4 +324,6 @@ def test_protocol_delays_reports_both_optimizers(capsys):
          "--steps", "3"]
     )  # fmt: skip
     out = capsys.readouterr().out
-    assert "| synchronous |" in out and "| asynchronous |" in out
+    assert "| synchronous |" in out
+    assert "| asynchronous, one master copy |" in out
+    assert "| asynchronous, two master copies |" in out

@@ -56,18 +56,24 @@ def gib(x: float) -> str:
 
 
 def host_state_bytes(
-    model: nn.Module, precision: str, frozen_dtype: torch.dtype | None = None
+    model: nn.Module,
+    precision: str,
+    frozen_dtype: torch.dtype | None = None,
+    double_buffer: bool = True,
 ) -> int:
     """Host bytes of the model's state under RoundPipe: per trainable parameter
-    the parameter, its master copy in the compute dtype, the fp32 gradient
-    buffer and two Adam moments (in the parameter's dtype); per frozen one the
-    parameter (in ``frozen_dtype``) and a master copy unless the parameter is
-    already in the compute dtype, then it is its own master. Parameters are
-    fp32 unless the precision is "-true" (Lightning converts the model)."""
+    the parameter, its master copy in the compute dtype (two with
+    ``double_buffer``, the asynchronous optimizer's default), the fp32
+    gradient buffer and two Adam moments (in the parameter's dtype); per
+    frozen one the parameter (in ``frozen_dtype``) and a master copy unless
+    the parameter is already in the compute dtype, then it is its own master.
+    Parameters are fp32 unless the precision is "-true" (Lightning converts
+    the model)."""
     compute = PRECISIONS[precision]
     param = compute if precision.endswith("-true") else torch.float32
     frozen = frozen_dtype or param
-    trained = param.itemsize * 3 + compute.itemsize + 4
+    masters = 2 if double_buffer else 1
+    trained = param.itemsize * 3 + compute.itemsize * masters + 4
     kept = frozen.itemsize + (0 if frozen == compute else compute.itemsize)
     return sum(p.numel() * (trained if p.requires_grad else kept) for p in model.parameters())
 
@@ -394,7 +400,7 @@ def estimate(
             models[key] = adapter.activation_model(dtype, applied, loss=True, prepare=real)
         return models[key]
 
-    state = host_state_bytes(model, precision, frozen_dtype)
+    state = host_state_bytes(model, precision, frozen_dtype, double_buffer=async_optimizer)
     hidden = int(config.hidden_size)
     # what one micro-batch's boundary values may take on the host before the
     # plan changes, as the engine decides it (80% of what the model state
@@ -489,7 +495,7 @@ def estimate(
             f"weight traffic ({upload:.3g} s per step at {link_gbps} GB/s per GPU link) exceeds "
             "compute: raise num_microbatches (more work per upload) or sequence length"
         )
-    compute_state = host_state_bytes(model, precision, dtype)
+    compute_state = host_state_bytes(model, precision, dtype, double_buffer=async_optimizer)
     if compute_state < state:
         name = str(dtype).removeprefix("torch.")
         notes.append(

@@ -274,8 +274,9 @@ class Clock:
     * weights: synchronous mode: window ``k`` waits for step ``k - 1``;
       asynchronous mode (staleness 1): a task of window ``k`` reads a layer
       once update ``k - 2`` is copied into it, which happens after that step
-      and after every task of window ``k - 1`` has read the layer (ordering
-      rules 1 and 2);
+      and, with one master copy, after every task of window ``k - 1`` has read
+      the layer (ordering rules 1 and 2; with two copies, ``double_buffer``,
+      the update writes the copy window ``k - 1`` does not read);
     * an ``ordered`` task waits for the previous task of its slot.
 
     Args:
@@ -284,6 +285,8 @@ class Clock:
         async_optimizer: staleness-1 weights (see above).
         comm_time: time for a value to move between two devices.
         optimizer_time: time of one optimizer step on the host.
+        double_buffer: two master copies of the trainable weights (the
+            runtime's default with the asynchronous optimizer).
         record: keep every busy :class:`Segment` in :attr:`segments` (the
             simulator does); a schedule always carries its own.
     """
@@ -296,6 +299,7 @@ class Clock:
         async_optimizer: bool = True,
         comm_time: float = 0.0,
         optimizer_time: float = 0.0,
+        double_buffer: bool = True,
         record: bool = False,
     ) -> None:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -309,6 +313,7 @@ class Clock:
         self.async_optimizer = async_optimizer
         self.comm_time = comm_time
         self.optimizer_time = optimizer_time
+        self.double_buffer = double_buffer
         self.record = record
         self.free = [0.0] * num_devices
         self.segments: list[Segment] = []
@@ -344,6 +349,8 @@ class Clock:
         update = window - 2  # the update whose weights this window computes with
         if update < self.first_window:
             return 0.0
+        if self.double_buffer:
+            return self._steps.get(update, 0.0)
         reads = self._reads
         return max(
             [self._steps.get(update, 0.0)]

@@ -182,16 +182,20 @@ def simulate_schedules(
     comm_time: float = 0.0,
     optimizer_time: float = 0.0,
     placement: Placement = "free-first",
+    double_buffer: bool = True,
 ) -> tuple[list[Schedule], Clock]:
     """Lower ``iterations`` training iterations back to back (one optimizer
     step each) on one clock, exactly as the runtime lowers them; the clock
-    holds every predicted segment."""
+    holds every predicted segment. ``double_buffer``: the trainable weights
+    have two master copies (the runtime's default with the asynchronous
+    optimizer; see :class:`Clock`)."""
     clock = Clock(
         costs,
         num_devices,
         async_optimizer=async_optimizer,
         comm_time=comm_time,
         optimizer_time=optimizer_time,
+        double_buffer=double_buffer,
         record=True,
     )
     out = []

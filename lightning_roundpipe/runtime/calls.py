@@ -63,6 +63,7 @@ class Call:
     profiler: Profiler | None = None  # set while this iteration is being profiled
     gain: Gain | None = None  # a factor for the weight gradients given later; None: 1
     input_grad: bool = False  # the first layer's input gradient is wanted too
+    version: int = 0  # its tasks read the weights after this many updates
 
 
 @dataclass(eq=False)

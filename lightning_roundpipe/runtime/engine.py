@@ -172,6 +172,15 @@ class RoundPipeEngine:
             stage's device memory (``device_memory_limit``, or half the free
             memory of a GPU), 128 MiB on CPU workers without a limit;
             ``None``: never tile.
+        double_buffer: asynchronous optimizer only: keep a second master copy
+            of the trainable weights on the host, one per parity of the
+            weights' version, so that an update's weight copies (P copies) go
+            into the copy no running window reads and overlap the next window
+            instead of waiting for it to close. Costs the trainable weights once
+            more in the compute dtype (2 bytes per parameter in bf16/fp16, 4 in
+            fp32; nothing for frozen weights such as a LoRA base). ``None``
+            (default): on with the asynchronous optimizer; ``True`` with the
+            synchronous one is refused.
         parameter_names: names for the parameters in errors (e.g. the
             LightningModule's ``named_parameters()``, as a dict from parameter
             to name); default ``layers[i].<name inside the layer>``.
@@ -217,6 +226,7 @@ class RoundPipeEngine:
         nonfinite: NonFinite = "raise",
         size_limit: int | None = None,
         tile_memory: int | Literal["auto"] | None = "auto",
+        double_buffer: bool | None = None,
         parameter_names: dict[nn.Parameter, str] | None = None,
         replicas: Replicas | None = None,
         chaos: Callable[[str], None] | None = None,
@@ -259,6 +269,7 @@ class RoundPipeEngine:
             replan_margin=replan_margin,
             nonfinite=nonfinite,
             tile_memory=tile_memory,
+            double_buffer=double_buffer,
         )
         compute_dtype = self.options.compute_dtype
         user_plan = plan is not None
@@ -358,8 +369,16 @@ class RoundPipeEngine:
         # while evaluating with the newest weights: the master copies the next
         # training window computes with (asynchronous mode), by parameter index
         self._training_masters: dict[int, torch.Tensor] | None = None
+        # evaluating with the newest weights (use_newest_weights)
+        self._newest = False
         self._lock = threading.Lock()
-        self._host = HostState(layers, compute_dtype, pinned=devs[0].type == "cuda")
+        self.double_buffer = self.options.double_buffered
+        self._host = HostState(
+            layers,
+            compute_dtype,
+            pinned=devs[0].type == "cuda",
+            copies=2 if self.double_buffer else 1,
+        )
         try:
             store = Store(watchdog_timeout)
             self._protocol = Protocol(self._host, store, async_optimizer, rules)
@@ -499,6 +518,7 @@ class RoundPipeEngine:
             costs if costs is not None else self._costs,
             self.num_devices,
             async_optimizer=self.async_optimizer,
+            double_buffer=self.double_buffer,
         )
         if same:
             return
@@ -959,7 +979,7 @@ class RoundPipeEngine:
         Caller holds ``self._lock``."""
         self._serial += 1
         profiler = self._profiler
-        return Call(
+        call = Call(
             iteration,
             self._window,
             self._serial,
@@ -973,6 +993,8 @@ class RoundPipeEngine:
             [info.modes() for info in self._host.layers],
             profiler if train and profiler is not None and profiler.wants(iteration) else None,
         )
+        call.version = self._protocol.read_version(self._window, newest=self._newest)
+        return call
 
     def reserve_iteration(self) -> int:
         """Take the next iteration number now (for a ``forward`` whose
@@ -1226,7 +1248,8 @@ class RoundPipeEngine:
 
     def synchronize(self) -> None:
         """Wait for all outstanding work: every dispatched stage, every queued
-        optimizer step and every queued :meth:`call`. Afterwards parameters hold
+        optimizer step and every queued :meth:`call` (with two master copies,
+        the steps' weight copies too). Afterwards parameters hold
         the latest weights and each trainable parameter's ``.grad`` the gradient
         accumulated since the last ``step`` (fp32, in the parameter's dtype;
         ``None`` where nothing reached the parameter)."""
@@ -1234,10 +1257,17 @@ class RoundPipeEngine:
         self._wait_tasks()
         self._caller_grads.wait_settled()
         opt = self._optimizer
+        # with two master copies nothing holds back an update's weight copies:
+        # they are done too, so the master copies are settled afterwards
+        copies = self._protocol.double_buffer
         self._wait(
             lambda: self._rt.store.wait_until(
-                lambda: opt.applied >= self._jobs and opt.calls_done >= self._calls,
-                "the optimizer worker to finish its steps and queued calls",
+                lambda: (
+                    opt.applied >= self._jobs
+                    and opt.calls_done >= self._calls
+                    and (not copies or opt.copies_done())
+                ),
+                "the optimizer worker to finish its steps, weight copies and queued calls",
             )
         )
         if self._window_has_grads:  # evaluation alone leaves .grad untouched
@@ -1332,6 +1362,9 @@ class RoundPipeEngine:
         evaluated. Synchronous mode: nothing to do after
         :meth:`synchronize`, the master copies are the parameters."""
         self.synchronize()
+        if self.double_buffer:  # a master copy holds them (or will: rule 2 waits)
+            self._newest = True
+            return
         behind = self._optimizer.pending_copies()  # their masters are one update behind
         if not self.async_optimizer or not behind or self._training_masters is not None:
             return
@@ -1349,6 +1382,7 @@ class RoundPipeEngine:
         :meth:`use_newest_weights` set aside; the evaluation's outputs were all
         taken, so nothing reads them any more). Training calls do this
         themselves."""
+        self._newest = False
         kept, self._training_masters = self._training_masters, None
         if kept:
             with torch.no_grad():
@@ -1363,7 +1397,8 @@ class RoundPipeEngine:
         they are views of the engine's host memory, valid while it is open
         (clone what must outlive it)."""
         kept = self._training_masters or {}
-        return [kept.get(p.index, p.master) for p in self._host.params]
+        version = self._protocol.read_version(self._window)
+        return [kept.get(p.index, p.master_for(version)) for p in self._host.params]
 
     def parameters(self) -> list[nn.Parameter]:
         """The distinct parameters of the pipeline layers, in engine order."""
@@ -1385,6 +1420,7 @@ class RoundPipeEngine:
         if self._iteration or self._window:
             raise RuntimeError("resume() must be called before the first forward_backward")
         self._training_masters = None
+        self._newest = False
         params = self._host.params
         if len(stale) != len(params):
             raise ValueError(f"resume() got {len(stale)} tensors for {len(params)} parameters")
@@ -1396,9 +1432,10 @@ class RoundPipeEngine:
                         f"{p.index} of shape {tuple(p.master.shape)}"
                     )
                 # a frozen weight never changes (its master may be the parameter
-                # itself: a weight saved while it trained must not overwrite it)
+                # itself: a weight saved while it trained must not overwrite it);
+                # window 1, next, reads version 0
                 if p.trainable:
-                    p.master.copy_(t)
+                    p.master_for(0).copy_(t)
         # numbering as if a window 0 had run: window 1 is next, the G copy of
         # window 0 is done, and update 0's P copy (parameters -> masters) is pending
         self._window = 1
@@ -1410,6 +1447,7 @@ class RoundPipeEngine:
         parameters outside :meth:`step` (e.g. ``load_state_dict``)."""
         self.synchronize()
         self._training_masters = None
+        self._newest = False
         self._host.refresh_masters()
 
     def zero_grad(self) -> None:

@@ -3,11 +3,16 @@
 * the **optimizer copy**: the user's own parameters, on the host, untouched in
   name, dtype and identity (``state_dict`` keys do not change);
 * the **master copy**: the weights in the compute dtype in host memory that
-  devices upload from: views into one flat buffer in layer order (page-locked
-  when CUDA is present), so a stage's weights go up as one copy. A frozen
+  devices upload from: views into flat buffers in layer order (page-locked
+  when CUDA is present), one for the frozen weights and one for the trainable
+  ones, so a stage's weights go up in at most two copies. A frozen
   parameter already in the compute dtype (the base model of LoRA loaded in
   bf16) is its own master copy: its data moves into the flat buffer instead of
-  being copied there, so the host holds such weights once, not twice;
+  being copied there, so the host holds such weights once, not twice. With
+  ``copies=2`` (the asynchronous optimizer's default) the trainable weights
+  have two master copies, one per parity of the weights' *version* (the
+  number of updates they include): an update writes the copy no running
+  window reads, so its weight copies need not wait for the next window;
 * per trainable parameter an fp32 **gradient buffer** on the host that device
   gradients are added into (also one flat buffer). The
   buffers live as long as the engine: the first gradient of a window is
@@ -177,20 +182,31 @@ class _Arena:
 class _Param:
     """One distinct parameter of the model (tied parameters appear once).
 
-    ``offset`` is the byte offset of its master copy in the master arena;
-    ``filled`` says whether ``grad`` holds gradients of the current window
-    (the first one is copied in, so the buffer is never zero-filled);
-    ``shared``: the parameter's data is its master copy (frozen, in the
-    compute dtype)."""
+    ``masters``: its master copies, one per version parity for a trainable
+    parameter with two copies, else one (``master`` is the first); ``offset``
+    is their byte offset in their arenas (the frozen one, or each trainable
+    one: the same layout); ``filled`` says whether ``grad`` holds gradients of
+    the current window (the first one is copied in, so the buffer is never
+    zero-filled); ``shared``: the parameter's data is its master copy (frozen,
+    in the compute dtype)."""
 
     index: int
     param: nn.Parameter
-    master: torch.Tensor
+    masters: tuple[torch.Tensor, ...]
     grad: torch.Tensor | None
     offset: int = 0
     filled: bool = False
     shared: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The (first) master copy: shape, dtype, and the weights of even versions."""
+        return self.masters[0]
+
+    def master_for(self, version: int) -> torch.Tensor:
+        """The master copy that holds the weights after ``version`` updates."""
+        return self.masters[version % len(self.masters)]
 
     @property
     def trainable(self) -> bool:
@@ -204,13 +220,18 @@ class _Param:
 
 @dataclass(frozen=True)
 class Span:
-    """The master copies of a stage's parameters: one byte range of the arena
-    (``offset``, ``nbytes``) holding ``inside`` (each with its offset relative
-    to the range), plus ``outside``: parameters first used by an earlier layer
-    (tied weights), uploaded on their own."""
+    """The master copies of a stage's parameters as they go up: one device
+    buffer of ``nbytes`` filled from two byte ranges, ``frozen`` (offset and
+    length in the frozen arena, at the buffer's start) and ``trained``
+    (offset and length in a trainable arena, at ``trained_at`` in the buffer),
+    holding ``inside`` (each parameter with its offset in the buffer), plus
+    ``outside``: parameters first used by an earlier layer (tied weights),
+    uploaded on their own."""
 
-    offset: int
     nbytes: int
+    frozen: tuple[int, int]
+    trained: tuple[int, int]
+    trained_at: int
     inside: tuple[tuple[_Param, int], ...]
     outside: tuple[_Param, ...]
 
@@ -372,13 +393,25 @@ class HostState:
         layers: the model's layers, in pipeline order; moved to the host.
         compute_dtype: dtype of the master copy (the dtype devices compute in).
         pinned: page-lock the master copies (CUDA).
+        copies: master copies of each trainable weight: 1, or 2 (one per
+            version parity, for the asynchronous optimizer's overlapped weight
+            copies; costs the trainable weights once more in the compute dtype).
     """
 
     def __init__(
-        self, layers: Sequence[nn.Module], compute_dtype: torch.dtype, pinned: bool = False
+        self,
+        layers: Sequence[nn.Module],
+        compute_dtype: torch.dtype,
+        pinned: bool = False,
+        copies: int = 1,
     ) -> None:
+        if copies not in (1, 2):
+            raise ValueError(f"copies must be 1 or 2, got {copies!r}")
         self.compute_dtype = compute_dtype
-        self.pool = _Arena(pinned)
+        self.copies = copies
+        self.pool = _Arena(pinned)  # the frozen weights' master copies
+        # the trainable weights' master copies, one arena per version parity
+        self.train_pools = [_Arena(pinned) for _ in range(copies)]
         # gradients come down into pinned staging and are added here on the host:
         # these buffers are never a copy's target, so they stay pageable
         self.grad_pool = _Arena(False)
@@ -396,28 +429,36 @@ class HostState:
         distinct = {id(t): t for layer in layers for t in _tensors(layer)}
         storages = Counter(_storage(t) for t in distinct.values())
         del distinct
-        # the arena's pages are committed as they are written: one parameter at
+        frozen = [p for p in unique if not p.requires_grad]
+        trainable = [p for p in unique if p.requires_grad]
+        # the arenas' pages are committed as they are written: one parameter at
         # a time, a frozen one in the compute dtype moved (its master is its
         # data; its old storage is freed as it goes), so the host never holds
         # such weights twice
-        masters = self.pool.allocate([p.shape for p in unique], compute_dtype)
-        shared = []
-        with torch.no_grad():
-            for i, (p, m) in enumerate(zip(unique, masters, strict=True)):
-                m.copy_(p.detach())
-                if _shareable(p, compute_dtype, storages):
-                    masters[i] = self.pool.own(m)
-                    p.data = masters[i]
-                    shared.append(i)
-        trainable = [p for p in unique if p.requires_grad]
-        # zero-filled once here; later windows copy their first gradient in
+        fixed = iter(self.pool.allocate([p.shape for p in frozen], compute_dtype))
+        fixed_at = iter(self.pool.offsets)
+        arenas = [a.allocate([p.shape for p in trainable], compute_dtype) for a in self.train_pools]
+        trained = iter(zip(*arenas, strict=True))
+        trained_at = iter(self.train_pools[0].offsets)
         grads = iter(self.grad_pool.allocate([p.shape for p in trainable], torch.float32))
-        self.params: list[_Param] = [
-            _Param(i, p, m, next(grads) if p.requires_grad else None, offset=off)
-            for i, (p, m, off) in enumerate(zip(unique, masters, self.pool.offsets, strict=True))
-        ]
-        for i in shared:
-            self.params[i].shared = True
+        self.params: list[_Param] = []
+        with torch.no_grad():
+            for i, p in enumerate(unique):
+                if p.requires_grad:
+                    masters = next(trained)
+                    for m in masters:
+                        m.copy_(p.detach())
+                    # zero-filled once here; later windows copy their first gradient in
+                    hp = _Param(i, p, masters, next(grads), offset=next(trained_at))
+                else:
+                    m = next(fixed)
+                    m.copy_(p.detach())
+                    hp = _Param(i, p, (m,), None, offset=next(fixed_at))
+                    if _shareable(p, compute_dtype, storages):
+                        hp.masters = (self.pool.own(m),)
+                        p.data = hp.master
+                        hp.shared = True
+                self.params.append(hp)
         self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
         self._spans: dict[tuple[int, int], Span] = {}
         self._stage_params: dict[tuple[int, int], list[_Param]] = {}
@@ -446,14 +487,35 @@ class HostState:
 
     def _span(self, start: int, stop: int) -> Span:
         a, b = self._first[start], self._first[stop]
-        inside = self.params[a:b]
-        if inside:
-            offset = inside[0].offset
-            nbytes = inside[-1].offset + inside[-1].nbytes - offset
-        else:
-            offset, nbytes = 0, 0
+        introduced = self.params[a:b]
+        ranges, placed, at = [], [], 0
+        # the frozen weights first, then the trainable ones (aligned)
+        for trainable in (False, True):
+            group = [p for p in introduced if p.trainable == trainable]
+            offset = group[0].offset if group else 0
+            nbytes = group[-1].offset + group[-1].nbytes - offset if group else 0
+            ranges.append((offset, nbytes, at))
+            placed += [(p, at + p.offset - offset) for p in group]
+            at += -(-nbytes // _Arena.ALIGN) * _Arena.ALIGN
+        (f_off, f_len, _), (t_off, t_len, t_at) = ranges
         outside = tuple(p for p in self.stage_params(start, stop) if not a <= p.index < b)
-        return Span(offset, nbytes, tuple((p, p.offset - offset) for p in inside), outside)
+        return Span(t_at + t_len, (f_off, f_len), (t_off, t_len), t_at, tuple(placed), outside)
+
+    def sources(self, span: Span, version: int) -> list[tuple[int, torch.Tensor]]:
+        """The host byte ranges a stage's device buffer is filled from for the
+        weights after ``version`` updates: ``(offset in the buffer, bytes)``
+        pairs (one or two; empty ranges left out)."""
+        out = []
+        f_off, f_len = span.frozen
+        if f_len:
+            assert self.pool.buffer is not None
+            out.append((0, self.pool.buffer[f_off : f_off + f_len]))
+        t_off, t_len = span.trained
+        if t_len:
+            arena = self.train_pools[version % self.copies].buffer
+            assert arena is not None
+            out.append((span.trained_at, arena[t_off : t_off + t_len]))
+        return out
 
     @property
     def first_params(self) -> list[int]:
@@ -517,12 +579,14 @@ class HostState:
                 p.param.grad = None
 
     def refresh_masters(self) -> None:
-        """Copy the optimizer copy into the master copy (after a step; a
-        parameter whose data is its master has nothing to copy)."""
+        """Copy the optimizer copy into every master copy (the parameters were
+        changed outside a step; a parameter whose data is its master has
+        nothing to copy)."""
         with torch.no_grad():
             for p in self.params:
-                if p.master.data_ptr() != p.param.data_ptr():
-                    p.master.copy_(p.param.detach())
+                for m in p.masters:
+                    if m.data_ptr() != p.param.data_ptr():
+                        m.copy_(p.param.detach())
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory held by the engine, by kind (for reports): ``master``
@@ -530,15 +594,18 @@ class HostState:
         (not an extra copy: part of ``master``), ``grad`` the gradient
         buffers, ``pinned`` how much of it is page-locked."""
         return {
-            "master": sum(p.nbytes for p in self.params),
+            "master": sum(p.nbytes * len(p.masters) for p in self.params),
             "shared": sum(p.nbytes for p in self.params if p.shared),
             "grad": sum(p.grad.numel() * 4 for p in self.params if p.grad is not None),
-            "pinned": self.pool.nbytes + self.grad_pool.nbytes,
+            "pinned": sum(a.nbytes for a in self._arenas()),
         }
 
+    def _arenas(self) -> list[_Arena]:
+        return [self.pool, *self.train_pools, self.grad_pool]
+
     def release(self) -> None:
-        self.pool.release()
-        self.grad_pool.release()
+        for arena in self._arenas():
+            arena.release()
 
     def free(self) -> None:
         """Unpin and drop the master copies and gradient buffers (the engine is
@@ -548,11 +615,12 @@ class HostState:
         that are their own master copy keep their part of the buffer."""
         keep = [(p.offset, p.nbytes) for p in self.params if p.shared]
         for p in self.params:
-            p.master = p.master.new_empty(0)
+            p.masters = tuple(m.new_empty(0) for m in p.masters)
             if p.grad is not None:
                 p.grad = p.grad.new_empty(0)
         self.pool.free(keep)
-        self.grad_pool.free()
+        for arena in [*self.train_pools, self.grad_pool]:
+            arena.free()
 
 
 #: of the host memory available when an engine starts (its model state

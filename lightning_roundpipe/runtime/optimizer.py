@@ -14,9 +14,16 @@ window start while deep layers are still being copied:
 
 1. the P copy of update ``w`` (fp32 weights -> master copy) waits until every
    task of window ``w + 1`` that uses the parameter is done with it
-   (``uses``, counted down by workers);
+   (``uses``, counted down by workers). With two master copies (asynchronous
+   mode's default, see :mod:`.host`) update ``w`` writes the copy of version
+   ``w + 1``, which windows ``w - 1`` and ``w`` read (versions ``w - 1``),
+   not window ``w + 1`` (version ``w``): it waits for those two windows
+   only, which its own G copies (rule 3) already waited for, so the weight
+   copies overlap window ``w + 1`` instead of following it;
 2. a task of window ``k`` reads the master copy only once P copies of updates
-   ``0 .. k-2`` are done (``p_done``; sync mode: ``0 .. k-1``);
+   ``0 .. k-2`` are done (``p_done``; sync mode: ``0 .. k-1``): it reads the
+   weights of *version* ``k - 1`` (sync mode: ``k``; an evaluation with the
+   newest weights: the number of closed windows);
 3. the G copy of update ``w`` (the gradient buffer lent to the step as
    ``.grad``) waits until every task of window ``w`` has added its gradient
    (``grads``, counted down);
@@ -145,9 +152,17 @@ class Rules:
     def uses_done(self, proto: Protocol, window: int, p: _Param) -> bool:
         """Rule 1: no task of ``window`` or ``window + 1`` reads ``p``'s master
         copy any more and window ``window + 1`` is closed (synchronous mode:
-        nothing of the next window runs yet)."""
+        nothing of the next window runs yet). With two master copies: no task
+        of ``window - 1`` or ``window`` reads it (the copy of the version the
+        update writes) and ``window`` is closed."""
         if not proto.async_mode:
             return True
+        if proto.double_buffer:
+            return (
+                proto.closed >= window
+                and proto.uses.get((p.index, window), 0) <= 0
+                and proto.uses.get((p.index, window - 1), 0) <= 0
+            )
         nxt = window + 1
         return (
             proto.closed >= nxt
@@ -166,6 +181,8 @@ class Protocol:
         self.host = host
         self.store = store
         self.async_mode = async_mode
+        # two master copies of the trainable weights (rule 1 then waits less)
+        self.double_buffer = async_mode and host.copies == 2
         self.cond = store.lock  # one condition: failures and timeouts wake every wait
         n = len(host.params)
         self.p_done = [0] * n  # rule 2: P copies finished, per parameter
@@ -218,18 +235,20 @@ class Protocol:
             self._notify()
 
     # ------------------------------------------------------- worker side
-    def before_upload(self, window: int, params: Sequence[_Param], block: bool = True) -> bool:
-        """Rule 2: the master copies hold the weights this window must see.
-        With ``block=False`` only report whether they do."""
-        need = window - 1 if self.async_mode else window
+    def before_upload(
+        self, window: int, version: int, params: Sequence[_Param], block: bool = True
+    ) -> bool:
+        """Rule 2: the master copies hold the weights after ``version`` updates,
+        those a task of ``window`` reads (:meth:`read_version`). With
+        ``block=False`` only report whether they do."""
 
         def ok() -> bool:
-            return self.rules.weights_ready(self, need, params)
+            return self.rules.weights_ready(self, version, params)
 
         if not block:
             with self.cond:
                 return ok()
-        self._wait(ok, f"the weight copies (P copies) for window {window}")
+        self._wait(ok, f"the weight copies (P copies) of update {version - 1} for window {window}")
         self.chaos("upload")
         return True
 
@@ -300,10 +319,21 @@ class Protocol:
         """Rule 1 (see :meth:`Rules.uses_done`). Call under ``cond``."""
         return self.rules.uses_done(self, window, p)
 
+    def read_version(self, window: int, newest: bool = False) -> int:
+        """The weights' version (updates they include) that tasks of ``window``
+        read (rule 2). ``newest``: an evaluation after every closed window's
+        update, which reads them where a master copy holds them (two copies;
+        with one, the engine puts them into the older version's copy)."""
+        if not self.async_mode or (newest and self.double_buffer):
+            return window
+        return max(window - 1, 0)
+
     def p_copied(self, window: int, p: _Param) -> None:
         with self.cond:
             self.p_done[p.index] = window + 1
-            self.uses.pop((p.index, window + 1), None)
+            # the windows rule 1 waited for: no later update asks about them
+            behind = window - 1 if self.double_buffer else window + 1
+            self.uses.pop((p.index, behind), None)
             self.uses.pop((p.index, window), None)
             self._notify()
 
@@ -383,6 +413,11 @@ class StepHandle:
         if self.error is not None:
             raise self.error
         if not self._event.is_set() and self._store is not None:
+            # the optimizer thread failed outside this job (an earlier update's
+            # weight copies, which run between jobs): its own error, unchanged
+            failure = self._store.failure
+            if isinstance(failure, OptimizerStepError | NonFiniteError):
+                raise failure
             self._store.check()
         return self
 
@@ -650,7 +685,7 @@ class OptimizerWorker:
             try:
                 self.protocol.chaos("p_copy")
                 with torch.no_grad():
-                    p.master.copy_(p.param.detach())
+                    p.master_for(w + 1).copy_(p.param.detach())
             except Exception as exc:
                 raise RuntimeError(
                     f"weight copy (P copy) of {self.names.get(p.index, p.index)} after step {w} "
@@ -688,7 +723,13 @@ class OptimizerWorker:
             left = [p for p in left if p.index not in done]
             if not block:
                 break
-        self._pending = None if not left else (w, left)
+        with proto.cond:
+            self._pending = None if not left else (w, left)
+            proto.cond.notify_all()
+
+    def copies_done(self) -> bool:
+        """Whether no weight copy is pending (call under the protocol's ``cond``)."""
+        return self._pending is None
 
 
 def use_fused(optimizer: torch.optim.Optimizer) -> bool:

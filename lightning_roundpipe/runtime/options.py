@@ -59,8 +59,19 @@ class EngineOptions:
     replan_margin: float = 0.05
     nonfinite: NonFinite = "raise"
     tile_memory: int | Literal["auto"] | None = "auto"
+    double_buffer: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.double_buffer not in (None, True, False):
+            raise ValueError(
+                f"double_buffer must be True, False or None, got {self.double_buffer!r}"
+            )
+        if self.double_buffer and not self.async_optimizer:
+            raise ValueError(
+                "double_buffer=True needs the asynchronous optimizer (async_optimizer=True): "
+                "with synchronous steps no window reads the weights while they are copied; "
+                "leave double_buffer unset"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"precision {self.precision!r} is not supported; use one of "
@@ -105,6 +116,12 @@ class EngineOptions:
             raise ValueError(
                 f"device_memory_limit must be > 0 bytes, got {self.device_memory_limit!r}"
             )
+
+    @property
+    def double_buffered(self) -> bool:
+        """Whether the trainable weights get a second master copy (the default
+        with the asynchronous optimizer)."""
+        return self.async_optimizer if self.double_buffer is None else self.double_buffer
 
     @property
     def compute_dtype(self) -> torch.dtype:

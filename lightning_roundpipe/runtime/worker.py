@@ -165,11 +165,22 @@ class _Prefetch:
     job: Job
     params: list[_Param]
     flat: torch.Tensor
-    src: torch.Tensor
+    src: list[tuple[int, torch.Tensor]]  # host ranges and where they go in flat
     windows: list[tuple[int, int]]  # byte ranges of the span, one per window
     tensors: dict[int, torch.Tensor]
     outside: list[_Param]
     issued: int = 0  # windows copied so far
+
+
+def _copy_range(
+    flat: torch.Tensor, sources: list[tuple[int, torch.Tensor]], a: int, b: int
+) -> None:
+    """Bytes ``[a, b)`` of a stage's device buffer from its host ranges
+    (:meth:`HostState.sources`; bytes between the ranges are padding)."""
+    for at, src in sources:
+        lo, hi = max(a, at), min(b, at + src.numel())
+        if lo < hi:
+            flat[lo:hi].copy_(src[lo - at : hi - at], non_blocking=True)
 
 
 class Worker:
@@ -400,21 +411,19 @@ class Worker:
     def _upload_weights(self, job: Job, params: list[_Param]) -> _Staged:
         """The stage's weights, uploaded now: one copy of its arena range."""
         ctx, t = self.ctx, job.task
-        window = job.call.window
-        # rule 2: the master copies hold the weights this window must see
+        version = job.call.version
+        # rule 2: the master copies hold the weights this call must see
         with named("RP wait weights (rule 2)"):
-            self.protocol.before_upload(window, params)
+            self.protocol.before_upload(job.call.window, version, params)
         span = self.host.span(t.start, t.stop)
-        arena = self.host.pool.buffer
-        assert arena is not None
         with ctx.on(ctx.weight_up):
             flat = torch.empty(span.nbytes, dtype=torch.uint8, device=ctx.device)
-            flat.copy_(arena[span.offset : span.offset + span.nbytes], non_blocking=True)
+            _copy_range(flat, self.host.sources(span, version), 0, span.nbytes)
         if ctx.is_cuda:  # used by compute: not reused before those kernels ran
             flat.record_stream(ctx.compute)
         tensors = span.views(flat, self.host.compute_dtype)
         for p in span.outside:  # tied weights introduced by an earlier layer
-            tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
+            tensors[p.index] = ctx.upload(p.master_for(version), ctx.weight_up, fresh=True)
         ready = ctx.record(ctx.weight_up)
         self.rt.traffic.add(
             job.call.iteration, "weights_up", span.nbytes + sum(p.nbytes for p in span.outside)
@@ -448,11 +457,12 @@ class Worker:
             return None
         t = nxt.task
         params = self.host.stage_params(t.start, t.stop)
-        if not params or not self.protocol.before_upload(nxt.call.window, params, block=False):
+        version = nxt.call.version
+        if not params or not self.protocol.before_upload(
+            nxt.call.window, version, params, block=False
+        ):
             return None  # rule 2 not yet met: upload at the task's start instead
         span = self.host.span(t.start, t.stop)
-        arena = self.host.pool.buffer
-        assert arena is not None
         align = 512
         step = -(-span.nbytes // (num_windows * align)) * align
         bounds = [
@@ -464,7 +474,7 @@ class Worker:
             nxt,
             params,
             flat,
-            arena[span.offset : span.offset + span.nbytes],
+            self.host.sources(span, version),
             bounds,
             span.views(flat, self.host.compute_dtype),
             list(span.outside),
@@ -477,12 +487,10 @@ class Worker:
         ctx.weight_up.wait_event(ctx.record(ctx.act_up))
         with ctx.on(ctx.weight_up):
             if w < len(pf.windows):
-                a, b = pf.windows[w]
-                pf.flat[a:b].copy_(pf.src[a:b], non_blocking=True)
+                _copy_range(pf.flat, pf.src, *pf.windows[w])
                 pf.issued = w + 1
             if w == 0:
-                for p in pf.outside:
-                    pf.tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
+                self._upload_outside(pf)
 
     def _finish_prefetch(self, pf: _Prefetch) -> _Staged:
         """Windows the previous task had no micro-batch for, then the event that
@@ -490,10 +498,8 @@ class Worker:
         ctx = self.ctx
         with ctx.on(ctx.weight_up):
             for a, b in pf.windows[pf.issued :]:
-                pf.flat[a:b].copy_(pf.src[a:b], non_blocking=True)
-            for p in pf.outside:
-                if p.index not in pf.tensors:
-                    pf.tensors[p.index] = ctx.upload(p.master, ctx.weight_up, fresh=True)
+                _copy_range(pf.flat, pf.src, a, b)
+            self._upload_outside(pf)
         ready = ctx.record(ctx.weight_up)
         pf.flat.record_stream(ctx.compute)
         job = pf.job
@@ -502,6 +508,16 @@ class Worker:
         )
         self._uploaded(ready, job, pf.params)
         return _Staged(pf.tensors, ready)
+
+    def _upload_outside(self, pf: _Prefetch) -> None:
+        """The prefetched stage's tied weights (introduced by an earlier layer),
+        each on its own, once (on the weight-upload stream)."""
+        version = pf.job.call.version
+        for p in pf.outside:
+            if p.index not in pf.tensors:
+                pf.tensors[p.index] = self.ctx.upload(
+                    p.master_for(version), self.ctx.weight_up, fresh=True
+                )
 
     # ---------------------------------------------------------- gradients
     def _accumulators(

@@ -23,9 +23,9 @@ def times(events, kind, window, param=""):
     return [e.t for e in events if e.kind == kind and e.window == window and e.param == param]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_recorded_trace_obeys_the_five_rules(seed):
-    events = load("protocol_trace").record(windows=WINDOWS, seed=seed)
+@pytest.mark.parametrize(("seed", "copies"), [(0, 2), (1, 1)])
+def test_recorded_trace_obeys_the_five_rules(seed, copies):
+    events = load("protocol_trace").record(windows=WINDOWS, seed=seed, copies=copies)
     opt = "roundpipe-optimizer"
     for e in events:
         on_optimizer = e.kind in (
@@ -48,15 +48,16 @@ def test_recorded_trace_obeys_the_five_rules(seed):
             return times(events, kind, window, param)
 
         # every window read, used and accumulated into the parameter; each
-        # update's G copy ran once; the P copy of update w needs window w + 1
-        # closed, so the last update's copy is still pending
+        # update's G copy ran once; with one master copy the P copy of update
+        # w needs window w + 1 closed, so the last update's copy is still
+        # pending; with two it is done (synchronize waits for it)
         for w in range(WINDOWS):
             for kind in ("before_upload", "after_use", "before_add", "after_grad"):
                 assert t(kind, w), f"{param}: no {kind} in window {w}"
             assert len(t("g_copied", w)) == 1, f"{param}: G copies of update {w}"
         for w in range(WINDOWS - 1):
             assert len(t("p_copied", w)) == 1, f"{param}: P copies of update {w}"
-        assert not t("p_copied", WINDOWS - 1)
+        assert len(t("p_copied", WINDOWS - 1)) == (copies == 2)
 
         for w in range(WINDOWS):
             (g,) = t("g_copied", w)
@@ -70,8 +71,11 @@ def test_recorded_trace_obeys_the_five_rules(seed):
                 assert min(t("before_add", w + 1)) >= r, f"{param}: rule 4, window {w + 1}"
         for w in range(WINDOWS - 1):
             (p,) = t("p_copied", w)
-            # rule 1: the P copy follows every upload of windows w and w + 1
-            assert p >= max(t("after_use", w) + t("after_use", w + 1)), f"{param}: rule 1, {w}"
+            # rule 1: the P copy follows every upload of the windows that read
+            # the copy it writes: w - 1 and w (two copies) or w and w + 1 (one)
+            readers = (w - 1, w) if copies == 2 else (w, w + 1)
+            uses = [u for r in readers for u in t("after_use", r)]
+            assert p >= max(uses), f"{param}: rule 1, {w}"
             # rule 2: window w + 2 reads the master copy only after it
             if w + 2 < WINDOWS:
                 assert min(t("before_upload", w + 2)) >= p, f"{param}: rule 2, window {w + 2}"
@@ -82,7 +86,7 @@ def test_recorded_trace_obeys_the_five_rules(seed):
             order += t("wait_grads", w) + t("g_copied", w)
             order += times(events, "step_begin", w) + times(events, "step_end", w)
             order += t("released", w) + t("p_copied", w)
-        assert len(order) == 6 * WINDOWS - 1
+        assert len(order) == 6 * WINDOWS - (copies == 1)
         assert order == sorted(order), f"{param}: rule 5"
 
 
@@ -94,11 +98,12 @@ def test_violations_are_detected():
         assert mod.violations(events, param) == []
         deps = mod.dependencies(events, param)
         assert {rule for rule, _, _ in deps} == {1, 2, 3, 4}
-    # move the P copy of update 0 before window 1's last read: rule 1 is broken
+    # move the P copy of update 0 before window 0's last upload of the copy it
+    # writes: rule 1 is broken
     param = PARAMS[0]
-    first_read = min(times(events, "before_upload", 1, param))
+    last_use = max(times(events, "after_use", 0, param))
     forged = [
-        dataclasses.replace(e, t=first_read - 0.5)
+        dataclasses.replace(e, t=last_use - 0.5)
         if e.kind == "p_copied" and e.window == 0 and e.param == param
         else e
         for e in events

@@ -1,5 +1,6 @@
 """The page-locked arena's bookkeeping, with a stand-in for the CUDA runtime."""
 
+import pytest
 import torch
 
 from lightning_roundpipe.runtime import host, pinned_bytes
@@ -111,18 +112,21 @@ def test_a_freed_arena_keeps_the_frozen_weights_and_returns_the_other_pages():
 
     torch.manual_seed(0)
     small = [nn.Linear(3, 5).bfloat16().requires_grad_(False) for _ in range(3)]
-    big = nn.Linear(128, 96).bfloat16()  # trainable: 24 KiB, six pages of its own
+    # frozen but not in the compute dtype: a master copy of its own in the
+    # frozen weights' arena, 24 KiB, six pages
+    big = nn.Linear(128, 96).requires_grad_(False)
     layers = [nn.ModuleList([small[0], big, small[1]]), small[2]]
     values = [p.detach().clone() for m in small for p in m.parameters()]
     state = host.HostState(layers, torch.bfloat16)
     mapping = state.pool._map
     hp = next(hp for hp in state.params if hp.param is big.weight)
+    assert not hp.shared
     offset, nbytes = hp.offset, hp.nbytes
     assert torch.frombuffer(mapping, dtype=torch.uint8)[offset : offset + nbytes].any()
     state.free()
     for v, p in zip(values, (p for m in small for p in m.parameters()), strict=True):
         torch.testing.assert_close(p, v, atol=0, rtol=0)  # shared pages untouched
-    # the whole pages inside the trainable weight's master went back (read as zeros)
+    # the whole pages inside the fp32 weight's master went back (read as zeros)
     page = 4096
     lo = -(-offset // page) * page
     hi = (offset + nbytes) // page * page
@@ -190,3 +194,61 @@ def test_layers_with_sparse_buffers_build_and_keep_them():
     state = host.HostState([layer], torch.float32)
     assert layer.adjacency is adjacency and all(hp.shared for hp in state.params)
     state.free()
+
+
+def test_a_stage_goes_up_from_the_frozen_range_and_its_versions_trainable_range():
+    """A LoRA-like layer stack (frozen bf16 base, fp32 adapters) with two master
+    copies: every stage's device buffer, filled from its frozen range and the
+    trainable range of one version's copy (whole or window by window, as the
+    prefetch does), holds exactly that version's weights."""
+    from torch import nn
+
+    from lightning_roundpipe.runtime.worker import _copy_range
+
+    torch.manual_seed(0)
+    base = [nn.Linear(40, 40).bfloat16().requires_grad_(False) for _ in range(3)]
+    adapters = [nn.Linear(40, 3) for _ in range(3)]
+    layers = [nn.ModuleList([b, a]) for b, a in zip(base, adapters, strict=True)]
+    state = host.HostState(layers, torch.bfloat16, copies=2)
+    assert all(hp.shared for hp in state.params if not hp.trainable)
+    assert all(len(hp.masters) == (2 if hp.trainable else 1) for hp in state.params)
+    for hp in state.params:
+        if hp.trainable:  # version 1 differs from version 0
+            torch.testing.assert_close(hp.master_for(1), hp.master_for(0), atol=0, rtol=0)
+            hp.master_for(1).add_(1)
+    for start, stop in [(0, 1), (1, 3), (0, 3)]:
+        span = state.span(start, stop)
+        for version in (0, 1, 2):
+            whole = torch.zeros(span.nbytes, dtype=torch.uint8)
+            sources = state.sources(span, version)
+            assert len(sources) == 2
+            _copy_range(whole, sources, 0, span.nbytes)
+            pieces = torch.zeros(span.nbytes, dtype=torch.uint8)
+            step = -(-span.nbytes // 3)
+            for a in range(0, span.nbytes, step):
+                _copy_range(pieces, sources, a, min(a + step, span.nbytes))
+            for flat in (whole, pieces):
+                views = span.views(flat, torch.bfloat16)
+                assert set(views) == {hp.index for hp in state.stage_params(start, stop)}
+                for i, v in views.items():
+                    want = state.params[i].master_for(version)
+                    torch.testing.assert_close(v, want, atol=0, rtol=0)
+    trained = sum(hp.nbytes for hp in state.params if hp.trainable)
+    assert state.host_bytes()["master"] == sum(hp.nbytes for hp in state.params) + trained
+    # a parameter changed outside a step reaches both copies
+    with torch.no_grad():
+        adapters[0].weight.fill_(0.5)
+    state.refresh_masters()
+    hp = next(hp for hp in state.params if hp.param is adapters[0].weight)
+    for m in hp.masters:
+        assert bool((m == 0.5).all())
+    state.free()
+    for b in base:  # the frozen base keeps its values
+        assert b.weight.numel() and torch.isfinite(b.weight).all()
+
+
+def test_the_copies_option_is_checked():
+    from torch import nn
+
+    with pytest.raises(ValueError, match="copies must be 1 or 2, got 3"):
+        host.HostState([nn.Linear(2, 2)], torch.float32, copies=3)

@@ -2,6 +2,7 @@
 hand-written staleness-1 reference; the five ordering rules are each needed."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -100,6 +101,7 @@ def run_engine(
     plan="2,2,1|1|1,1,1,1,1",
     chaos=None,
     disabled=(),
+    double_buffer=None,
 ):
     params = params_of(layers)
     opt, sched = make_opt(params)
@@ -120,6 +122,7 @@ def run_engine(
         watchdog_timeout=60,
         chaos=chaos,
         rules=without(disabled),
+        double_buffer=double_buffer,
     ) as eng:
         for k in range(len(data) // accumulate):
             for ids, labels in data[k * accumulate : (k + 1) * accumulate]:
@@ -135,9 +138,13 @@ def assert_same(a_layers, b_layers):
 
 
 @pytest.mark.parametrize("make_opt", [make_adamw, make_sgd], ids=["adamw", "sgd"])
-@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize(
+    ("async_mode", "double_buffer"),
+    [(True, None), (True, False), (False, None)],
+    ids=["async", "async-one-copy", "sync"],
+)
 @pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, 0.5)])
-def test_ten_steps_match_the_reference(make_opt, async_mode, accumulate, clip):
+def test_ten_steps_match_the_reference(make_opt, async_mode, double_buffer, accumulate, clip):
     data = batches(10 * accumulate)
     layers = transformer()
     ref = copy.deepcopy(layers)
@@ -145,7 +152,15 @@ def test_ten_steps_match_the_reference(make_opt, async_mode, accumulate, clip):
         ref, data, make_opt, accumulate=accumulate, clip=clip, m=4, seed=3, stale=async_mode
     )
     losses, norms = run_engine(
-        layers, data, make_opt, accumulate=accumulate, clip=clip, m=4, seed=3, async_mode=async_mode
+        layers,
+        data,
+        make_opt,
+        accumulate=accumulate,
+        clip=clip,
+        m=4,
+        seed=3,
+        async_mode=async_mode,
+        double_buffer=double_buffer,
     )
     assert_same(layers, ref)
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
@@ -226,8 +241,14 @@ RULE_CHAOS = {
 }
 
 
-@pytest.mark.parametrize("rule", [1, 2, 3, 4, 5])
-def test_each_rule_is_needed(rule):
+# Rule 1 is needed with one master copy. With two, an update writes the copy
+# that only windows it already took every gradient from read (rule 3 covers
+# their training tasks); what protects the running window there is the
+# parity, shown by the next test.
+@pytest.mark.parametrize(
+    ("rule", "copies"), [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2), (4, 1), (4, 2), (5, 1), (5, 2)]
+)
+def test_each_rule_is_needed(rule, copies):
     data = batches(4, size=4)
     layers = transformer(num_blocks=2)
     ref = copy.deepcopy(layers)
@@ -248,6 +269,7 @@ def test_each_rule_is_needed(rule):
             plan="1,1,1|1|1,1,1",
             chaos=Chaos(0, RULE_CHAOS[rule]),
             disabled=disabled,
+            double_buffer=copies == 2,
         )
 
     # with the rule in place the same delays are harmless
@@ -258,10 +280,69 @@ def test_each_rule_is_needed(rule):
     except WorkerError as exc:  # a detected violation: autograd saw a weight change under it
         assert "modified by an inplace operation" in str(exc)
         return
+    assert_diverged(layers, ref, f"removing rule {rule}")
+
+
+def assert_diverged(layers, ref, what):
     diverged = any(
         not torch.allclose(a, b) for a, b in zip(params_of(layers), params_of(ref), strict=True)
     )
-    assert diverged, f"removing rule {rule} went unnoticed"
+    assert diverged, f"{what} went unnoticed"
+
+
+def test_two_copies_need_the_other_parity(monkeypatch):
+    """With two master copies, an update that wrote the copy the running
+    window reads (as if there were one copy, but without rule 1's wait)
+    would change weights under it: the parity is what keeps it consistent."""
+    from lightning_roundpipe.runtime import host
+
+    data = batches(4, size=4)
+    layers = transformer(num_blocks=2)
+    ref = copy.deepcopy(layers)
+    staleness_reference(ref, data, make_sgd, accumulate=1, clip=None, m=4, seed=0, stale=True)
+    chaos = {"upload": 0.03}  # uploads late: a P copy into the read copy lands first
+    kwargs = dict(accumulate=1, clip=None, m=4, seed=0, async_mode=True, plan="1,1,1|1|1,1,1")
+    guarded = copy.deepcopy(layers)
+    run_engine(guarded, data, make_sgd, chaos=Chaos(0, chaos), **kwargs)
+    assert_same(guarded, ref)
+    # the weight copies of update w go to the copy of version w, not w + 1
+    real = host._Param.master_for
+    monkeypatch.setattr(
+        host._Param, "master_for", lambda self, v: real(self, v - 1 if v > 0 else v)
+    )
+    try:
+        run_engine(layers, data, make_sgd, chaos=Chaos(0, chaos), **kwargs)
+    except WorkerError as exc:
+        assert "modified by an inplace operation" in str(exc)
+        return
+    assert_diverged(layers, ref, "writing the copy the running window reads")
+
+
+def test_two_copies_overlap_the_weight_copies_with_the_next_window():
+    """Update 0's weight copies finish while window 1 is still open (with one
+    copy they wait until window 1 is closed)."""
+    data = batches(2, size=4)
+    for double, overlapped in ((True, True), (False, False)):
+        layers = transformer(num_blocks=2)
+        with RoundPipeEngine(
+            layers,
+            [CPU] * 2,
+            4,
+            plan="1,1,1|1|1,1,1",
+            async_optimizer=True,
+            double_buffer=double,
+            watchdog_timeout=60,
+        ) as eng:
+            eng.forward_backward(data[0][0], labels=data[0][1], loss_fn=lm_loss)
+            eng.step(lambda: None).wait()
+            eng.forward_backward(data[1][0], labels=data[1][1], loss_fn=lm_loss)
+            proto = eng._protocol
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and min(proto.p_done) < 1:
+                time.sleep(0.01)
+            assert (min(proto.p_done) >= 1) == overlapped, f"double_buffer={double}"
+            eng.step(lambda: None)
+            eng.synchronize()
 
 
 # ------------------------------------------------------------------ fp16

@@ -65,16 +65,26 @@ class _SaveAtValidation(L.Callback):
         self.saved.append((path, float(trainer.callback_metrics["val_loss"])))
 
 
-@pytest.mark.parametrize("devices", [1, 3])
-def test_validation_sees_the_weights_the_checkpoint_saved_at_the_same_moment(tmp_path, devices):
+@pytest.mark.parametrize(
+    ("devices", "double_buffer"),
+    [(1, None), (3, None), (3, False)],
+    ids=["1-two-copies", "3-two-copies", "3-one-copy"],
+)
+def test_validation_sees_the_weights_the_checkpoint_saved_at_the_same_moment(
+    tmp_path, devices, double_buffer
+):
     """What ModelCheckpoint(monitor=...), EarlyStopping and ReduceLROnPlateau
     judge is the model they save: validation under the asynchronous optimizer
     runs with the newest weights, and training is unchanged by it."""
+
+    def strategy():
+        return RoundPipeStrategy(num_microbatches=4, double_buffer=double_buffer)
+
     saver = _SaveAtValidation(tmp_path)
     module = DropoutSeq()
-    _fit(module, RoundPipeStrategy(num_microbatches=4), devices, validate=True, callbacks=[saver])
+    _fit(module, strategy(), devices, validate=True, callbacks=[saver])
     unvalidated = DropoutSeq()
-    _fit(unvalidated, RoundPipeStrategy(num_microbatches=4), devices, validate=False)
+    _fit(unvalidated, strategy(), devices, validate=False)
     for a, b in zip(module.parameters(), unvalidated.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     assert len(saver.saved) == 4

@@ -326,19 +326,24 @@ def test_manual_optimization_is_refused():
         fit(Manual(), seq_data(8), sync(), max_steps=1)
 
 
-def test_async_resume_continues_exactly_like_an_uninterrupted_async_run(tmp_path):
+@pytest.mark.parametrize("double_buffer", [None, False], ids=["two-copies", "one-copy"])
+def test_async_resume_continues_exactly_like_an_uninterrupted_async_run(tmp_path, double_buffer):
     data = lm_data()
+
+    def strategy():
+        return RoundPipeStrategy(num_microbatches=4, double_buffer=double_buffer)
+
     straight = CausalLM("qwen3")
-    fit(straight, data, RoundPipeStrategy(num_microbatches=4), devices=2, max_steps=8)
+    fit(straight, data, strategy(), devices=2, max_steps=8)
     first = CausalLM("qwen3")
-    t1 = fit(first, data, RoundPipeStrategy(num_microbatches=4), devices=2, max_epochs=1)
+    t1 = fit(first, data, strategy(), devices=2, max_epochs=1)
     ckpt = tmp_path / "async.ckpt"
     t1.save_checkpoint(ckpt)
     assert "roundpipe_stale_weights" in torch.load(ckpt, weights_only=False)
     resumed = CausalLM("qwen3")
     L.seed_everything(0)
     L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatches=4),
+        strategy=strategy(),
         accelerator="cpu",
         devices=2,
         max_steps=8,
@@ -750,6 +755,11 @@ def test_the_startup_log_and_plan_errors_name_the_layers(caplog):
         ({"microbatches_per_round": 0}, "microbatches_per_round must be an integer >= 1"),
         ({"device_memory_limit": -1}, "device_memory_limit must be > 0 bytes"),
         ({"replan_margin": -0.1}, "replan_margin must be >= 0"),
+        (
+            {"async_optimizer": False, "double_buffer": True},
+            r"double_buffer=True needs the asynchronous optimizer \(async_optimizer=True\)",
+        ),
+        ({"double_buffer": "yes"}, "double_buffer must be True, False or None, got 'yes'"),
     ],
 )
 def test_engine_options_are_refused_when_the_strategy_is_built(kwargs, match):
