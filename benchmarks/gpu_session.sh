@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_wheels.sh              # first, here: the wheels to carry (.whl)
 #   bash benchmarks/gpu_session.sh tests       # the tests marked gpu             (~1 min)
 #   bash benchmarks/gpu_session.sh throughput  # link bandwidth; 1.7B, sequence 2048,
-#                                              # 4 strategies (~5 min; STRATEGIES="a b" picks)
+#                                              # 4 strategies (~5 min; STRATEGIES="a b" picks;
+#                                              # "roundpipe roundpipe_one_copy": the two
+#                                              # master copies against one, ~2.5 min)
 #   bash benchmarks/gpu_session.sh profile     # a torch.profiler trace of two steady 1.7B
 #                                              # RoundPipe steps: summary and timeline (~2 min)
 #   bash benchmarks/gpu_session.sh lora        # Llama-3.1-8B LoRA r=32 throughput (~6 min)

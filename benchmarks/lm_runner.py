@@ -5,7 +5,8 @@ Used by ``throughput.py`` and ``max_seqlen.py``: each trial runs as
 prints one JSON line (tokens/s, or ``"oom": true``), so an out-of-memory error
 or a distributed strategy's process group cannot affect the next trial.
 
-Strategies: ``roundpipe`` (asynchronous), ``roundpipe_sync``, ``auto`` (the
+Strategies: ``roundpipe`` (asynchronous), ``roundpipe_sync``,
+``roundpipe_one_copy`` (asynchronous, one master copy), ``auto`` (the
 model on one device, activation checkpointing on), ``fsdp_offload``
 (FSDPStrategy with CPU offload, CUDA only) and ``deepspeed_offload`` (ZeRO
 stage 3 with CPU offload, when ``deepspeed`` is installed).
@@ -33,6 +34,9 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab (llama-*: Llam
     "8b": (4096, 12288, 36, 32, 8, 151936),
 }
 STRATEGIES = ("roundpipe", "roundpipe_sync", "auto", "fsdp_offload", "deepspeed_offload")
+#: RoundPipe variants measured on request only: ``roundpipe_one_copy`` is the
+#: asynchronous optimizer with one master copy (``double_buffer=False``)
+ABLATIONS = ("roundpipe_one_copy",)
 
 
 def build_model(size: str, lora: int = 0, base_dtype=None):
@@ -130,7 +134,7 @@ def run_one(
     # (RoundPipe holds it once on the host; FSDP flattens one dtype per unit)
     base = (
         torch.bfloat16
-        if lora and gpu and strategy in ("roundpipe", "roundpipe_sync", "auto")
+        if lora and gpu and (strategy.startswith("roundpipe") or strategy == "auto")
         else None
     )
     module = build_module(
@@ -142,7 +146,9 @@ def run_one(
     accumulate = 1 if strategy.startswith("roundpipe") else batch // micro
     if strategy.startswith("roundpipe"):
         strat = RoundPipeStrategy(
-            async_optimizer=strategy == "roundpipe", num_microbatches=max(batch // micro, devices)
+            async_optimizer=strategy != "roundpipe_sync",
+            double_buffer=False if strategy == "roundpipe_one_copy" else None,
+            num_microbatches=max(batch // micro, devices),
         )
     elif strategy == "auto":
         module.model.gradient_checkpointing_enable()
@@ -157,7 +163,8 @@ def run_one(
         module.model.gradient_checkpointing_enable()
         strat = "deepspeed_stage_3_offload"
     else:
-        raise SystemExit(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+        known = ", ".join(STRATEGIES + ABLATIONS)
+        raise SystemExit(f"unknown strategy {strategy!r}; choose from {known}")
     assert lightning_roundpipe  # registers "roundpipe"
 
     times: list[float] = []
@@ -307,7 +314,7 @@ def trial(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument("--strategy", choices=STRATEGIES + ABLATIONS, required=True)
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_runner import STRATEGIES, trial
+from lm_runner import ABLATIONS, STRATEGIES, trial
 from report import emit
 
 
@@ -111,7 +111,9 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--strategies", nargs="+", choices=STRATEGIES + ABLATIONS, default=list(STRATEGIES)
+    )
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     parser.add_argument("--append", type=Path)
     parser.add_argument("--json", type=Path, help="also write the raw results here")

@@ -72,12 +72,14 @@ def test_lm_runner_trials_in_fresh_processes(concurrently):
     import torch
 
     mod = load("lm_runner")
-    ok, fsdp, lora = concurrently(
+    ok, fsdp, lora, one = concurrently(
         lambda: mod.trial("roundpipe_sync", "tiny", 32, 4, 1, 2, 2),
         lambda: mod.trial("fsdp_offload", "tiny", 32, 4, 1, 2, 1),
         lambda: mod.trial("roundpipe", "llama-tiny", 32, 4, 1, 3, 1, lora=4),
+        lambda: mod.trial("roundpipe_one_copy", "tiny", 32, 4, 1, 2, 1),
     )
     assert ok.get("tokens_per_second", 0) > 0, ok
+    assert one.get("tokens_per_second", 0) > 0, one
     assert lora.get("tokens_per_second", 0) > 0 and len(lora["step_seconds"]) == 3, lora
     if not torch.cuda.is_available():
         assert fsdp == {"skipped": "FSDP CPU offload needs CUDA"}
