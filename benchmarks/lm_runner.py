@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -212,12 +213,18 @@ def run_one(
         if "out of memory" in str(exc).lower():
             return {"oom": True}
         raise
-    per_step = sum(times[accumulate:]) / max(1, steps - 1)  # the first step warms up
+    step_seconds = [sum(times[i : i + accumulate]) for i in range(0, len(times), accumulate)]
+    # steady state: the median step after the first (which warms up), so that
+    # one slow step (such as the asynchronous optimizer's first update, which
+    # creates the optimizer's state) does not count as the rate; the mean is
+    # kept for comparison with earlier records
+    steady = step_seconds[1:] or step_seconds
+    per_step = statistics.median(steady) if steady else 0.0
+    mean = sum(steady) / len(steady) if steady else 0.0
     result = {
         "tokens_per_second": batch * seq / per_step if per_step else float("nan"),
-        "step_seconds": [
-            round(sum(times[i : i + accumulate]), 4) for i in range(0, len(times), accumulate)
-        ],
+        "tokens_per_second_mean": batch * seq / mean if mean else float("nan"),
+        "step_seconds": [round(t, 4) for t in step_seconds],
     }
     if len(engine_stats) > 2:  # after the warm-up step: the host waited, bytes moved
         (t0, w0, b0), (t1, w1, b1) = engine_stats[1], engine_stats[-1]
