@@ -118,8 +118,10 @@ class RoundPipeStrategy(ParallelStrategy):
             step's weight copies overlap the next window instead of waiting
             for it to finish: 2 more host bytes per trainable parameter in
             bf16 (nothing for frozen weights such as a LoRA base). ``None``
-            (default): on with the asynchronous optimizer; ``False`` saves the
-            memory; ``True`` with ``async_optimizer=False`` is refused.
+            (default): on with the asynchronous optimizer where the host memory
+            holds it next to the rest of the training state (else off, with a
+            warning); ``False`` saves the memory; ``True`` keeps it regardless;
+            with ``async_optimizer=False`` it is refused.
         optimizer_threads: intra-op threads for the optimizer thread.
         fuse_optimizer: switch Adam/AdamW to torch's fused CPU kernel (same
             update, several times faster on the host).

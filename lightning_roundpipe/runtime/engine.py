@@ -78,6 +78,40 @@ log = logging.getLogger(__name__)
 _CPU_TILE_MEMORY = 128 * 2**20
 
 
+#: host bytes per trainable parameter the engine and a host optimizer add
+#: besides the master copies: the fp32 gradient buffer and, as for Adam, two
+#: fp32 moments (an assumption: the optimizer is not known yet)
+_STATE_PER_TRAINED = 4 + 8
+
+
+def _second_copy_fits(
+    layers: Sequence[nn.Module], compute_dtype: torch.dtype, available: int | None
+) -> bool:
+    """Whether the default second master copy of the trainable weights fits
+    the host memory available now, after the state the engine and the
+    optimizer will add anyway (one master copy, gradient buffers, optimizer
+    moments); where it does not, one copy is used and the reason logged."""
+    if available is None:
+        return True
+    distinct = {id(p): p for layer in layers for p in layer.parameters()}.values()
+    trained = sum(p.numel() for p in distinct if p.requires_grad)
+    size = torch.empty(0, dtype=compute_dtype).element_size()
+    rest = trained * (size + _STATE_PER_TRAINED)
+    second = trained * size
+    if rest + second <= available:
+        return True
+    log.warning(
+        "RoundPipe: one master copy of the trainable weights (double_buffer off): a second "
+        "one (%.2f GiB) does not fit the %.2f GiB of host memory available next to the rest "
+        "of the training state (%.2f GiB). Weight copies then wait for the next window; set "
+        "double_buffer=True to keep two copies anyway",
+        second / 2**30,
+        available / 2**30,
+        rest / 2**30,
+    )
+    return False
+
+
 class RoundPipeEngine:
     """Runs a layer list as a RoundPipe pipeline on a pool of devices.
 
@@ -179,7 +213,9 @@ class RoundPipeEngine:
             instead of waiting for it to close. Costs the trainable weights once
             more in the compute dtype (2 bytes per parameter in bf16/fp16, 4 in
             fp32; nothing for frozen weights such as a LoRA base). ``None``
-            (default): on with the asynchronous optimizer; ``True`` with the
+            (default): on with the asynchronous optimizer where the host
+            memory available at start holds it next to the rest of the
+            training state (else off, with a warning); ``True`` with the
             synchronous one is refused.
         parameter_names: names for the parameters in errors (e.g. the
             LightningModule's ``named_parameters()``, as a dict from parameter
@@ -373,6 +409,8 @@ class RoundPipeEngine:
         self._newest = False
         self._lock = threading.Lock()
         self.double_buffer = self.options.double_buffered
+        if self.double_buffer and self.options.double_buffer is None:
+            self.double_buffer = _second_copy_fits(layers, compute_dtype, available)
         self._host = HostState(
             layers,
             compute_dtype,

@@ -596,3 +596,28 @@ def test_nonfinite_gradient_skip_or_raise(async_mode):
     finally:
         eng.close()
     assert not eng._optimizer._grads  # the failed step holds no gradients
+
+
+def test_the_default_second_copy_gives_way_when_the_host_memory_is_short(monkeypatch, caplog):
+    """``double_buffer=None`` keeps one master copy, and says why, where the
+    second would not fit next to the rest of the state; ``True`` keeps two."""
+    from lightning_roundpipe.runtime import engine as engine_module
+
+    layers = transformer(num_blocks=2)
+    trained = sum(p.numel() for m in layers for p in m.parameters() if p.requires_grad)
+    # room for one master copy (fp32 here), gradients and moments, not a second copy
+    monkeypatch.setattr(engine_module, "host_available", lambda: trained * (4 + 12) + 1)
+    with (
+        caplog.at_level("WARNING"),
+        RoundPipeEngine(layers, [CPU], 2, async_optimizer=True) as eng,
+    ):
+        assert eng.double_buffer is False and eng._host.copies == 1
+    assert "one master copy of the trainable weights (double_buffer off)" in caplog.text
+    assert "set double_buffer=True to keep two copies anyway" in caplog.text
+    caplog.clear()
+    with RoundPipeEngine(layers, [CPU], 2, async_optimizer=True, double_buffer=True) as eng:
+        assert eng.double_buffer is True and eng._host.copies == 2
+    monkeypatch.setattr(engine_module, "host_available", lambda: trained * (8 + 12))
+    with RoundPipeEngine(layers, [CPU], 2, async_optimizer=True) as eng:
+        assert eng.double_buffer is True
+    assert "double_buffer off" not in caplog.text
