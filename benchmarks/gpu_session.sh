@@ -21,6 +21,12 @@
 # Done on an H200 on 2026-11-26 (docs/benchmarks.md): tests, throughput
 # (DeepSpeed not installed then), three long-sequence probes.
 #
+# Next session (15 device-minutes), after `bash benchmarks/gpu_wheels.sh` here:
+#   call 1 (~8 min): tests; STRATEGIES="roundpipe roundpipe_one_copy auto" throughput;
+#                    profile
+#   call 2 (~9 min): lora (RoundPipe, FSDP, DeepSpeed at Llama-3.1-8B LoRA r=32)
+# then, with what is left: seqlen, engine, longctx-memory, longctx-throughput.
+#
 # Markdown tables (ready for docs/benchmarks.md), raw JSON and logs go to $OUT
 # (set by the device tool) or runs/gpu. Every trial runs in its own process
 # with a time limit ($ROUNDPIPE_TRIAL_TIMEOUT seconds), so one slow or stuck

@@ -146,7 +146,9 @@ def main() -> None:
         f"{device}, {platform.machine()}, torch {torch.__version__}; sequence {args.seq}, "
         f"global batch {args.batch}, micro-batch {args.micro}, {args.devices} device(s), "
         f"{f'LoRA r={args.lora}, ' if args.lora else ''}"
-        f"{args.steps} steps.\n\n" + table(results) + "\n"
+        f"{args.steps} steps; tokens/s from the median step after the first.\n\n"
+        + table(results)
+        + "\n"
     )
     emit(out, args.append)
 
