@@ -542,3 +542,28 @@ def test_estimate_prints_the_gradient_all_reduce_across_servers(tmp_path, capsys
     assert code == 2 and "--servers must be >= 1" in capsys.readouterr().err
     code, _ = run_cli(path, "--gpu-memory", 1.25, "--servers", 2, "--network-gbps", 0)
     assert code == 2 and "--network-gbps must be > 0" in capsys.readouterr().err
+
+
+def test_the_host_state_counts_the_asynchronous_optimizers_second_master_copy(tmp_path):
+    """Full fine-tuning in bf16: 20 bytes per parameter with the asynchronous
+    optimizer (two master copies), 18 with the synchronous one; a frozen
+    parameter has one master copy either way."""
+    from torch import nn
+
+    from lightning_roundpipe.models.estimate import host_state_bytes
+
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3))
+    model[1].requires_grad_(False)
+    trained, frozen = 110, 33
+    assert host_state_bytes(model, "bf16-mixed") == trained * 20 + frozen * 6
+    assert host_state_bytes(model, "bf16-mixed", double_buffer=False) == trained * 18 + frozen * 6
+    # and the estimate uses it as the engine would: with the asynchronous
+    # optimizer unless told otherwise (``plan estimate --sync``)
+    from lightning_roundpipe.models.estimate import estimate, load_config
+
+    config = load_config(str(config_file(tmp_path)))
+    two, one = (
+        estimate(config, gpu_memory=1.25 * 2**30, seq=64, async_optimizer=a).host["state"]
+        for a in (True, False)
+    )
+    assert two / one == pytest.approx(20 / 18, rel=1e-9)
