@@ -80,10 +80,12 @@ class RoundPipeStrategy(ParallelStrategy):
             ``activation_memory``; then the largest round that fits.
         activation_memory: host bytes one round's stage-boundary activations
             may take (default: a quarter of the host memory available at
-            setup). Hugging Face models estimate them from the batch before the
-            first step; other models measure them in the first step. For
-            Hugging Face models it also bounds one micro-batch's boundary
-            values (default there: 80% of the available host memory): at
+            setup, less what the training state will take: master copies,
+            gradient buffers and an Adam-like optimizer's moments). Hugging
+            Face models estimate them from the batch before the first step;
+            other models measure them in the first step. For Hugging Face
+            models it also bounds one micro-batch's boundary values (default
+            there: 80% of that host memory): at
             sequences whose one-layer stages would keep more, the plan gets
             fewer, larger backward stages that recompute one layer at a time
             (a layered plan, ``"...|layered"``).

@@ -84,6 +84,21 @@ _CPU_TILE_MEMORY = 128 * 2**20
 _STATE_PER_TRAINED = 4 + 8
 
 
+def _state_to_come(layers: Sequence[nn.Module], compute_dtype: torch.dtype, copies: int) -> int:
+    """Host bytes the engine and a host optimizer will allocate for ``layers``
+    beyond the parameters themselves: ``copies`` master copies per trainable
+    weight, one per frozen weight not in the compute dtype (one in it is its
+    own), and per trainable weight :data:`_STATE_PER_TRAINED` bytes."""
+    size = torch.empty(0, dtype=compute_dtype).element_size()
+    total = 0
+    for p in {id(p): p for layer in layers for p in layer.parameters()}.values():
+        if p.requires_grad:
+            total += p.numel() * (size * copies + _STATE_PER_TRAINED)
+        elif p.dtype != compute_dtype:
+            total += p.numel() * size
+    return total
+
+
 def _second_copy_fits(
     layers: Sequence[nn.Module], compute_dtype: torch.dtype, available: int | None
 ) -> bool:
@@ -93,11 +108,8 @@ def _second_copy_fits(
     moments); where it does not, one copy is used and the reason logged."""
     if available is None:
         return True
-    distinct = {id(p): p for layer in layers for p in layer.parameters()}.values()
-    trained = sum(p.numel() for p in distinct if p.requires_grad)
-    size = torch.empty(0, dtype=compute_dtype).element_size()
-    rest = trained * (size + _STATE_PER_TRAINED)
-    second = trained * size
+    rest = _state_to_come(layers, compute_dtype, 1)
+    second = _state_to_come(layers, compute_dtype, 2) - rest
     if rest + second <= available:
         return True
     log.warning(
@@ -134,11 +146,14 @@ class RoundPipeEngine:
             exceed ``activation_memory``; then the largest round that fits.
         activation_memory: host bytes one round's stage-boundary activations
             may take (default: a quarter of the host memory available when the
-            engine starts). The size of a micro-batch's activations comes from
+            engine starts, less what the training state will take: master
+            copies, gradient buffers and, assumed, an Adam-like optimizer's
+            two fp32 moments per trainable weight). The size of a
+            micro-batch's activations comes from
             ``activation_estimate`` until the first training iteration has
             measured it. It also bounds one micro-batch's boundary values when
             :meth:`expect_activations` plans for long sequences (default
-            there: 80% of the available host memory): a plan over it is
+            there: 80% of that host memory): a plan over it is
             replaced by one with fewer, larger backward stages, layered where
             their activations would not fit the device
             (:class:`~lightning_roundpipe.plan.StagePlan`).
@@ -367,17 +382,35 @@ class RoundPipeEngine:
         self.num_microbatches = m
         self.microbatches_per_round = self.options.microbatches_per_round
         available = host_available()
+        self.double_buffer = self.options.double_buffered
+        if self.double_buffer and self.options.double_buffer is None:
+            self.double_buffer = _second_copy_fits(layers, compute_dtype, available)
+        # what is left for activations once the training state is allocated
+        room = None
+        if available is not None:
+            state = _state_to_come(layers, compute_dtype, 2 if self.double_buffer else 1)
+            room = max(available - state, 0)
+            if state > available:
+                log.warning(
+                    "RoundPipe: the training state needs about %.2f GiB of host memory beyond "
+                    "the parameters (master copies, gradient buffers, an Adam-like "
+                    "optimizer's moments) and %.2f GiB are available: the process may run "
+                    "out of host memory. Train fewer weights (LoRA, frozen layers), load "
+                    "frozen weights in the compute dtype, or use a machine with more memory",
+                    state / 2**30,
+                    available / 2**30,
+                )
         self.activation_memory = (
             activation_memory
             if activation_memory is not None
-            else (available // 4 if available else None)
+            else (max(room // 4, 1) if room is not None else None)
         )
         # what one micro-batch's boundary values may take on the host before
         # a plan with fewer boundaries is chosen (expect_activations)
         self._host_limit = (
             activation_memory
             if activation_memory is not None
-            else (int(available * HOST_ACTIVATION_SHARE) if available else None)
+            else (max(int(room * HOST_ACTIVATION_SHARE), 1) if room is not None else None)
         )
         #: bytes of one boundary value of a micro-batch (expect_activations)
         self._boundary: float | None = None
@@ -408,9 +441,6 @@ class RoundPipeEngine:
         # evaluating with the newest weights (use_newest_weights)
         self._newest = False
         self._lock = threading.Lock()
-        self.double_buffer = self.options.double_buffered
-        if self.double_buffer and self.options.double_buffer is None:
-            self.double_buffer = _second_copy_fits(layers, compute_dtype, available)
         self._host = HostState(
             layers,
             compute_dtype,

@@ -623,16 +623,57 @@ class HostState:
             arena.free()
 
 
-#: of the host memory available when an engine starts (its model state
-#: already allocated), what one micro-batch's stage-boundary activations may
-#: take by default before a plan with fewer boundaries is chosen (the rest:
-#: pinned staging buffers, the data pipeline, the allocator's slack)
+#: of the host memory available when an engine starts, less the training
+#: state it and the optimizer will still allocate, what one micro-batch's
+#: stage-boundary activations may take by default before a plan with fewer
+#: boundaries is chosen (the rest: pinned staging buffers, the data
+#: pipeline, the allocator's slack)
 HOST_ACTIVATION_SHARE = 0.8
 
 
-def host_available() -> int | None:
-    """Host memory available now, in bytes (None where the OS does not say)."""
+#: where a container's memory limit and usage are (cgroup v2, then v1)
+CGROUP_MEMORY = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _read_int(path: str) -> int | None:
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
         return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def host_available(
+    meminfo: str = "/proc/meminfo", cgroups: Sequence[tuple[str, str]] = CGROUP_MEMORY
+) -> int | None:
+    """Host memory this process can still use, in bytes (None where the OS does
+    not say): Linux's ``MemAvailable`` (free memory plus what the page cache
+    can give back; else the free pages), and no more than a container's
+    memory limit (cgroup v2 or v1) leaves."""
+    found = None
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if found is None:
+        try:
+            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            found = None
+    for limit_path, usage_path in cgroups:
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is None or usage is None:
+            continue
+        if limit < 2**60:  # v1 writes a huge number for "no limit"
+            room = max(limit - usage, 0)
+            found = room if found is None else min(found, room)
+        break
+    return found

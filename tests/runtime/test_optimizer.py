@@ -621,3 +621,30 @@ def test_the_default_second_copy_gives_way_when_the_host_memory_is_short(monkeyp
     with RoundPipeEngine(layers, [CPU], 2, async_optimizer=True) as eng:
         assert eng.double_buffer is True
     assert "double_buffer off" not in caplog.text
+
+
+def test_the_default_activation_budgets_leave_room_for_the_training_state(monkeypatch, caplog):
+    """The host memory left for activations by default is what is available
+    less the master copies, gradient buffers and Adam-like moments still to
+    be allocated; a state that cannot fit is said before anything runs."""
+    from lightning_roundpipe.runtime import engine as engine_module
+    from lightning_roundpipe.runtime.host import HOST_ACTIVATION_SHARE
+
+    layers = transformer(num_blocks=2)
+    trained = sum(p.numel() for m in layers for p in m.parameters() if p.requires_grad)
+    state = trained * (2 * 4 + 12)  # fp32: two master copies, gradients, moments
+    monkeypatch.setattr(engine_module, "host_available", lambda: state + 4_000_000)
+    with RoundPipeEngine(layers, [CPU], 2, async_optimizer=True) as eng:
+        assert eng.double_buffer
+        assert eng.activation_memory == 1_000_000
+        assert eng._host_limit == int(4_000_000 * HOST_ACTIVATION_SHARE)
+    with RoundPipeEngine(layers, [CPU], 2, activation_memory=123) as eng:
+        assert eng.activation_memory == 123 and eng._host_limit == 123
+    monkeypatch.setattr(engine_module, "host_available", lambda: trained * 10)
+    with (
+        caplog.at_level("WARNING"),
+        RoundPipeEngine(layers, [CPU], 2, async_optimizer=False) as eng,
+    ):
+        assert eng.activation_memory == 1
+    assert "the training state needs about" in caplog.text
+    assert "the process may run out of host memory" in caplog.text
