@@ -53,7 +53,7 @@ def staleness_reference(layers, data, make_opt, *, accumulate, clip, m, seed, st
             losses.append(reference(compute, ids, labels, lm_loss, m, seed=seed, iteration=it))
             it += 1
         for p, c in zip(params, cparams, strict=True):
-            p.grad = c.grad.clone()
+            p.grad = None if c.grad is None else c.grad.clone()  # (frozen: None)
         if clip is not None:
             norms.append(float(nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
@@ -102,6 +102,7 @@ def run_engine(
     chaos=None,
     disabled=(),
     double_buffer=None,
+    device=CPU,
 ):
     params = params_of(layers)
     opt, sched = make_opt(params)
@@ -114,7 +115,7 @@ def run_engine(
     losses, handles = [], []
     with RoundPipeEngine(
         layers,
-        [CPU] * devices,
+        [device] * devices,
         m,
         plan=plan,
         seed=seed,
@@ -132,9 +133,9 @@ def run_engine(
     return losses, [h.wait().grad_norm for h in handles]
 
 
-def assert_same(a_layers, b_layers):
+def assert_same(a_layers, b_layers, **tolerance):
     for a, b in zip(params_of(a_layers), params_of(b_layers), strict=True):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, **tolerance)
 
 
 @pytest.mark.parametrize("make_opt", [make_adamw, make_sgd], ids=["adamw", "sgd"])
@@ -648,3 +649,38 @@ def test_the_default_activation_budgets_leave_room_for_the_training_state(monkey
         assert eng.activation_memory == 1
     assert "the training state needs about" in caplog.text
     assert "the process may run out of host memory" in caplog.text
+
+
+def partly_frozen(dropout: float = 0.1):
+    """A transformer whose attention weights are frozen: every stage goes up
+    from the frozen weights' range and a trainable one."""
+    layers = transformer(num_blocks=2, dropout=dropout)
+    layers[0].drop.p = dropout
+    for block in layers[1:-1]:
+        block.attn.requires_grad_(False)
+    return layers
+
+
+@pytest.mark.parametrize("double_buffer", [True, False], ids=["two-copies", "one-copy"])
+def test_a_partly_frozen_model_matches_the_reference(double_buffer):
+    data = batches(4)
+    ref = partly_frozen()
+    staleness_reference(ref, data, make_sgd, accumulate=1, clip=None, m=4, seed=3, stale=True)
+    layers = partly_frozen()
+    frozen = [p.detach().clone() for p in params_of(layers) if not p.requires_grad]
+    run_engine(
+        layers,
+        data,
+        make_sgd,
+        accumulate=1,
+        clip=None,
+        m=4,
+        seed=3,
+        async_mode=True,
+        double_buffer=double_buffer,
+        plan="1,2|1|1,1,1",
+    )
+    assert_same(layers, ref)
+    still = [p for p in params_of(layers) if not p.requires_grad]
+    for a, b in zip(frozen, still, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
