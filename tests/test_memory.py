@@ -567,3 +567,28 @@ def test_the_host_state_counts_the_asynchronous_optimizers_second_master_copy(tm
         for a in (True, False)
     )
     assert two / one == pytest.approx(20 / 18, rel=1e-9)
+
+
+def test_the_estimated_step_counts_the_hosts_work_per_update(tmp_path):
+    """On one server the host's update (step, gradient check, weight copies)
+    overlaps the devices' work with the asynchronous optimizer and follows it
+    with the synchronous one; where it is longer, the estimate says the host
+    bounds the step."""
+    from lightning_roundpipe.models.estimate import estimate, load_config
+
+    config = load_config(str(config_file(tmp_path)))
+    kw = dict(gpu_memory=1.25 * 2**30, seq=64)
+    fast = estimate(config, optimizer_gbps=1e6, **kw)  # a very fast host
+    assert fast.host_update_seconds < fast.device_seconds == fast.step_seconds
+    assert not any("bound by the host" in n for n in fast.notes)
+    assert "the host's " in fast.report() and "overlap the devices'" in fast.report()
+    slow = estimate(config, optimizer_gbps=1e-4, **kw)  # a very slow host
+    assert slow.host_update_seconds > slow.device_seconds
+    assert slow.step_seconds == slow.host_update_seconds
+    assert any("the step is bound by the host" in n for n in slow.notes)
+    bf16 = 16 + 8 + 2  # step, gradient check and weight copy, bf16 write
+    assert slow.host_update_seconds == pytest.approx(slow.trainable * bf16 / 1e5)
+    sync = estimate(config, optimizer_gbps=1e-4, async_optimizer=False, **kw)
+    assert sync.step_seconds == pytest.approx(sync.device_seconds + sync.host_update_seconds)
+    assert "follow the devices'" in sync.report()
+    assert slow.tokens_per_second == pytest.approx(64 * slow.num_microbatches / slow.step_seconds)

@@ -83,6 +83,11 @@ def host_state_bytes(
 #: of a fused step that leaves out the writes and the compute-dtype copy)
 OPTIMIZER_BYTES = 16
 
+#: host bytes per trainable parameter of an update besides the step: the
+#: gradient check (fp32 read) and the weight copy (fp32 read; the write, in
+#: the compute dtype, is added per precision)
+UPDATE_COPY_BYTES = 4 + 4
+
 
 def load_config(source: str) -> Any:
     """A Hugging Face config from a JSON file, a directory holding
@@ -199,6 +204,13 @@ class Estimate:
     network_gbps: float = 100.0
     #: one optimizer step on the host (the model of :data:`OPTIMIZER_BYTES`)
     optimizer_seconds: float = 0.0
+    #: the host's work per update on one server: the step, the gradient check
+    #: and the weight copies (:data:`UPDATE_COPY_BYTES`); it overlaps the
+    #: devices' work with the asynchronous optimizer and follows it without
+    host_update_seconds: float = 0.0
+    #: the devices' part of ``step_seconds``
+    device_seconds: float = 0.0
+    async_optimizer: bool = True
     #: the gradient all-reduce per step (``servers > 1`` only)
     reduction: ReductionEstimate | None = None
     #: what bounds ``longest_seq``: "device memory", "host memory" or the
@@ -254,7 +266,18 @@ class Estimate:
             )
             + ")",
             f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
-            f"(weight uploads need {self.upload_seconds:.3g} s per step)",
+            f"(weight uploads need {self.upload_seconds:.3g} s per step"
+            + (
+                ""
+                if self.servers > 1
+                else f"; the host's {self.host_update_seconds:.3g} s per update "
+                + (
+                    f"overlap the devices' {self.device_seconds:.3g} s"
+                    if self.async_optimizer
+                    else f"follow the devices' {self.device_seconds:.3g} s"
+                )
+            )
+            + ")",
         ]
         red = self.reduction
         if red is not None:
@@ -521,6 +544,19 @@ def estimate(
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = trainable * OPTIMIZER_BYTES / (optimizer_gbps * 1e9)
+    per_update = OPTIMIZER_BYTES + UPDATE_COPY_BYTES + size
+    host_update = trainable * per_update / (optimizer_gbps * 1e9)
+    device_step = step
+    if servers == 1:  # (the all-reduce model below has its own optimizer term)
+        step = max(step, host_update) if async_optimizer else step + host_update
+        if async_optimizer and host_update > device_step:
+            notes.append(
+                f"the host's work per update ({host_update:.3g} s: optimizer step, gradient "
+                f"check and weight copies, {per_update} bytes per trainable parameter at "
+                f"--optimizer-gbps {optimizer_gbps:g}) is longer than the devices' "
+                f"({device_step:.3g} s): the step is bound by the host; more tokens per step "
+                "(batch, sequence) or fewer trainable weights (LoRA) shift the balance"
+            )
     reduction = None
     if servers > 1:
         reduction = estimate_reduction(
@@ -530,7 +566,7 @@ def estimate(
             network_gbps,
             optimizer_seconds=optimizer,
             async_optimizer=async_optimizer,
-            window_seconds=step,
+            window_seconds=device_step,
         )
     return Estimate(
         model=name or getattr(config, "model_type", "model"),
@@ -557,5 +593,8 @@ def estimate(
         servers=servers,
         network_gbps=network_gbps,
         optimizer_seconds=optimizer,
+        host_update_seconds=host_update,
+        device_seconds=device_step,
+        async_optimizer=async_optimizer,
         reduction=reduction,
     )

@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-gbps",
         type=float,
         default=20.0,
-        help="host GB/s of the optimizer step, 16 bytes per trainable parameter (default 20)",
+        help="host GB/s of an update: the optimizer step (16 bytes per trainable parameter), "
+        "the gradient check and weight copies (10 more in bf16) (default 20)",
     )
     return parser
 
