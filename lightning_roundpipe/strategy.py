@@ -553,6 +553,9 @@ class RoundPipeStrategy(ParallelStrategy):
                 options,
                 plan=None if self.plan == "auto" else self.plan,
                 activation_estimate=adapter.boundary_estimate(options.compute_dtype),
+                # a rebuilt engine (re-plan, unfreezing): the optimizer's state
+                # is already in host memory, the default budgets count it once
+                optimizer_state=0 if any(opt.state for opt in self.optimizers) else None,
                 parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
                 replicas=self._replicas,
                 chaos=self._chaos,  # tests: delays or faults at the hand-offs

@@ -78,38 +78,51 @@ log = logging.getLogger(__name__)
 _CPU_TILE_MEMORY = 128 * 2**20
 
 
-#: host bytes per trainable parameter the engine and a host optimizer add
-#: besides the master copies: the fp32 gradient buffer and, as for Adam, two
-#: fp32 moments (an assumption: the optimizer is not known yet)
-_STATE_PER_TRAINED = 4 + 8
+#: host bytes per trainable parameter the engine adds besides the master
+#: copies (the fp32 gradient buffer), and what a host optimizer whose state
+#: does not exist yet is assumed to add (two fp32 moments, as Adam's)
+_GRAD_PER_TRAINED = 4
+_OPTIMIZER_PER_TRAINED = 8
 
 
-def _state_to_come(layers: Sequence[nn.Module], compute_dtype: torch.dtype, copies: int) -> int:
-    """Host bytes the engine and a host optimizer will allocate for ``layers``
-    beyond the parameters themselves: ``copies`` master copies per trainable
-    weight, one per frozen weight not in the compute dtype (one in it is its
-    own), and per trainable weight :data:`_STATE_PER_TRAINED` bytes."""
+def _state_to_come(
+    layers: Sequence[nn.Module],
+    compute_dtype: torch.dtype,
+    copies: int,
+    optimizer_state: int | None = None,
+) -> int:
+    """Host bytes the engine and the host optimizer will allocate for
+    ``layers`` beyond the parameters themselves: ``copies`` master copies and
+    a gradient buffer per trainable weight, a master copy per frozen weight
+    not in the compute dtype (one in it is its own), and ``optimizer_state``
+    (default: :data:`_OPTIMIZER_PER_TRAINED` bytes per trainable weight)."""
     size = torch.empty(0, dtype=compute_dtype).element_size()
-    total = 0
+    total = trained = 0
     for p in {id(p): p for layer in layers for p in layer.parameters()}.values():
         if p.requires_grad:
-            total += p.numel() * (size * copies + _STATE_PER_TRAINED)
+            trained += p.numel()
+            total += p.numel() * (size * copies + _GRAD_PER_TRAINED)
         elif p.dtype != compute_dtype:
             total += p.numel() * size
-    return total
+    if optimizer_state is None:
+        optimizer_state = trained * _OPTIMIZER_PER_TRAINED
+    return total + optimizer_state
 
 
 def _second_copy_fits(
-    layers: Sequence[nn.Module], compute_dtype: torch.dtype, available: int | None
+    layers: Sequence[nn.Module],
+    compute_dtype: torch.dtype,
+    available: int | None,
+    optimizer_state: int | None = None,
 ) -> bool:
     """Whether the default second master copy of the trainable weights fits
     the host memory available now, after the state the engine and the
     optimizer will add anyway (one master copy, gradient buffers, optimizer
-    moments); where it does not, one copy is used and the reason logged."""
-    if available is None:
+    state); where it does not, one copy is used and the reason logged."""
+    if not available:  # (0: a reading to distrust, as no state could exist)
         return True
-    rest = _state_to_come(layers, compute_dtype, 1)
-    second = _state_to_come(layers, compute_dtype, 2) - rest
+    rest = _state_to_come(layers, compute_dtype, 1, optimizer_state)
+    second = _state_to_come(layers, compute_dtype, 2, optimizer_state) - rest
     if rest + second <= available:
         return True
     log.warning(
@@ -232,6 +245,10 @@ class RoundPipeEngine:
             memory available at start holds it next to the rest of the
             training state (else off, with a warning); ``True`` with the
             synchronous one is refused.
+        optimizer_state: host bytes the optimizer's state will still take,
+            for the default budgets above (default: two fp32 moments per
+            trainable weight, as Adam's, not yet allocated; 0 for an engine
+            rebuilt while the optimizer's state exists).
         parameter_names: names for the parameters in errors (e.g. the
             LightningModule's ``named_parameters()``, as a dict from parameter
             to name); default ``layers[i].<name inside the layer>``.
@@ -278,6 +295,7 @@ class RoundPipeEngine:
         size_limit: int | None = None,
         tile_memory: int | Literal["auto"] | None = "auto",
         double_buffer: bool | None = None,
+        optimizer_state: int | None = None,
         parameter_names: dict[nn.Parameter, str] | None = None,
         replicas: Replicas | None = None,
         chaos: Callable[[str], None] | None = None,
@@ -384,17 +402,21 @@ class RoundPipeEngine:
         available = host_available()
         self.double_buffer = self.options.double_buffered
         if self.double_buffer and self.options.double_buffer is None:
-            self.double_buffer = _second_copy_fits(layers, compute_dtype, available)
+            self.double_buffer = _second_copy_fits(
+                layers, compute_dtype, available, optimizer_state
+            )
         # what is left for activations once the training state is allocated
-        room = None
-        if available is not None:
-            state = _state_to_come(layers, compute_dtype, 2 if self.double_buffer else 1)
-            room = max(available - state, 0)
-            if state > available:
+        room = available or None
+        if room is not None:
+            copies = 2 if self.double_buffer else 1
+            state = _state_to_come(layers, compute_dtype, copies, optimizer_state)
+            if state < room:
+                room -= state
+            else:  # no room then: budgets from what is there, and a warning
                 log.warning(
                     "RoundPipe: the training state needs about %.2f GiB of host memory beyond "
-                    "the parameters (master copies, gradient buffers, an Adam-like "
-                    "optimizer's moments) and %.2f GiB are available: the process may run "
+                    "the parameters (master copies, gradient buffers, the optimizer's "
+                    "state) and %.2f GiB are available: the process may run "
                     "out of host memory. Train fewer weights (LoRA, frozen layers), load "
                     "frozen weights in the compute dtype, or use a machine with more memory",
                     state / 2**30,
@@ -403,14 +425,14 @@ class RoundPipeEngine:
         self.activation_memory = (
             activation_memory
             if activation_memory is not None
-            else (max(room // 4, 1) if room is not None else None)
+            else (max(room // 4, 1) if room else None)
         )
         # what one micro-batch's boundary values may take on the host before
         # a plan with fewer boundaries is chosen (expect_activations)
         self._host_limit = (
             activation_memory
             if activation_memory is not None
-            else (max(int(room * HOST_ACTIVATION_SHARE), 1) if room is not None else None)
+            else (max(int(room * HOST_ACTIVATION_SHARE), 1) if room else None)
         )
         #: bytes of one boundary value of a micro-batch (expect_activations)
         self._boundary: float | None = None
@@ -521,7 +543,8 @@ class RoundPipeEngine:
     ) -> RoundPipeEngine:
         """An engine with ``options`` (validated when they were made);
         ``kwargs``: the arguments that are not options (``plan``, ``costs``,
-        ``activation_estimate``, ``parameter_names``, ``chaos``, ``rules``)."""
+        ``activation_estimate``, ``optimizer_state``, ``parameter_names``,
+        ``chaos``, ``rules``)."""
         return cls(layers, devices, num_microbatches, **options.as_kwargs(), **kwargs)
 
     def _outside_gradient_hooks(self, names: dict[int, str]) -> list[Any]:

@@ -631,11 +631,33 @@ class HostState:
 HOST_ACTIVATION_SHARE = 0.8
 
 
-#: where a container's memory limit and usage are (cgroup v2, then v1)
+#: where a container's memory limit, usage and statistics are (cgroup v2, then v1)
 CGROUP_MEMORY = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    (
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory.current",
+        "/sys/fs/cgroup/memory.stat",
+    ),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+    ),
 )
+
+
+def _inactive_file(stat_path: str) -> int:
+    """Bytes of inactive file cache a cgroup's usage counts (the kernel gives
+    them back under pressure; 0 where unknown)."""
+    try:
+        with open(stat_path, encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _read_int(path: str) -> int | None:
@@ -648,12 +670,13 @@ def _read_int(path: str) -> int | None:
 
 
 def host_available(
-    meminfo: str = "/proc/meminfo", cgroups: Sequence[tuple[str, str]] = CGROUP_MEMORY
+    meminfo: str = "/proc/meminfo", cgroups: Sequence[tuple[str, str, str]] = CGROUP_MEMORY
 ) -> int | None:
     """Host memory this process can still use, in bytes (None where the OS does
     not say): Linux's ``MemAvailable`` (free memory plus what the page cache
     can give back; else the free pages), and no more than a container's
-    memory limit (cgroup v2 or v1) leaves."""
+    memory limit (cgroup v2 or v1) leaves, its inactive file cache counted as
+    free (as Kubernetes' working set does)."""
     found = None
     try:
         with open(meminfo, encoding="ascii") as f:
@@ -668,12 +691,12 @@ def host_available(
             found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             found = None
-    for limit_path, usage_path in cgroups:
+    for limit_path, usage_path, stat_path in cgroups:
         limit, usage = _read_int(limit_path), _read_int(usage_path)
         if limit is None or usage is None:
             continue
         if limit < 2**60:  # v1 writes a huge number for "no limit"
-            room = max(limit - usage, 0)
+            room = max(limit - max(usage - _inactive_file(stat_path), 0), 0)
             found = room if found is None else min(found, room)
         break
     return found

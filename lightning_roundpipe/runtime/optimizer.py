@@ -15,11 +15,13 @@ window start while deep layers are still being copied:
 1. the P copy of update ``w`` (fp32 weights -> master copy) waits until every
    task of window ``w + 1`` that uses the parameter is done with it
    (``uses``, counted down by workers). With two master copies (asynchronous
-   mode's default, see :mod:`.host`) update ``w`` writes the copy of version
-   ``w + 1``, which windows ``w - 1`` and ``w`` read (versions ``w - 1``),
-   not window ``w + 1`` (version ``w``): it waits for those two windows
-   only, which its own G copies (rule 3) already waited for, so the weight
-   copies overlap window ``w + 1`` instead of following it;
+   mode's default, see :mod:`.host`) update ``w`` writes version ``w + 1``
+   into the copy that holds version ``w - 1``, which window ``w`` reads
+   (and window 0 for ``w = 1``, and an evaluation with the newest weights
+   during window ``w - 1``), not the one window ``w + 1`` reads (version
+   ``w``): it waits for the uses of windows ``w - 1`` and ``w`` only, which
+   its own G copies (rule 3) already waited for as far as training tasks
+   go, so the weight copies overlap window ``w + 1`` instead of following it;
 2. a task of window ``k`` reads the master copy only once P copies of updates
    ``0 .. k-2`` are done (``p_done``; sync mode: ``0 .. k-1``): it reads the
    weights of *version* ``k - 1`` (sync mode: ``k``; an evaluation with the

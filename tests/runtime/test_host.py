@@ -258,17 +258,22 @@ def test_the_available_host_memory_heeds_a_containers_limit(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 8000000 kB\nMemFree: 1000 kB\nMemAvailable: 4000000 kB\n")
     limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    stat = tmp_path / "memory.stat"
+    group = [(str(limit), str(usage), str(stat))]
     assert host.host_available(str(meminfo), ()) == 4000000 * 1024  # MemAvailable, not MemFree
     limit.write_text("max\n")
     usage.write_text("123\n")
-    assert host.host_available(str(meminfo), [(str(limit), str(usage))]) == 4000000 * 1024
+    assert host.host_available(str(meminfo), group) == 4000000 * 1024
     limit.write_text(f"{3 * 2**30}\n")  # a container limit of 3 GiB, 1 GiB used
     usage.write_text(f"{2**30}\n")
-    assert host.host_available(str(meminfo), [(str(limit), str(usage))]) == 2 * 2**30
+    assert host.host_available(str(meminfo), group) == 2 * 2**30  # (no memory.stat)
+    # the usage counts file cache the kernel gives back: it is free memory
+    stat.write_text(f"anon 1000\nfile {2**29}\ninactive_file {2**28}\nactive_file 5\n")
+    assert host.host_available(str(meminfo), group) == 2 * 2**30 + 2**28
     v1_unlimited = tmp_path / "limit_in_bytes"
     v1_unlimited.write_text("9223372036854771712\n")
-    got = host.host_available(str(meminfo), [(str(v1_unlimited), str(usage))])
+    got = host.host_available(str(meminfo), [(str(v1_unlimited), str(usage), str(stat))])
     assert got == 4000000 * 1024
     # no meminfo: the free pages, still capped by the container
-    capped = host.host_available(str(tmp_path / "missing"), [(str(limit), str(usage))])
-    assert capped is not None and capped <= 2 * 2**30
+    capped = host.host_available(str(tmp_path / "missing"), group)
+    assert capped is not None and capped <= 2 * 2**30 + 2**28

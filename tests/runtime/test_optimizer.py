@@ -641,14 +641,24 @@ def test_the_default_activation_budgets_leave_room_for_the_training_state(monkey
         assert eng._host_limit == int(4_000_000 * HOST_ACTIVATION_SHARE)
     with RoundPipeEngine(layers, [CPU], 2, activation_memory=123) as eng:
         assert eng.activation_memory == 123 and eng._host_limit == 123
+    # the optimizer's state already allocated (a rebuilt engine): not counted again
+    monkeypatch.setattr(engine_module, "host_available", lambda: trained * 20 + 4_000_000)
+    with RoundPipeEngine(layers, [CPU], 2, async_optimizer=True, optimizer_state=0) as eng:
+        assert eng.double_buffer
+        assert eng.activation_memory == (trained * 8 + 4_000_000) // 4
+    # a state that cannot fit: said, and the budgets come from what is there
     monkeypatch.setattr(engine_module, "host_available", lambda: trained * 10)
     with (
         caplog.at_level("WARNING"),
         RoundPipeEngine(layers, [CPU], 2, async_optimizer=False) as eng,
     ):
-        assert eng.activation_memory == 1
+        assert eng.activation_memory == trained * 10 // 4
     assert "the training state needs about" in caplog.text
     assert "the process may run out of host memory" in caplog.text
+    # no reading (or a reading of 0): no default budget, as before
+    monkeypatch.setattr(engine_module, "host_available", lambda: 0)
+    with RoundPipeEngine(layers, [CPU], 2, async_optimizer=True) as eng:
+        assert eng.activation_memory is None and eng._host_limit is None and eng.double_buffer
 
 
 def partly_frozen(dropout: float = 0.1):
