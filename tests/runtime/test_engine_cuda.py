@@ -120,36 +120,14 @@ def test_a_partly_frozen_model_trains_on_cuda_like_the_reference(devices, double
     """Asynchronous steps on CUDA: each stage's weights go up from the frozen
     range and one version's trainable range (prefetched window by window on
     two workers), with one and with two master copies."""
-    from .test_optimizer import (
-        assert_same,
-        batches,
-        make_sgd,
-        params_of,
-        partly_frozen,
-        run_engine,
-        staleness_reference,
-    )
+    from .test_optimizer import check_partly_frozen
 
-    data = batches(4)
-    ref = partly_frozen(dropout=0.0)  # CUDA dropout masks differ from the CPU's
-    staleness_reference(ref, data, make_sgd, accumulate=1, clip=None, m=4, seed=3, stale=True)
-    layers = partly_frozen(dropout=0.0)
-    frozen = [p.detach().clone() for p in params_of(layers) if not p.requires_grad]
-    run_engine(
-        layers,
-        data,
-        make_sgd,
-        accumulate=1,
-        clip=None,
-        m=4,
-        seed=3,
-        async_mode=True,
-        double_buffer=double_buffer,
-        plan="1,2|1|1,1,1",
+    # dropout off: CUDA dropout masks differ from the CPU reference's
+    check_partly_frozen(
+        double_buffer,
         devices=len(devices),
         device=torch.device("cuda", 0),
+        dropout=0.0,
+        atol=1e-4,
+        rtol=1e-3,
     )
-    assert_same(layers, ref, atol=1e-4, rtol=1e-3)
-    still = [p for p in params_of(layers) if not p.requires_grad]
-    for a, b in zip(frozen, still, strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
