@@ -37,7 +37,7 @@ from torch import nn
 from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
 from ..plan.decide import initial_plan, plan_for_activations
 from ..plan.policy import choose_round
-from ..runtime.host import HOST_ACTIVATION_SHARE
+from ..runtime.host import HOST_ACTIVATION_SHARE, state_bytes
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .attention import attention_heads
@@ -72,10 +72,14 @@ def host_state_bytes(
     compute = PRECISIONS[precision]
     param = compute if precision.endswith("-true") else torch.float32
     frozen = frozen_dtype or param
-    masters = 2 if double_buffer else 1
-    trained = param.itemsize * 3 + compute.itemsize * masters + 4
-    kept = frozen.itemsize + (0 if frozen == compute else compute.itemsize)
-    return sum(p.numel() * (trained if p.requires_grad else kept) for p in model.parameters())
+    return state_bytes(
+        (
+            (p.numel(), param if p.requires_grad else frozen, p.requires_grad)
+            for p in model.parameters()
+        ),
+        compute,
+        2 if double_buffer else 1,
+    )
 
 
 #: host bytes an Adam step streams per trainable parameter (the fp32 master,

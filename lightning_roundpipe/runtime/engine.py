@@ -38,7 +38,7 @@ from ..plan.schedule import Placement
 from ..plan.stages import Stage
 from .device import as_device, check_uniform, host_to_device_bandwidth, pin, stage_memory_limit
 from .gradients import CallerGradients
-from .host import HOST_ACTIVATION_SHARE, HostState, _Param, host_available
+from .host import HOST_ACTIVATION_SHARE, HostState, _Param, host_available, state_bytes
 from .nested import (
     batch_size_of,
     map_tensors,
@@ -78,13 +78,6 @@ log = logging.getLogger(__name__)
 _CPU_TILE_MEMORY = 128 * 2**20
 
 
-#: host bytes per trainable parameter the engine adds besides the master
-#: copies (the fp32 gradient buffer), and what a host optimizer whose state
-#: does not exist yet is assumed to add (two fp32 moments, as Adam's)
-_GRAD_PER_TRAINED = 4
-_OPTIMIZER_PER_TRAINED = 8
-
-
 def _state_to_come(
     layers: Sequence[nn.Module],
     compute_dtype: torch.dtype,
@@ -92,21 +85,17 @@ def _state_to_come(
     optimizer_state: int | None = None,
 ) -> int:
     """Host bytes the engine and the host optimizer will allocate for
-    ``layers`` beyond the parameters themselves: ``copies`` master copies and
-    a gradient buffer per trainable weight, a master copy per frozen weight
-    not in the compute dtype (one in it is its own), and ``optimizer_state``
-    (default: :data:`_OPTIMIZER_PER_TRAINED` bytes per trainable weight)."""
-    size = torch.empty(0, dtype=compute_dtype).element_size()
-    total = trained = 0
-    for p in {id(p): p for layer in layers for p in layer.parameters()}.values():
-        if p.requires_grad:
-            trained += p.numel()
-            total += p.numel() * (size * copies + _GRAD_PER_TRAINED)
-        elif p.dtype != compute_dtype:
-            total += p.numel() * size
-    if optimizer_state is None:
-        optimizer_state = trained * _OPTIMIZER_PER_TRAINED
-    return total + optimizer_state
+    ``layers`` beyond the parameters themselves (:func:`state_bytes`):
+    ``optimizer_state`` for the optimizer (default: two Adam moments per
+    trainable weight, an assumption: the optimizer is not known yet)."""
+    distinct = {id(p): p for layer in layers for p in layer.parameters()}.values()
+    return state_bytes(
+        ((p.numel(), p.dtype, p.requires_grad) for p in distinct),
+        compute_dtype,
+        copies,
+        include_params=False,
+        moments=optimizer_state is None,
+    ) + (optimizer_state or 0)
 
 
 def _second_copy_fits(

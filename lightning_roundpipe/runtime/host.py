@@ -33,13 +33,13 @@ import mmap
 import os
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["HostState", "LayerReplica", "host_available", "pinned_bytes"]
+__all__ = ["HostState", "LayerReplica", "host_available", "pinned_bytes", "state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -621,6 +621,33 @@ class HostState:
         self.pool.free(keep)
         for arena in [*self.train_pools, self.grad_pool]:
             arena.free()
+
+
+def state_bytes(
+    params: Iterable[tuple[int, torch.dtype, bool]],
+    compute_dtype: torch.dtype,
+    copies: int = 1,
+    *,
+    include_params: bool = True,
+    moments: bool = True,
+) -> int:
+    """Host bytes of the training state for distinct parameters given as
+    ``(numel, dtype, trainable)``: the parameter itself (``include_params``);
+    per trainable one ``copies`` master copies in ``compute_dtype``, the fp32
+    gradient buffer and (``moments``) two Adam moments in its dtype; per
+    frozen one a master copy unless it is in ``compute_dtype`` (then it is its
+    own). One accounting for the engine's budgets and ``plan estimate``."""
+    size = compute_dtype.itemsize
+    total = 0
+    for numel, dtype, trainable in params:
+        own = dtype.itemsize
+        per = own if include_params else 0
+        if trainable:
+            per += size * copies + 4 + (2 * own if moments else 0)
+        elif dtype != compute_dtype:
+            per += size
+        total += numel * per
+    return total
 
 
 #: of the host memory available when an engine starts, less the training
