@@ -88,10 +88,12 @@ class RoundPipeStrategy(ParallelStrategy):
             there: 80% of that host memory): at
             sequences whose one-layer stages would keep more, the plan gets
             fewer, larger backward stages that recompute one layer at a time
-            (a layered plan, ``"...|layered"``).
+            (a layered plan, ``"...|layered"``, or, where even their layer
+            inputs would not fit the device, a rewalked one, ``"...|rewalk"``).
         plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``, with
             ``"|layered"`` appended: backward stages that recompute one layer
-            at a time), or
+            at a time; ``"|rewalk"``: and compute each layer's input again
+            from the stage input instead of keeping it), or
             ``"auto"`` for the plan with the shortest simulated step among the
             partitioner's best.
         trace_dir: record the real start and end of every stage on every

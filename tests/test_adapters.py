@@ -787,11 +787,18 @@ def test_router_loss_with_one_microbatch_trains_like_the_model(kind):
 
 @pytest.mark.parametrize(
     ("kind", "plan"),
-    [("llama", "2|2|2|layered"), ("qwen3", "1|3|1|layered"), ("qwen3_moe", "1,2|1|3|layered")],
+    [
+        ("llama", "2|2|2|layered"),
+        ("qwen3", "1|3|1|layered"),
+        ("qwen3_moe", "1,2|1|3|layered"),
+        ("llama", "1|3|1,2|rewalk"),
+        ("qwen3_moe", "1,2|1|3|rewalk"),
+    ],
 )
 def test_layered_stages_train_like_the_default_strategy(kind, plan):
     """Stages that recompute and differentiate one layer at a time (a plan
-    for too little host memory): the same losses and weights, the router
+    for too little host memory), keeping their layers' inputs or computing
+    each again (rewalk): the same losses and weights, the router
     loss's statistics crossing layers inside such a stage too (one
     micro-batch: the router loss of several is each one's own term)."""
     if kind in MOE_AUX:

@@ -246,11 +246,14 @@ def test_frozen_base_measures_both_bases_in_their_own_processes():
 def test_layered_benchmark_reports_fewer_boundary_bytes_and_the_same_loss():
     """The layered benchmark at a tiny size: the trial with less
     activation_memory gets a layered plan that holds fewer boundary bytes
-    and reaches the same loss."""
-    one, limited = load("layered").compare(dict(seq=512, layers=4, hidden=32, vocab=200))
+    and reaches the same loss, and so does that plan rewalked."""
+    one, limited, rewalked = load("layered").compare(dict(seq=512, layers=4, hidden=32, vocab=200))
     assert limited["plan"].endswith("|layered")
+    assert rewalked["plan"] == limited["plan"].replace("|layered", "|rewalk")
     assert 0 < limited["peak"] <= 0.4 * one["peak"]
+    assert rewalked["peak"] == limited["peak"]
     assert limited["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert rewalked["losses"] == pytest.approx(one["losses"], rel=1e-5)
 
 
 def test_long_context_gpu_runs_its_trials_and_reports_them():

@@ -159,12 +159,15 @@ def test_the_estimated_host_boundaries_bound_what_a_step_holds(plan):
         assert predicted <= 1.05 * peak
 
 
-def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog):
+@pytest.mark.parametrize(("limit", "mode"), [(4_000_000, "layered"), (3_300_000, "rewalk")])
+def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog, limit, mode):
     """A block with its activations fits a stage, two plain ones do not; with
     host memory (activation_memory) for fewer boundary values than one-layer
     stages keep, the engine plans larger, layered backward stages before the
     first step: the step holds fewer boundary bytes and its loss and
-    gradients equal plain PyTorch's."""
+    gradients equal plain PyTorch's. With a device limit that leaves no
+    room for a three-layer stage's two layer inputs (a block: 3.0 MB with
+    its activations, a layer input 0.14 MB) the stages are rewalked."""
     import copy
 
     model = tiny("llama", max_position_embeddings=512, num_hidden_layers=6)
@@ -175,7 +178,7 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog)
     held = {}
     for budget in (None, 400_000):  # one-layer stages keep 7 values of 139 KB
         run = copy.deepcopy(model)
-        opts = dict(device_memory_limit=4_000_000, tile_memory=None, activation_memory=budget)
+        opts = dict(device_memory_limit=limit, tile_memory=None, activation_memory=budget)
         with (
             caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"),
             attached_engine(run, 1, 1, profile_iterations=0, **opts) as (_, eng),
@@ -184,13 +187,15 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog)
             loss.backward()
             eng.synchronize()
             assert eng.plan.layered == (budget is not None)
-            assert max(eng.predicted_peaks) <= 4_000_000
+            assert eng.plan.rewalk == (budget is not None and mode == "rewalk")
+            assert max(eng.predicted_peaks) <= limit
             held[budget] = eng.boundary_peak
         torch.testing.assert_close(loss, expected)
         for (name, p), q in zip(run.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert 0 < held[400_000] <= 400_000 < held[None]
     assert "backward stages recompute one layer at a time" in caplog.text
+    assert ("each layer's input again from the stage's" in caplog.text) == (mode == "rewalk")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
-from ..plan.decide import initial_plan, plan_for_activations
+from ..plan.decide import Predicted, initial_plan, plan_for_activations
 from ..plan.policy import choose_round
 from ..runtime.host import HOST_ACTIVATION_SHARE, state_bytes
 from ..runtime.options import PRECISIONS
@@ -436,7 +436,7 @@ def estimate(
     host_room = None if spare is None else HOST_ACTIVATION_SHARE * max(0.0, spare)
     round_budget = None if spare is None else max(1, int(spare // 4))
 
-    def plan_at(s: int, b: int, host: bool = True) -> tuple[Any, list[float], float]:
+    def plan_at(s: int, b: int, host: bool = True) -> Predicted:
         """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
         the bytes a stage may use with it (more than half the GPU when long
         sequences leave the next stage's weights less room); with ``host``,
@@ -459,16 +459,17 @@ def estimate(
             boundary=value_bytes(s * b, hidden, size),
             host_limit=host_room if host else None,
         )
-        return decision.plan, decision.peaks, decision.memory_limit
+        return decision
 
     def fits(s: int, host: bool = True) -> bool:
         """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
         ``host``, the host memory when it is given)."""
         try:
-            plan, peaks, room = plan_at(s, 1, host)
+            decision = plan_at(s, 1, host)
         except PlanError:
             return False
-        if max(peaks) > room:
+        plan = decision.plan
+        if max(decision.peaks) > decision.memory_limit:
             return False
         if not host or spare is None:
             return True
@@ -490,13 +491,14 @@ def estimate(
         # its plan's boundary values at the engine's default share of the host
         device_longest = longest_sequence(lambda s: fits(s, host=False), longest + 1, search)
         if device_longest:
-            alone, _, _ = plan_at(device_longest, 1, host=False)
+            alone = plan_at(device_longest, 1, host=False).plan
             values = boundary_bytes(alone, device_longest, hidden, size)
             device_host = state + values / HOST_ACTIVATION_SHARE
     notes = []
     if seq is None:
         seq = max(1, min(longest, ceiling) if longest else 1)
-    plan, peaks, room = plan_at(seq, micro_batch)
+    decision = plan_at(seq, micro_batch)
+    plan, peaks, room = decision.plan, decision.peaks, decision.memory_limit
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
     rounds = choose_round(m, boundary_bytes=per_mb, budget=round_budget)
     acts = per_mb * rounds.round_size
@@ -537,11 +539,21 @@ def estimate(
         )
     if plan.layered:
         extra = sum(st.extra_forward(timed) for st in plan.stages)
+        how = (
+            "rewalked plan: its backward stages recompute one layer at a time, each layer's "
+            "input again from the stage's (forwards of the layers below"
+            if plan.rewalk
+            else "layered plan: its backward stages recompute one layer at a time (a second forward"
+        )
         notes.append(
-            f"layered plan: its backward stages recompute one layer at a time (a second "
-            f"forward: {extra / (sum(plan.stage_times(timed)) - extra):.0%} more compute) so "
+            f"{how}: {extra / (sum(plan.stage_times(timed)) - extra):.0%} more compute) so "
             f"that a micro-batch keeps {plan.boundaries_per_microbatch()} boundary values on "
             "the host"
+        )
+    if not decision.prefetch:
+        notes.append(
+            "nothing prefetched: a stage takes the GPU's usable memory, and the next stage's "
+            "weights go up once it is done"
         )
     if longest and longest >= ceiling:
         notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")

@@ -153,17 +153,38 @@ def stage_peaks(
     first instead (``boundary`` bytes each), and one layer's saved and
     transient bytes at a time (``boundary`` unknown: counted like a stage
     that is not layered, whose layers' saved bytes include what they keep of
-    their inputs)."""
+    their inputs). A rewalked stage keeps no inputs: one layer's saved and
+    transient bytes, or, while it computes a layer's input again from the
+    stage input, the two values in hand (:func:`rewalk_work`)."""
     out = []
     for st, size in zip(plan.stages, plan.stage_memory(estimates), strict=True):
         a, b = st.start, st.stop
         if st.layered and st.kind != "forward" and boundary is not None:
+            if st.rewalk:
+                out.append(size + rewalk_work(saved[a:b], transient[a:b], boundary))
+                continue
             work = max((saved[i] + transient[i] for i in range(a, b)), default=0.0)
             out.append(size + (b - a - 1) * boundary + work)
             continue
         kept = sum(saved[a:b]) if st.kind != "forward" else 0.0
         out.append(size + kept + max(transient[a:b], default=0.0))
     return out
+
+
+def rewalk_work(saved: Sequence[float], transient: Sequence[float], boundary: float) -> float:
+    """The activation bytes a rewalked stage of layers with these ``saved``
+    and ``transient`` bytes needs at its peak: one layer's backward (what it
+    saved and its transient), or, for each layer above the first, the
+    forward without autograd that computes its input again, which holds a
+    layer's input and output (two ``boundary`` values) in place of what the
+    layer saves, beside its transient (the gradient from above included)."""
+    return max(
+        (
+            (max(a, 2 * boundary) if i else a) + t
+            for i, (a, t) in enumerate(zip(saved, transient, strict=True))
+        ),
+        default=0.0,
+    )
 
 
 def host_need(plan: StagePlan, boundary: float) -> float:
@@ -187,6 +208,10 @@ class Predicted:
             the next stage's weights only.
         weight_cap: with such a limit, the weight bytes no stage may exceed
             (the room left for the prefetched next stage); None otherwise.
+        prefetch: whether a worker uploads the next stage's weights and the
+            next micro-batch's input while a stage runs; False: nothing is
+            left for them (``memory_limit`` is all of the usable budget),
+            they go up once the stage is done.
     """
 
     plan: StagePlan
@@ -195,6 +220,7 @@ class Predicted:
     warning: bool = False
     memory_limit: float | None = None
     weight_cap: float | None = None
+    prefetch: bool = True
 
 
 #: fractions of the device budget kept for the next stage's prefetched weights
@@ -272,9 +298,15 @@ def _plan_within_host(
     and inputs add up to at most ``limit`` less the largest layer's working
     set plus one input fits. Its backward time is charged a second
     forward of every layer (the exact times, one layer less per stage, rank
-    the candidates). A plan that fails to fit as one-layer plain stages has
-    no layered alternative either: a layered stage needs at least what each
-    of its layers needs alone."""
+    the candidates). Rewalked plans, whose stages keep no layer inputs,
+    are partitioned with the layers' weights against ``limit`` less that
+    working set, charged the same second forward (their exact extra
+    forwards, quadratic in a stage's layers, rank them), are candidates
+    only where no plain or layered plan fits: they need more compute than a
+    layered plan of the same cuts (and upload their stage inputs again). A
+    plan that fails to fit as one-layer plain stages has no layered
+    alternative either: a layered stage needs at least what each of its
+    layers needs alone."""
     assert estimates.memory is not None
     n, m = num_devices, num_microbatches
     weights = _layer_weights(estimates)
@@ -292,24 +324,36 @@ def _plan_within_host(
         memory=[w + boundary for w in estimates.memory],
         weight_bytes=estimates.weight_bytes,
     )
-    candidates: list[StagePlan] = []
+    rewalked = LayerCosts(
+        layered.forward,
+        layered.backward,
+        memory=list(estimates.memory),
+        weight_bytes=estimates.weight_bytes,
+    )
     # a layered stage of k layers keeps k - 1 inputs: the sum of k figures
     # overcounts one, which the room gives back
-    layered_room = limit - work + boundary
-    for costs, room, flag in ((plain, limit, False), (layered, layered_room, True)):
+    families = (
+        (plain, limit, False, False),
+        (layered, limit - work + boundary, True, False),
+        (rewalked, limit - rewalk_work(saved, transient, boundary), True, True),
+    )
+    fitting: list[StagePlan] = []
+    for costs, room, flag, rewalk in families:
+        if rewalk and fitting:  # (only where no plain or layered plan fits)
+            break
         if room <= 0:
             continue
         try:
             found = frontier(_within(costs, room, caps), room)
         except PlanError:
             continue
-        candidates += [StagePlan(p.forward, p.fused, p.backward, flag) for p in found]
-    fitting = [
-        p
-        for p in candidates
-        if _fits(p, stage_peaks(p, estimates, saved, transient, boundary), estimates, limit, cap)
-        and host_need(p, boundary) <= host_limit
-    ]
+        plans = [StagePlan(q.forward, q.fused, q.backward, flag, rewalk) for q in found]
+        peaks = {p: stage_peaks(p, estimates, saved, transient, boundary) for p in plans}
+        fitting += [
+            p
+            for p in plans
+            if host_need(p, boundary) <= host_limit and _fits(p, peaks[p], estimates, limit, cap)
+        ]
     if not fitting:
         return None
     # the formula's best few (as choose_plan does), then the simulated step
@@ -337,6 +381,7 @@ def plan_for_activations(
     weight_cap: float | None = None,
     boundary: float | None = None,
     host_limit: float | None = None,
+    prefetch: bool = True,
 ) -> Predicted:
     """Keep ``current`` if every slot's predicted peak (:func:`stage_peaks`)
     fits ``memory_limit``; otherwise, unless the plan was given, the best plan
@@ -350,8 +395,14 @@ def plan_for_activations(
     it, leaving the next stage's weights a smaller share (a quarter, an
     eighth, a sixteenth of it, then the largest layer's weights: one-layer
     stages; the plan's stages must then keep their weights within that
-    share); the result says which limit and cap hold from then on.
-    ``weight_cap``: the cap that holds now (from such an earlier decision).
+    share); the result says which limit and cap hold from then on. Last,
+    a stage may take all of the usable budget, with nothing prefetched: the
+    next stage's weights and the next micro-batch's input go up once the
+    stage is done (their copies are then exposed, a small price where a
+    stage computes for seconds on sequences this long).
+    ``weight_cap``: the cap that holds now (from such an earlier decision),
+    and ``prefetch``: whether a worker prefetches now (False from such a
+    decision).
 
     ``boundary``: bytes of one layer-input value of a micro-batch (a causal
     LM's hidden states and positions: the same at every layer), and
@@ -373,6 +424,7 @@ def plan_for_activations(
             False,
             memory_limit,
             weight_cap,
+            prefetch,
         )
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     label = current.stages[worst].label
@@ -397,28 +449,29 @@ def plan_for_activations(
         memory=[m + a + t for m, a, t in zip(estimates.memory, saved, transient, strict=True)],
         weight_bytes=estimates.weight_bytes,
     )
-    splits: list[tuple[float, float | None]] = [(memory_limit, weight_cap)]
-    if device_budget is not None:
+    splits: list[tuple[float, float | None, bool]] = [(memory_limit, weight_cap, prefetch)]
+    if device_budget is not None and prefetch:
         # a share below the largest layer's weights holds no next stage; at
-        # the end, as little as one does: that layer's weights
+        # the end, as little as one does: that layer's weights; then none
+        usable = _USABLE * device_budget
         one = max(_layer_weights(estimates), default=0.0)
         reserves = [r * device_budget for r in _RESERVES if r * device_budget > one] + [one]
         splits += [
-            (_USABLE * device_budget - r, r)
+            (usable - r, r, True)
             for r in reserves
-            if (weight_cap is None or r < weight_cap) and _USABLE * device_budget - r > memory_limit
+            if (weight_cap is None or r < weight_cap) and usable - r > memory_limit
         ]
-    for limit, cap in splits:
-        if cap != weight_cap and host_ok and _fits(current, peaks, estimates, limit, cap):
-            return Predicted(
-                current,
-                peaks,
-                f"{why}; kept, with stages of up to {limit:.4g} bytes (the next stage's "
-                f"weights need at most {cap:.4g})",
-                False,
-                limit,
-                cap,
-            )
+        if usable > memory_limit:
+            splits.append((usable, None, False))
+    for limit, cap, fetch in splits:
+        if fetch:
+            where = f"the next stage's weights need at most {cap:.4g}" if cap is not None else ""
+        else:
+            where = "nothing prefetched: the next stage's weights go up once a stage is done"
+        where = f" with stages of up to {limit:.4g} bytes ({where})" if where else ""
+        changed = (cap, fetch) != (weight_cap, prefetch)
+        if changed and host_ok and _fits(current, peaks, estimates, limit, cap):
+            return Predicted(current, peaks, f"{why}; kept,{where}", False, limit, cap, fetch)
         if user_plan:
             continue
         # the partitioner sees one figure per layer that keeps the stages
@@ -463,18 +516,17 @@ def plan_for_activations(
             host = (
                 f" ({plan.boundaries_per_microbatch()} boundary values per micro-batch on the "
                 f"host, within {host_limit:.4g} bytes"
-                + ("; backward stages recompute one layer at a time" if plan.layered else "")
+                + (
+                    "; backward stages recompute one layer at a time, each layer's input "
+                    "again from the stage's"
+                    if plan.rewalk
+                    else "; backward stages recompute one layer at a time"
+                    if plan.layered
+                    else ""
+                )
                 + ")"
             )
         new = stage_peaks(plan, estimates, saved, transient, boundary)
-        where = (
-            ""
-            if cap is None
-            else (
-                f" with stages of up to {limit:.4g} bytes (the next stage's weights need at "
-                f"most {cap:.4g})"
-            )
-        )
         return Predicted(
             plan,
             new,
@@ -482,6 +534,7 @@ def plan_for_activations(
             False,
             limit,
             cap,
+            fetch,
         )
     if user_plan:
         fix = "kept as given: give a plan with smaller stages or plan=None"
@@ -492,7 +545,7 @@ def plan_for_activations(
         )
         if not host_ok:
             fix += " or activation_memory (host memory)"
-    return Predicted(current, peaks, f"{why}; {fix}", True, memory_limit, weight_cap)
+    return Predicted(current, peaks, f"{why}; {fix}", True, memory_limit, weight_cap, prefetch)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .costs import LayerCosts, PlanError
-from .stages import Stage, StageKind, StagePlan
+from .stages import Stage, StageKind, StagePlan, extra_forward_time
 
 __all__ = ["Clock", "Placement", "Schedule", "Segment", "Task", "lower", "readers_of"]
 
@@ -86,6 +86,8 @@ class Task:
         layered: a backward or fused stage of a layered plan: it recomputes and
             differentiates one layer at a time
             (:class:`~lightning_roundpipe.plan.stages.StagePlan`).
+        rewalk: such a stage that computes each layer's input again from the
+            stage input instead of keeping it.
     """
 
     round: int
@@ -101,6 +103,7 @@ class Task:
     writes: tuple[str, ...]
     ordered: bool = False
     layered: bool = False
+    rewalk: bool = False
 
     @property
     def microbatches(self) -> range:
@@ -122,7 +125,9 @@ class Task:
         out = f"{self} {layers} reads {','.join(self.reads) or '-'}"
         out += f" writes {','.join(self.writes) or '-'}"
         out += " ordered" if self.ordered else ""
-        return out + (" layered" if self.layered and self.stop - self.start > 1 else "")
+        if self.layered and self.stop - self.start > 1:
+            out += " rewalk" if self.rewalk else " layered"
+        return out
 
     @staticmethod
     def parse_short(text: str) -> tuple[int, str, int, int, int]:
@@ -375,8 +380,8 @@ class Clock:
         costs, d, free = self.costs, task.device, self.free
         fwd = costs.forward_time(task.start, task.stop)
         bwd = costs.backward_time(task.start, task.stop)
-        if task.layered and task.kind != "forward":  # the second forward, layer by layer
-            bwd += costs.forward_time(task.start, task.stop - 1)
+        if task.layered and task.kind != "forward":  # the extra forwards, layer by layer
+            bwd += extra_forward_time(costs, task.start, task.stop, task.rewalk)
         ready = max(it.submitted, self._weights_ready(it.window, task.start, task.stop))
         if task.ordered:
             ready = max(ready, self._slot_end.get(task.slot, 0.0))
@@ -524,6 +529,7 @@ def lower(
                     *io[i],
                     ordered=st.index in ordered,
                     layered=st.layered,
+                    rewalk=st.rewalk,
                 )
                 for i, st in enumerate(stages)
             ]

@@ -22,6 +22,16 @@ keeps one boundary value per backward stage instead of one per layer, at the
 price of a second forward of every layer of such a stage but its top one;
 the device holds the stage's layer inputs and one layer's autograd state
 (not every layer's).
+
+A *rewalked* plan (``"|rewalk"``) is a layered plan whose backward and fused
+stages keep no layer inputs on the device either: when a layer's turn
+comes, its input is computed again from the stage input, which the host
+still holds and uploads again. The device then holds one layer's autograd
+state and nothing per layer of the stage, so at sequences where even one
+layer input per layer is too much for the device, multi-layer stages (and
+so few boundary values on the host) still fit. The price grows with the
+square of a stage's layers: a stage of ``k`` layers runs ``k (k - 1) / 2``
+layer forwards more than a plain one (a layered one: ``k - 1``).
 """
 
 from __future__ import annotations
@@ -32,9 +42,22 @@ from typing import Literal
 
 from .costs import LayerCosts, PlanError
 
-__all__ = ["Stage", "StageKind", "StagePlan"]
+__all__ = ["Stage", "StageKind", "StagePlan", "extra_forward_time"]
 
 StageKind = Literal["forward", "fused", "backward"]
+
+#: the text form's last part for each kind of layered plan
+_SUFFIXES = {"layered": (True, False), "rewalk": (True, True)}
+
+
+def extra_forward_time(costs: LayerCosts, start: int, stop: int, rewalk: bool) -> float:
+    """Layer forwards a layered backward or fused stage over ``[start, stop)``
+    runs on top of a plain one's: every layer but the top once (its inputs
+    kept), or, ``rewalk``, the layers below each layer but the first, once
+    for each (each layer's input computed again from the stage input)."""
+    if not rewalk:
+        return costs.forward_time(start, stop - 1)
+    return sum(costs.forward_time(start, top) for top in range(start + 1, stop))
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,8 @@ class Stage:
         start, stop: the layer range ``[start, stop)``.
         layered: a backward or fused stage that recomputes and
             differentiates one layer at a time (see the module's text).
+        rewalk: such a stage that keeps no layer inputs but computes each
+            again from the stage input (see the module's text).
     """
 
     index: int
@@ -56,6 +81,7 @@ class Stage:
     start: int
     stop: int
     layered: bool = False
+    rewalk: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -68,11 +94,11 @@ class Stage:
         return costs.recompute_backward_time(self.start, self.stop) + self.extra_forward(costs)
 
     def extra_forward(self, costs: LayerCosts) -> float:
-        """The second forward a layered backward or fused stage runs: every
-        layer but its top one (0 for other stages)."""
+        """The extra forwards a layered backward or fused stage runs
+        (:func:`extra_forward_time`; 0 for other stages)."""
         if self.kind == "forward" or not self.layered:
             return 0.0
-        return costs.forward_time(self.start, self.stop - 1)
+        return extra_forward_time(costs, self.start, self.stop, self.rewalk)
 
     def memory(self, costs: LayerCosts) -> float:
         """Device memory of this stage for one micro-batch (0 when unknown)."""
@@ -102,6 +128,9 @@ class StagePlan:
             from the top down.
         layered: backward stages and the fused one recompute and
             differentiate one layer at a time (see the module's text).
+        rewalk: layered stages that keep no layer inputs but compute each
+            again from the stage input (requires ``layered``; see the
+            module's text).
 
     The plan is validated on construction: counts are positive and both the
     forward and the backward counts cover the layers below the fused stage.
@@ -111,10 +140,17 @@ class StagePlan:
     fused: int
     backward: tuple[int, ...]
     layered: bool = False
+    rewalk: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layered, bool):
-            raise PlanError(f"layered must be True or False, got {self.layered!r}")
+        for name in ("layered", "rewalk"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.rewalk and not self.layered:
+            raise PlanError(
+                "rewalk=True needs layered=True: only a layered plan's stages can compute "
+                "their layer inputs again (text form: '...|rewalk')"
+            )
         object.__setattr__(self, "forward", _counts("forward", self.forward))
         object.__setattr__(self, "backward", _counts("backward", self.backward))
         if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 1:
@@ -133,24 +169,27 @@ class StagePlan:
     # ------------------------------------------------------------- text form
     def __str__(self) -> str:
         fwd, bwd = ",".join(map(str, self.forward)), ",".join(map(str, self.backward))
-        return f"{fwd}|{self.fused}|{bwd}" + ("|layered" if self.layered else "")
+        suffix = "|rewalk" if self.rewalk else "|layered" if self.layered else ""
+        return f"{fwd}|{self.fused}|{bwd}{suffix}"
 
     @classmethod
     def parse(cls, text: str, num_layers: int | None = None) -> StagePlan:
         """Parse the compact form ``"forward counts|fused count|backward counts"``
-        (with ``"|layered"`` appended: a layered plan).
+        (with ``"|layered"`` or ``"|rewalk"`` appended: a layered or a
+        rewalked plan).
 
         If ``num_layers`` is given the plan is also checked against it.
         """
         parts = text.strip().split("|")
-        layered = len(parts) == 4 and parts[3].strip() == "layered"
-        if layered:
+        layered, rewalk = False, False
+        if len(parts) == 4 and parts[3].strip() in _SUFFIXES:
+            layered, rewalk = _SUFFIXES[parts[3].strip()]
             parts = parts[:3]
         if len(parts) != 3:
             raise PlanError(
                 f"cannot parse plan {text!r}: expected three '|'-separated parts "
                 "'forward counts|fused count|backward counts', e.g. '3,3|1|2,2,2', "
-                "optionally followed by '|layered'"
+                "optionally followed by '|layered' or '|rewalk'"
             )
 
         def ints(part: str, what: str) -> list[int]:
@@ -173,6 +212,7 @@ class StagePlan:
             fused[0],
             tuple(ints(parts[2], "backward")),
             layered,
+            rewalk,
         )
         if num_layers is not None:
             plan.validate(num_layers)
@@ -269,9 +309,9 @@ class StagePlan:
         for i, (a, b) in enumerate(self.forward_stages):
             out.append(Stage(len(out), f"F{i + 1}", "forward", a, b))
         a, b = self.fused_stage
-        out.append(Stage(len(out), "B1", "fused", a, b, self.layered))
+        out.append(Stage(len(out), "B1", "fused", a, b, self.layered, self.rewalk))
         for j, (a, b) in enumerate(self.backward_stages):
-            out.append(Stage(len(out), f"B{j + 2}", "backward", a, b, self.layered))
+            out.append(Stage(len(out), f"B{j + 2}", "backward", a, b, self.layered, self.rewalk))
         return out
 
     def kept_boundaries(self) -> list[int]:
@@ -330,7 +370,7 @@ class StagePlan:
                 "backward": "recompute+backward",
             }[st.kind]
             if st.layered and st.num_layers > 1:
-                what += " by layer"
+                what += " by layer, rewalked" if st.rewalk else " by layer"
             line = f"  {st.label:>4}  {what:<22} {rng}"
             if costs is not None:
                 line += f"  time {st.time(costs):.4g}"

@@ -124,6 +124,9 @@ class Runtime:
         self.held = 0
         self.held_peak = 0
         self.forbid_host_sync = False
+        # upload the next stage's weights and the next micro-batch's input
+        # while a stage computes (False: the device's room is all the stage's)
+        self.prefetch = True
         self.hooks: list[Any] = []  # on the user's parameters; removed at close
         self.closed = False
 

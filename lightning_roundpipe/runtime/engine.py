@@ -156,8 +156,8 @@ class RoundPipeEngine:
             measured it. It also bounds one micro-batch's boundary values when
             :meth:`expect_activations` plans for long sequences (default
             there: 80% of that host memory): a plan over it is
-            replaced by one with fewer, larger backward stages, layered where
-            their activations would not fit the device
+            replaced by one with fewer, larger backward stages, layered (or
+            rewalked) where their activations would not fit the device
             (:class:`~lightning_roundpipe.plan.StagePlan`).
         activation_estimate: bytes of one stage-boundary value of a micro-batch,
             given that micro-batch's input (a model adapter knows it: hidden
@@ -194,7 +194,8 @@ class RoundPipeEngine:
             half of the free memory at start, the other half being for the
             prefetched next stage; when predicted activations fit no plan in
             that half, more of it, the next stage's weights kept within the
-            rest: :func:`~lightning_roundpipe.plan.decide.plan_for_activations`).
+            rest, or, at last, all of it with nothing prefetched:
+            :func:`~lightning_roundpipe.plan.decide.plan_for_activations`).
         size_limit: a cap on each stage's size-based estimate (weights and
             gradients, the unit of :func:`estimate_costs`) on top of
             ``device_memory_limit``, kept when re-partitioning from measurements.
@@ -728,12 +729,17 @@ class RoundPipeEngine:
             weight_cap=self._weight_cap,
             boundary=boundary,
             host_limit=self._host_limit,
+            prefetch=self._rt.prefetch,
         )
         if decision.memory_limit != self._limit:
             # long sequences: stages take more of the device, the prefetched
-            # next stage's weights less (the limit holds for measurements too)
+            # next stage's weights less, or nothing is prefetched (the limit
+            # holds for measurements too)
             self._limit = int(decision.memory_limit)
             self._weight_cap = decision.weight_cap
+            if not decision.prefetch:
+                self._wait_tasks()  # (workers read the switch between tasks)
+            self._rt.prefetch = decision.prefetch
         if decision.plan != self.plan:
             self._wait_tasks()  # an iteration boundary with nothing in flight
             self._set_plan(decision.plan)

@@ -172,6 +172,48 @@ class _Prefetch:
     issued: int = 0  # windows copied so far
 
 
+@dataclass
+class _Uploaded:
+    """A stage input on its way to the device.
+
+    Attributes:
+        value: the device value.
+        ready: the event that says it is there.
+        host: its host value, kept by a rewalked stage, which uploads its
+            input again for each layer (None otherwise).
+        held: host bytes such a stage releases once done with it.
+    """
+
+    value: Any
+    ready: Any
+    host: Any = None
+    held: int = 0
+
+
+class _Rewalk:
+    """A rewalked stage's layer inputs (:class:`~lightning_roundpipe.plan.stages.StagePlan`),
+    popped from the top as a layered stage pops the ones it kept: each is
+    computed when asked, from the stage input uploaded again, and nothing
+    of it stays on the device."""
+
+    def __init__(self, count: int, walk: Callable[[int], Any]) -> None:
+        self._count, self._walk = count, walk
+
+    def __len__(self) -> int:
+        return self._count
+
+    def pop(self) -> Any:
+        """The input of the stage's layer ``count - 1`` (the top one left)."""
+        self._count -= 1
+        return self._walk(self._count)
+
+
+def _rewalked(t: Task) -> bool:
+    """Whether ``t`` computes its layers' inputs again from its own
+    (:class:`~lightning_roundpipe.plan.stages.StagePlan`)."""
+    return t.rewalk and t.kind != "forward" and t.stop - t.start > 1
+
+
 def _copy_range(
     flat: torch.Tensor, sources: list[tuple[int, torch.Tensor]], a: int, b: int
 ) -> None:
@@ -449,7 +491,7 @@ class Worker:
         split into ``num_windows`` pieces, one after each micro-batch of this
         task (CPU workers copy synchronously: nothing to overlap)."""
         ctx = self.ctx
-        if not ctx.is_cuda:
+        if not ctx.is_cuda or not self.rt.prefetch:
             return None
         with self._cond:
             nxt = self._queue[0] if self._queue else None
@@ -596,28 +638,31 @@ class Worker:
 
     # ------------------------------------------------------- activations
     def _fetch(self, job: Job, name: str, j: int) -> Any:
+        return self._fetch_uploaded(job, name, j).value
+
+    def _fetch_uploaded(self, job: Job, name: str, j: int) -> _Uploaded:
         key = job.store_key(name, j)
-        value, ready = (
-            self._ahead.pop(key) if key in self._ahead else self._upload_input(job, key, name, j)
-        )
+        up = self._ahead.pop(key) if key in self._ahead else self._upload_input(job, key, name, j)
         # compute waits for this micro-batch's inputs when it uses them, not
         # when they were uploaded ahead (activations up -> compute)
-        self.ctx.compute.wait_event(ready)
-        return value
+        self.ctx.compute.wait_event(up.ready)
+        return up
 
     def _fetch_ahead(self, job: Job, j: int | None) -> None:
         """Upload micro-batch ``j``'s saved input now, while the current one
-        computes (activation uploads run one micro-batch ahead)."""
-        if j is None:
+        computes (activation uploads run one micro-batch ahead), unless
+        nothing is prefetched (the stage has the device's room to itself)."""
+        if j is None or not self.rt.prefetch:
             return
         name = job.task.reads[0]
         key = job.store_key(name, j)
         if key not in self._ahead:
             self._ahead[key] = self._upload_input(job, key, name, j)
 
-    def _upload_input(self, job: Job, key: Key, name: str, j: int) -> tuple[Any, Any]:
-        """Take a value from the store and start its upload; returns it and the
-        event that says it is on the device."""
+    def _upload_input(self, job: Job, key: Key, name: str, j: int) -> _Uploaded:
+        """Take a value from the store and start its upload. A rewalked
+        stage's input is kept on the host too (read ``name`` is its input),
+        until the stage is done."""
         ctx = self.ctx
         self.protocol.chaos("store")
         what = f"{name} of {job.task.stage}, micro-batch {j}"
@@ -625,15 +670,26 @@ class Worker:
             host, last = self.store.take(key, what)
         self.protocol.chaos("upload")
         if host is None:
-            return None, ctx.record(ctx.act_up)
-        nbytes = 0
-
+            return _Uploaded(None, ctx.record(ctx.act_up))
         # a reader before the last gets its own copy, in case a layer writes in
         # place; fused and backward stages give their layers a copy of the leaf
         # anyway (_leaves), or the leaf itself to a layer that never writes it
         t_ = job.task
         copied = t_.kind != "forward" and (t_.start > 0 or job.call.input_grad)
-        fresh = not last and not copied
+        dev, nbytes = self._upload_value(job, host, fresh=not last and not copied)
+        kept = _rewalked(t_) and name == t_.reads[0]
+        held = 0
+        if last and job.call.train and key.kind == "act" and key.layer > 0:  # a stage wrote it
+            held = nbytes
+            if not kept:
+                self._release(held)
+        if kept:
+            return _Uploaded(dev, ctx.record(ctx.act_up), host, held)
+        return _Uploaded(dev, ctx.record(ctx.act_up))
+
+    def _upload_value(self, job: Job, host: Any, fresh: bool) -> tuple[Any, int]:
+        """Start the upload of a host value; returns it and its bytes."""
+        ctx, nbytes = self.ctx, 0
 
         def up(t: torch.Tensor) -> torch.Tensor:
             nonlocal nbytes
@@ -642,10 +698,13 @@ class Worker:
 
         dev = map_tensors(up, host)
         self.rt.traffic.add(job.call.iteration, "acts_up", nbytes)
-        if last and job.call.train and key.kind == "act" and key.layer > 0:  # a stage wrote it
+        return dev, nbytes
+
+    def _release(self, nbytes: int) -> None:
+        """Boundary values of ``nbytes`` are no longer held on the host."""
+        if nbytes:
             with self.store.lock:
                 self.rt.hold(-nbytes)
-        return dev, ctx.record(ctx.act_up)
 
     def _save(self, job: Job, name: str, j: int, value: Any, fresh: bool) -> None:
         """Write ``value`` for its readers: on CUDA a download the courier
@@ -804,27 +863,64 @@ class Worker:
         job.names.setdefault(name, ("grad", t.start))  # grad0: for the caller
         self._save(job, name, j, _grads(leaves), fresh=False)
 
-    def _first_pass(self, job: Job, j: int, replicas: list[LayerReplica], x: Any) -> list[Any]:
-        """A layered stage (:class:`~lightning_roundpipe.plan.stages.StagePlan`)
-        starts with its layers but the top one forward without autograd, each on
-        a copy of its input (a layer may write its input in place), and keeps
-        every layer's input for the recompute one layer at a time. The layers'
-        buffers are put back afterwards: running statistics count the
-        recompute's update only, as in a stage that is not layered. Without
-        layering: just the stage input."""
+    def _first_pass(
+        self, job: Job, j: int, replicas: list[LayerReplica]
+    ) -> tuple[list[Any] | _Rewalk, int]:
+        """The stage input's value(s) (:class:`~lightning_roundpipe.plan.stages.StagePlan`),
+        and the host bytes to release once the stage is done. A layered
+        stage starts with its layers but the top one forward without
+        autograd, each on a copy of its input (a layer may write its input
+        in place), and keeps every layer's input for the recompute one layer
+        at a time; a rewalked one keeps none but computes each when its turn
+        comes (:class:`_Rewalk`). Without layering: just the stage input."""
         t = job.task
-        inputs = [x]
+        if _rewalked(t):
+            up = self._fetch_uploaded(job, t.reads[0], j)
+            first, up.value = [up.value], None  # (the first walk's: uploaded, maybe ahead)
+
+            def walk(n: int) -> Any:
+                # layers run on a copy of the stage input: on a CPU worker its
+                # upload is the host value itself, which the next walk reads
+                if first:
+                    x = first.pop()
+                    if n > 0 and not self.ctx.is_cuda:
+                        x = map_tensors(torch.clone, x)
+                else:
+                    x = self._upload_again(job, up.host, fresh=n > 0)
+                with torch.no_grad():
+                    for off, rep in enumerate(replicas[:n]):
+                        x = self._layer_again(job, j, rep, x, t.start + off, copy=False)
+                return x
+
+            return _Rewalk(len(replicas), walk), up.held
+        inputs = [self._fetch(job, t.reads[0], j)]
         if not t.layered or len(replicas) < 2:
-            return inputs
+            return inputs, 0
         with torch.no_grad():
             for off, rep in enumerate(replicas[:-1]):
-                with self.ctx.on(self.ctx.compute):
-                    value = map_tensors(torch.clone, inputs[-1])
-                    buffers = [b.clone() for b in rep.current_buffers()]
-                out = self._layers(job, j, [rep], value, first=t.start + off)
-                rep.restore_buffers(buffers)
-                inputs.append(out)
-        return inputs
+                inputs.append(self._layer_again(job, j, rep, inputs[-1], t.start + off, copy=True))
+        return inputs, 0
+
+    def _layer_again(
+        self, job: Job, j: int, rep: LayerReplica, x: Any, layer: int, copy: bool
+    ) -> Any:
+        """Layer ``layer`` forward once more (autograd as the caller has it),
+        on a copy of ``x`` if ``copy``, with its buffers put back afterwards:
+        running statistics count the recompute's update only, as in a stage
+        that is not layered."""
+        with self.ctx.on(self.ctx.compute):
+            value = map_tensors(torch.clone, x) if copy else x
+            buffers = [b.clone() for b in rep.current_buffers()]
+        out = self._layers(job, j, [rep], value, first=layer)
+        rep.restore_buffers(buffers)
+        return out
+
+    def _upload_again(self, job: Job, host: Any, fresh: bool) -> Any:
+        """A rewalked stage's input uploaded once more; compute waits for it."""
+        ctx = self.ctx
+        value, _ = self._upload_value(job, host, fresh=fresh)
+        ctx.compute.wait_event(ctx.record(ctx.act_up))
+        return value
 
     def _top_input(
         self, job: Job, inputs: list[Any], replicas: list[LayerReplica]
@@ -894,7 +990,7 @@ class Worker:
     def _fused(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
         t, call = job.task, job.call
         mark = self._mark()
-        inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
+        inputs, held = self._first_pass(job, j, replicas)
         base, x, leaves = self._top_input(job, inputs, replicas)
         timer = self._timer(job, leaves, base)
         labels, loss_fn, finish = call.labels[j], call.loss_fn, None
@@ -938,6 +1034,7 @@ class Worker:
         if inputs:
             box, leaves = [leaves], []
             leaves = self._descend(job, j, replicas, inputs, box, timer)
+        self._release(held)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)
@@ -946,7 +1043,7 @@ class Worker:
     def _backward(self, job: Job, j: int, replicas: list[LayerReplica], nxt: int | None) -> None:
         t = job.task
         mark = self._mark()
-        inputs = self._first_pass(job, j, replicas, self._fetch(job, t.reads[0], j))
+        inputs, held = self._first_pass(job, j, replicas)
         base, x, leaves = self._top_input(job, inputs, replicas)
         timer = self._timer(job, leaves, base)
         with torch.enable_grad():
@@ -962,6 +1059,7 @@ class Worker:
         if inputs:
             box, leaves = [leaves], []
             leaves = self._descend(job, j, replicas, inputs, box, timer)
+        self._release(held)
         self._record(job, j, "B", mark)
         self._report(job, timer)
         self._input_grad(job, j, leaves)

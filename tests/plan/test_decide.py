@@ -152,9 +152,22 @@ def test_long_sequences_let_a_stage_use_more_than_half_of_the_device():
     assert not big.warning and (big.memory_limit, big.weight_cap) == (120, 60)
     assert big.plan.num_slots == 15 and max(big.peaks) == 115
     assert "(the next stage's weights need at most 60)" in big.reason
-    # one layer with its activations over even that: nothing fits
-    over = plan_for_activations(ones, heavy, [56.0] * 8, transient, 2, 4, **kw, device_budget=200)
+    # one layer with its activations over even that: all of the usable
+    # budget, nothing prefetched (60 + 56 + 5 within 0.9 x 200); later calls
+    # keep it
+    bare = plan_for_activations(ones, heavy, [56.0] * 8, transient, 2, 4, **kw, device_budget=200)
+    assert not bare.warning and not bare.prefetch and bare.weight_cap is None
+    assert bare.memory_limit == pytest.approx(180) and max(bare.peaks) == 121
+    assert "nothing prefetched: the next stage's weights go up once a stage is done" in (
+        bare.reason
+    )
+    after = {**kw, "memory_limit": 180, "device_budget": 200, "prefetch": False}
+    again = plan_for_activations(bare.plan, heavy, [56.0] * 8, transient, 2, 4, **after)
+    assert again.plan is bare.plan and not again.prefetch and again.memory_limit == 180
+    # over even that: nothing fits
+    over = plan_for_activations(ones, heavy, [120.0] * 8, transient, 2, 4, **kw, device_budget=200)
     assert over.warning and over.memory_limit == 100 and over.weight_cap is None
+    assert over.prefetch
     # activations that fit half the device: the half it is
     small = plan_for_activations(plan, est, [1.0] * 8, transient, 2, 4, **kw, device_budget=200)
     assert small.plan is plan and small.memory_limit == 100 and small.weight_cap is None
@@ -240,6 +253,20 @@ def test_a_layered_stage_keeps_its_layers_inputs_and_one_layers_working_set():
     assert stage_peaks(layered, est, saved, transient) == stage_peaks(plain, est, saved, transient)
 
 
+def test_a_rewalked_stage_keeps_no_inputs_and_one_layers_working_set():
+    from lightning_roundpipe.plan.decide import rewalk_work, stage_peaks
+
+    est = costs()
+    saved, transient, inputs = [1.0] * 8, [0.5] * 7 + [3.0], 2.0
+    rewalked = StagePlan.parse("4,3|1|3,4|rewalk", 8)
+    # B2 (layers 4-6): 30 + a walk's two inputs (2 x 2) + 0.5, more than a
+    # layer's 1 + 0.5; B3 likewise: 40 + 4.5
+    assert stage_peaks(rewalked, est, saved, transient, inputs) == [40.5, 30.5, 14, 34.5, 44.5]
+    assert rewalk_work([5.0, 1.0], [1.0, 2.0], 2.0) == 6.0  # a layer that saves more
+    assert rewalk_work([1.0], [1.0], 2.0) == 2.0  # one layer: no walk
+    assert rewalk_work([], [], 2.0) == 0.0
+
+
 def test_host_need_counts_the_boundaries_a_micro_batch_keeps():
     from lightning_roundpipe.plan.decide import host_need
 
@@ -282,10 +309,37 @@ def test_host_memory_that_one_layer_stages_exceed_gets_a_layered_plan():
         == est.recompute_backward_time(st.start, st.stop) + est.forward_time(st.start, st.stop - 1)
         for st in bwd
     )
-    # a host limit nothing meets: kept, with a warning naming the option
+    # a host limit nothing meets: kept, with a warning naming the option (the
+    # fewest boundary values that fit 35 bytes: one, a rewalked stage of 5)
+    kw["memory_limit"] = 35.0
     none = plan_for_activations(ones, est, saved, transient, 1, 1, **kw, host_limit=4.0)
     assert none.plan is ones and none.warning
     assert "raise device_memory_limit or activation_memory (host memory)" in none.reason
+
+
+def test_host_memory_that_layered_stages_exceed_gets_a_rewalked_plan():
+    """Where the host holds fewer boundary values than a layered stage's
+    inputs would take on the device, the plan's backward stages keep no
+    layer inputs: each is computed again (rewalk), charged in the times."""
+    from lightning_roundpipe.plan.decide import host_need, plan_for_activations, stage_peaks
+
+    est = costs(n=10, memory=1.0)
+    ones = StagePlan.parse("1,1,1,1,1,1,1,1,1|1|1,1,1,1,1,1,1,1,1", 10)
+    # one layer: 1 + 20 + 10 = 31; a layered stage of k layers 31 + 10 (k - 1)
+    # > 35 for k >= 2; a rewalked one 1 k + 30 (a walk: two 10-byte values)
+    saved, transient, boundary = [20.0] * 10, [10.0] * 10, 10.0
+    kw = dict(user_plan=False, async_optimizer=True, memory_limit=35.0, boundary=boundary)
+    got = plan_for_activations(ones, est, saved, transient, 1, 1, **kw, host_limit=30.0)
+    plan = got.plan
+    assert plan.rewalk and not got.warning, got.reason
+    assert host_need(plan, boundary) <= 30.0 < host_need(ones, boundary)
+    assert max(stage_peaks(plan, est, saved, transient, boundary)) <= 35.0
+    assert "each layer's input again from the stage's" in got.reason
+    # more room on the device: a layered plan (the cheaper recompute) instead
+    roomy = plan_for_activations(
+        ones, est, saved, transient, 1, 1, **{**kw, "memory_limit": 80.0}, host_limit=30.0
+    )
+    assert roomy.plan.layered and not roomy.plan.rewalk
 
 
 def test_host_memory_with_room_on_the_device_gets_plain_larger_stages():

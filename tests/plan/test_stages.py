@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from lightning_roundpipe.plan import LayerCosts, PlanError, StagePlan
@@ -59,7 +61,7 @@ def test_describe_mentions_every_stage():
     ("text", "match"),
     [
         ("3,3|1", "expected three '|'-separated parts"),
-        ("3,3|1|3,3|tiled", "optionally followed by '|layered'"),
+        ("3,3|1|3,3|tiled", "optionally followed by '|layered' or '|rewalk'"),
         ("3,a|1|3,3", "forward part '3,a' is not a comma-separated list of integers"),
         ("3|1,1|3", "the fused part must be one integer"),
         ("3,3|0|3,3", "the fused stage has 0 layers; it needs at least one layer"),
@@ -68,7 +70,7 @@ def test_describe_mentions_every_stage():
     ],
 )
 def test_parse_errors_name_the_rule(text, match):
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(PlanError, match=re.escape(match)):
         StagePlan.parse(text)
 
 
@@ -137,3 +139,25 @@ def test_layered_plans_round_trip_and_charge_the_second_forward():
     assert "B3  recompute+backward by layer layers 0-2" in plan.describe()
     with pytest.raises(PlanError, match="layered must be True or False"):
         StagePlan((3,), 1, (3,), "yes")
+
+
+def test_rewalked_plans_round_trip_and_charge_each_layers_input_again():
+    plan = StagePlan.parse("3,2|2|2,3|rewalk", 7)
+    assert plan.layered and plan.rewalk and str(plan) == "3,2|2|2,3|rewalk"
+    assert StagePlan.parse(str(plan)) == plan != StagePlan.parse("3,2|2|2,3|layered")
+    costs = LayerCosts([1, 2, 3, 4, 5, 6, 7], [10, 20, 30, 40, 50, 60, 70])
+    stages = {st.label: st for st in plan.stages}
+    assert [st.rewalk for st in plan.stages] == [False, False, True, True, True]
+    # each layer's input computed from the stage input: the layers below it
+    # once more, for every layer but the first (B3: layer 0 for layer 1,
+    # layers 0-1 for layer 2)
+    assert stages["B3"].time(costs) == 1 + 2 + 3 + 10 + 20 + 30 + 1 + (1 + 2)
+    assert stages["B2"].time(costs) == 4 + 5 + 40 + 50 + 4  # two layers: as layered
+    assert stages["F1"].time(costs) == 6
+    assert "B3  recompute+backward by layer, rewalked layers 0-2" in plan.describe()
+    with pytest.raises(PlanError, match="rewalk=True needs layered=True"):
+        StagePlan((3,), 1, (3,), False, True)
+    with pytest.raises(PlanError, match="rewalk must be True or False"):
+        StagePlan((3,), 1, (3,), True, 1)
+    with pytest.raises(PlanError, match=re.escape("followed by '|layered' or '|rewalk'")):
+        StagePlan.parse("3|1|3|rewalked")

@@ -51,6 +51,7 @@ MLP_PLANS = [
     "6|1|6",
     "4,2|1|3,3|layered",
     "|7||layered",
+    "4,2|1|3,3|rewalk",
 ]
 
 
@@ -97,6 +98,7 @@ TRANSFORMER_PLANS = [
     "1,2|3|1,2",
     "1,2|3|1,2|layered",
     "3,2|1|2,3|layered",
+    "3,2|1|2,3|rewalk",
 ]
 
 
@@ -886,6 +888,8 @@ def _in_place_layers():
         "4|2|1,3|layered",
         "1,4|1|5|layered",
         "|6||layered",
+        "1,4|1|5|rewalk",
+        "|6||rewalk",
     ],
 )
 @pytest.mark.parametrize("n", [1, 3])
@@ -1278,8 +1282,8 @@ class _Logged(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("layered", [False, True])
-def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(layered):
+@pytest.mark.parametrize("mode", ["", "layered", "rewalk"])
+def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(mode):
     log = _CALLS
     torch.manual_seed(0)
     layers = [_Logged(i) for i in range(4)]
@@ -1288,14 +1292,14 @@ def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(layer
     expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
     expected.backward()
     log.clear()
-    plan = "3|1|3" + ("|layered" if layered else "")
+    plan = "3|1|3" + (f"|{mode}" if mode else "")
     with engine(layers, 1, 1, plan, profile_iterations=0) as eng:
         loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
         eng.synchronize()
     torch.testing.assert_close(loss, expected.detach())
     assert_grads_equal(layers, ref)
     b2 = log[log.index(("bwd", 3)) + 1 :]  # after the fused stage: B2, layers 0-2
-    if layered:
+    if mode == "layered":
         # a first pass without autograd, then each layer's recompute right
         # before its backward: one layer's autograd state at a time
         assert b2 == [
@@ -1308,8 +1312,75 @@ def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(layer
             ("fwd", 0),
             ("bwd", 0),
         ]
+    elif mode == "rewalk":
+        # no layer input kept: each layer's is computed again from the
+        # stage input right before that layer's recompute
+        assert b2 == [
+            ("nograd", 0),
+            ("nograd", 1),
+            ("fwd", 2),
+            ("bwd", 2),
+            ("nograd", 0),
+            ("fwd", 1),
+            ("bwd", 1),
+            ("fwd", 0),
+            ("bwd", 0),
+        ]
     else:
         assert b2 == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
+
+
+@pytest.mark.parametrize("mode", ["layered", "rewalk"])
+def test_a_rewalked_stage_holds_no_layer_inputs_and_prefetch_can_be_off(monkeypatch, mode):
+    """At each layer's backward, a layered stage of four layers still holds
+    the inputs its first pass kept for the layers below; a rewalked one
+    holds only the input of the layer at hand (computed again from the
+    stage input). With the runtime's prefetch off, no micro-batch's input is
+    uploaded ahead. Both train like plain PyTorch."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lightning_roundpipe.runtime import worker as worker_mod
+
+    made, alive, ahead = [], [], []
+    again, differentiate = worker_mod.Worker._layer_again, worker_mod.Worker._differentiate
+    fetch = worker_mod.Worker._fetch_uploaded
+
+    def counted_again(self, *args, **kwargs):
+        out = again(self, *args, **kwargs)
+        made.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    def counted_differentiate(self, *args, **kwargs):
+        alive.append(sum(not w.expired() for w in made))
+        return differentiate(self, *args, **kwargs)
+
+    def counted_fetch(self, job, name, j):
+        ahead.append(len(self._ahead))
+        return fetch(self, job, name, j)
+
+    monkeypatch.setattr(worker_mod.Worker, "_layer_again", counted_again)
+    monkeypatch.setattr(worker_mod.Worker, "_differentiate", counted_differentiate)
+    monkeypatch.setattr(worker_mod.Worker, "_fetch_uploaded", counted_fetch)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(5)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    for prefetch in (True, False):
+        model = copy.deepcopy(layers)
+        with engine(model, 1, 2, f"4|1|4|{mode}", profile_iterations=0) as eng:
+            eng._rt.prefetch = prefetch
+            for seen in (made, alive, ahead):
+                seen.clear()
+            loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.synchronize()
+        torch.testing.assert_close(loss, expected.detach())
+        assert_grads_equal(model, list(ref))
+        # B2's four layers' backward, for each of two micro-batches
+        held = alive[-8:]
+        assert held == ([3, 2, 1, 0] * 2 if mode == "layered" else [1, 1, 1, 0] * 2), held
+        assert (max(ahead) > 0) == prefetch
 
 
 def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
@@ -1348,7 +1419,9 @@ def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
         eng.expect_activations([0] * 7, [0] * 7, boundary=-1)
 
 
-@pytest.mark.parametrize("plan", ["|5|", "|5||layered", "2|3|2|layered", "1,1|3|2|layered"])
+@pytest.mark.parametrize(
+    "plan", ["|5|", "|5||layered", "2|3|2|layered", "1,1|3|2|layered", "|5||rewalk", "2|3|2|rewalk"]
+)
 def test_running_statistics_count_one_update_per_microbatch_in_layered_stages(plan):
     """A layered stage's first pass runs its layers in training mode too; the
     buffers it changed are put back, so batch norms count each micro-batch
