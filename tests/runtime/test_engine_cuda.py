@@ -53,6 +53,27 @@ def test_mlp_fp32_on_cuda_matches_plain(devices):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("plan", ["4,2|1|3,3|layered", "4,2|1|3,3|rewalk"])
+def test_layered_and_rewalked_stages_on_cuda_match_plain(plan, prefetch):
+    """Layer inputs kept on the device, or computed again from the stage
+    input uploaded once more (rewalk), with the next stage and micro-batch
+    prefetched or not (the last resort of long sequences): plain results."""
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    expected = nn.functional.mse_loss(nn.Sequential(*ref)(x), y)
+    expected.backward()
+    with RoundPipeEngine(layers, [0, 0], 4, plan=plan, microbatches_per_round=4) as eng:
+        eng._rt.prefetch = prefetch
+        loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert eng.boundary_peak > 0
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-4, rtol=1e-4)
+    for a, b in zip(_grads(layers), _grads(ref), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_bf16_on_cuda_is_close_and_device_count_independent():
     ids, labels = lm_batch(8)
     out = []
