@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_session.sh longctx-memory      # Llama-3.1-8B LoRA blocks at 64K-1M tokens:
 #                                                      # predicted vs measured peak (~9 min)
 #   bash benchmarks/gpu_session.sh longctx-throughput  # Qwen3-1.7B at 8K/32K/128K tokens (~5 min)
+#   bash benchmarks/gpu_session.sh longctx-rewalk      # 1M tokens, 2 Llama-3.1-8B LoRA blocks,
+#                                                      # 10 GiB for boundary values, stages of
+#                                                      # 71 GiB: 2|2|2|rewalk (~5 min)
 #
 # Done on an H200 on 2026-11-26 (docs/benchmarks.md): tests, throughput
 # (DeepSpeed not installed then), three long-sequence probes.
@@ -25,7 +28,8 @@
 #   call 1 (~8 min): tests; STRATEGIES="roundpipe roundpipe_one_copy auto" throughput;
 #                    profile
 #   call 2 (~9 min): lora (RoundPipe, FSDP, DeepSpeed at Llama-3.1-8B LoRA r=32)
-# then, with what is left: seqlen, engine, longctx-memory, longctx-throughput.
+# then, with what is left: seqlen, engine, longctx-memory, longctx-rewalk,
+# longctx-throughput.
 #
 # Markdown tables (ready for docs/benchmarks.md), raw JSON and logs go to $OUT
 # (set by the device tool) or runs/gpu. Every trial runs in its own process
@@ -36,12 +40,12 @@
 # a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?give a part: tests, throughput, profile, lora, seqlen, engine, longctx-memory or longctx-throughput}"
+part="${1:?give a part: tests, throughput, profile, lora, seqlen, engine, longctx-memory, longctx-rewalk or longctx-throughput}"
 case "$part" in
-tests | throughput | profile | lora | seqlen | engine | longctx-memory | longctx-throughput) ;;
+tests | throughput | profile | lora | seqlen | engine | longctx-memory | longctx-rewalk | longctx-throughput) ;;
 *)
     echo "unknown part '$part': give tests, throughput, profile, lora, seqlen, engine," \
-        "longctx-memory or longctx-throughput" >&2
+        "longctx-memory, longctx-rewalk or longctx-throughput" >&2
     exit 2
     ;;
 esac
@@ -157,6 +161,17 @@ longctx-memory | longctx-throughput)
     fi
     python benchmarks/long_context_gpu.py "$which" ${extra[@]+"${extra[@]}"} \
         --json "$out/long-context-$which.json" --append "$out/long-context-$which.md"
+    ;;
+longctx-rewalk)
+    # one micro-batch's boundary values get room for one; stages of 71 GiB
+    # hold one layer's backward at 1M tokens but not a layer input more:
+    # 2|2|2|rewalk on any card
+    extra=(--seqs 1048576 --activation-memory 10 --device-memory-limit 71)
+    if [ "$smoke" = 1 ]; then
+        extra=(--smoke --seqs 256 --activation-memory 0.0003 --budget 240 --trial-timeout 120)
+    fi
+    python benchmarks/long_context_gpu.py memory "${extra[@]}" \
+        --json "$out/long-context-rewalk.json" --append "$out/long-context-rewalk.md"
     ;;
 esac
 echo "results in $out: $(ls "$out" | tr '\n' ' ')"

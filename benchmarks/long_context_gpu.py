@@ -2,6 +2,7 @@
 measured peak, and tokens/s at long sequences (issue 18's GPU rows).
 
     python benchmarks/long_context_gpu.py memory [--layers 2] [--seqs 65536 262144 1048576]
+        [--activation-memory GIB] [--device-memory-limit GIB]
     python benchmarks/long_context_gpu.py throughput [--seqs 8192 32768 131072]
         [--json F] [--append F] [--budget SECONDS]
     python benchmarks/long_context_gpu.py memory --smoke   # tiny, CPU: the wiring only
@@ -14,7 +15,13 @@ tokens takes hours). One step at micro-batch 1 per length under
 ``roundpipe_sync``, each in a fresh process. Reported: the plan, the
 engine's prediction of the device's peak (each slot's predicted peak plus the
 next slot's weights, uploaded meanwhile; the largest) and the measured
-``torch.cuda.max_memory_allocated()``. The goal: within 15%.
+``torch.cuda.max_memory_allocated()``. The goal: within 15%. With
+``--activation-memory`` the boundary values of a micro-batch get that much
+host memory, fewer than one-layer stages keep: the plan's backward stages
+grow, layered or, where their layer inputs would not fit, rewalked. At 1M
+tokens with 10 GiB and ``--device-memory-limit 71`` the plan is
+``2|2|2|rewalk`` on any card (predicted on CPU: 70.0 GiB for the rewalked
+stages; a layered plan would need 78.0).
 
 ``throughput``: Qwen3-1.7B's shape, full fine-tuning, full depth, bf16-mixed,
 ``roundpipe`` (asynchronous optimizer), micro-batch 1: tokens/s over the
@@ -122,13 +129,18 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
             if engine.predicted_peaks:
                 weights = engine.estimates.weight_bytes or [0.0] * engine.estimates.num_layers
                 stages = engine.plan.stages
-                # while a slot runs, the next slot's weights go up
-                nxt = [sum(weights[s.start : s.stop]) for s in [*stages[1:], stages[0]]]
+                # while a slot runs, the next slot's weights go up (unless
+                # nothing is prefetched: the slot has the device to itself)
+                nxt = [
+                    sum(weights[s.start : s.stop]) if engine.prefetch else 0.0
+                    for s in [*stages[1:], stages[0]]
+                ]
                 seen["predicted"] = max(
                     p + w for p, w in zip(engine.predicted_peaks, nxt, strict=True)
                 )
                 seen["stage_limit"] = engine.memory_limit
             seen["plan"] = str(engine.plan)
+            seen["prefetch"] = engine.prefetch
 
         def configure_optimizers(self):
             trainable = [p for p in self.parameters() if p.requires_grad]
@@ -136,8 +148,12 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
 
     steps = spec.get("steps", 1)
     ids = torch.randint(0, config.vocab_size, (steps, spec["seq"]))
+    host, device = spec.get("activation_memory_gib"), spec.get("device_memory_limit_gib")
     strategy = RoundPipeStrategy(
-        async_optimizer=spec.get("strategy", "roundpipe_sync") == "roundpipe", num_microbatches=1
+        async_optimizer=spec.get("strategy", "roundpipe_sync") == "roundpipe",
+        num_microbatches=1,
+        activation_memory=None if host is None else int(host * GIB),
+        device_memory_limit=None if device is None else int(device * GIB),
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -158,6 +174,7 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
     except torch.OutOfMemoryError as exc:
         return {"oom": True, "error": str(exc).splitlines()[0][:200]}
     out: dict[str, Any] = {"plan": seen.get("plan"), "step_seconds": seen["times"]}
+    out["prefetch"] = seen.get("prefetch")
     if "predicted" in seen:
         out["predicted_bytes"] = int(seen["predicted"])
         out["stage_limit_bytes"] = seen["stage_limit"]
@@ -241,6 +258,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("part", choices=["memory", "throughput"])
     parser.add_argument("--seqs", type=int, nargs="+")
     parser.add_argument("--layers", type=int, default=2, help="memory: blocks kept")
+    parser.add_argument(
+        "--device-memory-limit",
+        type=float,
+        help="memory: GiB a stage may use (the same plan on any card)",
+    )
+    parser.add_argument(
+        "--activation-memory",
+        type=float,
+        help="memory: GiB of host memory for one micro-batch's boundary values (fewer than "
+        "one-layer stages keep: a layered or rewalked plan)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny model (CPU wiring check)")
     parser.add_argument("--trial-timeout", type=float, default=540.0)
     parser.add_argument("--budget", type=float, default=570.0, help="seconds for the part")
@@ -251,8 +279,14 @@ def main(argv: list[str] | None = None) -> None:
         model = "tiny" if args.smoke else "llama-3.1-8b"
         seqs = args.seqs or ([128, 256] if args.smoke else [65536, 262144, 1048576])
         base = dict(model=model, layers=args.layers, lora=LORA_RANK, steps=1)
-        specs = [dict(base, seq=s, strategy="roundpipe_sync") for s in seqs]
         key = f"{model}-lora{LORA_RANK}-{args.layers}-layers"
+        if args.activation_memory is not None:
+            base["activation_memory_gib"] = args.activation_memory
+            key += f"-host-{args.activation_memory:g}-gib"
+        if args.device_memory_limit is not None:
+            base["device_memory_limit_gib"] = args.device_memory_limit
+            key += f"-stage-{args.device_memory_limit:g}-gib"
+        specs = [dict(base, seq=s, strategy="roundpipe_sync") for s in seqs]
     else:
         model = "tiny" if args.smoke else "qwen3-1.7b"
         seqs = args.seqs or ([128, 256] if args.smoke else [8192, 32768, 131072])

@@ -684,6 +684,14 @@ class RoundPipeEngine:
         the free memory of the GPUs); None: no limit (CPU workers)."""
         return self._limit
 
+    @property
+    def prefetch(self) -> bool:
+        """Whether a worker uploads the next stage's weights and the next
+        micro-batch's input while a stage runs (False once long sequences
+        leave a stage all of the device's usable memory:
+        :func:`~lightning_roundpipe.plan.decide.plan_for_activations`)."""
+        return self._rt.prefetch
+
     def expect_activations(
         self,
         saved: Sequence[float],
