@@ -481,6 +481,15 @@ def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(t
     # less host memory than the model state: nothing fits, whatever the plan
     code, text = run_cli(path, "--gpu-memory", 1.25, "--host-memory", state / 2)
     assert "longest sequence at micro-batch 1: 0 tokens" in text and "fits: NO" in text
+    # at the longest sequences a stage takes all of the GPU's usable memory,
+    # and where the host holds few boundary values the stages are rewalked:
+    # it says so, with the compute that costs
+    args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", state + acts / 8)
+    code, text = run_cli(*args)
+    assert "a stage may use 0.22 GiB of each (all of its usable memory: nothing prefetched" in text
+    assert text.split("plan: ")[1].split()[0].endswith("|rewalk")
+    assert "note: rewalked plan: its backward stages recompute one layer at a time" in text
+    assert "(forwards of the layers below: " in text and "% more compute)" in text
 
 
 def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):

@@ -215,6 +215,9 @@ class Estimate:
     #: the devices' part of ``step_seconds``
     device_seconds: float = 0.0
     async_optimizer: bool = True
+    #: whether a worker prefetches the next stage's weights (False: a stage
+    #: takes all of the GPU's usable memory)
+    prefetch: bool = True
     #: the gradient all-reduce per step (``servers > 1`` only)
     reduction: ReductionEstimate | None = None
     #: what bounds ``longest_seq``: "device memory", "host memory" or the
@@ -247,7 +250,10 @@ class Estimate:
             f"({self.trainable / 1e9:.3g}B trainable)",
             f"GPUs: {self.gpus}, a stage may use {gib(self.stage_limit)} of each"
             + (
-                " (more than half: the next stage's weights, prefetched meanwhile, need less)"
+                " (all of its usable memory: nothing prefetched, the next stage's weights go "
+                "up once a stage is done)"
+                if not self.prefetch
+                else " (more than half: the next stage's weights, prefetched meanwhile, need less)"
                 if self.stage_limit > self.half_budget + 1
                 else ""
             ),
@@ -439,8 +445,9 @@ def estimate(
     def plan_at(s: int, b: int, host: bool = True) -> Predicted:
         """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
         the bytes a stage may use with it (more than half the GPU when long
-        sequences leave the next stage's weights less room); with ``host``,
-        a plan whose boundary values fit the host (layered if need be)."""
+        sequences leave the next stage's weights less room, or none);
+        with ``host``, a plan whose boundary values fit the host (layered or
+        rewalked if need be)."""
         act = activations(s * b)
         start = initial_plan(
             sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
@@ -550,11 +557,6 @@ def estimate(
             f"that a micro-batch keeps {plan.boundaries_per_microbatch()} boundary values on "
             "the host"
         )
-    if not decision.prefetch:
-        notes.append(
-            "nothing prefetched: a stage takes the GPU's usable memory, and the next stage's "
-            "weights go up once it is done"
-        )
     if longest and longest >= ceiling:
         notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")
     params = sum(p.numel() for p in model.parameters())
@@ -613,4 +615,5 @@ def estimate(
         device_seconds=device_step,
         async_optimizer=async_optimizer,
         reduction=reduction,
+        prefetch=decision.prefetch,
     )
