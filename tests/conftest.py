@@ -95,7 +95,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--stress-runs",
         type=int,
-        default=30,
+        default=20,
         help="seeds for the optimizer-protocol stress test (CI runs the default)",
     )
     parser.addoption(
