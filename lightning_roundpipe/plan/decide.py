@@ -174,17 +174,14 @@ def stage_peaks(
 def rewalk_work(saved: Sequence[float], transient: Sequence[float], boundary: float) -> float:
     """The activation bytes a rewalked stage of layers with these ``saved``
     and ``transient`` bytes needs at its peak: one layer's backward (what it
-    saved and its transient), or, for each layer above the first, the
-    forward without autograd that computes its input again, which holds a
-    layer's input and output (two ``boundary`` values) in place of what the
-    layer saves, beside its transient (the gradient from above included)."""
-    return max(
-        (
-            (max(a, 2 * boundary) if i else a) + t
-            for i, (a, t) in enumerate(zip(saved, transient, strict=True))
-        ),
-        default=0.0,
-    )
+    saved and its transient), or a walk, the forward without autograd that
+    computes a layer's input again: it runs the layers below the top one,
+    each holding its input and output (two ``boundary`` values) beside its
+    transient (taken for the gradient from above and the forward's own
+    intermediates)."""
+    work = max((a + t for a, t in zip(saved, transient, strict=True)), default=0.0)
+    walked = transient[: len(transient) - 1]
+    return max(work, 2 * boundary + max(walked)) if walked else work
 
 
 def host_need(plan: StagePlan, boundary: float) -> float:

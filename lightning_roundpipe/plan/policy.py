@@ -204,7 +204,11 @@ class ExposedUpload:
 
 
 def exposed_uploads(
-    plan: StagePlan | Sequence[Stage], costs: LayerCosts, round_size: int, bandwidth: float
+    plan: StagePlan | Sequence[Stage],
+    costs: LayerCosts,
+    round_size: int,
+    bandwidth: float,
+    prefetch: bool = True,
 ) -> list[ExposedUpload]:
     """The stages whose weight upload a round's compute does not hide: a device
     runs a stage for the ``round_size`` micro-batches of a round while the next
@@ -212,7 +216,9 @@ def exposed_uploads(
     weight_bytes / bandwidth`` (stage time per micro-batch from ``costs``,
     weights from ``costs.weight_bytes``; ``bandwidth`` in bytes per unit of
     ``costs`` time). Mixture-of-Experts stages are the usual ones: all their
-    experts go up, while each token computes with only a few."""
+    experts go up, while each token computes with only a few. Without
+    ``prefetch`` (long sequences: a stage has the device to itself) no
+    upload overlaps compute, and every stage's is exposed."""
     if not bandwidth > 0:
         raise PlanError(f"bandwidth must be > 0, got {bandwidth!r}")
     if costs.weight_bytes is None:
@@ -221,8 +227,8 @@ def exposed_uploads(
     out = []
     for st in stages:
         nbytes = costs.stage_weight_bytes(st.start, st.stop)
-        upload, compute = nbytes / bandwidth, round_size * st.time(costs)
-        if compute < upload:
+        upload, compute = nbytes / bandwidth, round_size * st.time(costs) if prefetch else 0.0
+        if compute < upload or not prefetch:
             out.append(ExposedUpload(st, nbytes, upload, compute))
     return out
 

@@ -819,7 +819,9 @@ class RoundPipeEngine:
         hidden, exposed = None, []
         costs = self.measured_costs()
         if self._bandwidth and costs is not None:
-            exposed = exposed_uploads(sched.stages, costs, sched.round_size, self._bandwidth)
+            exposed = exposed_uploads(
+                sched.stages, costs, sched.round_size, self._bandwidth, self._rt.prefetch
+            )
             hidden = not exposed
         return TrafficReport(
             sched.iteration,

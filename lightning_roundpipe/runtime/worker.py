@@ -975,6 +975,9 @@ class Worker:
         leaves = upper.pop()
         while inputs:
             g = _grads(leaves)
+            # the layer above's input goes before the next one is made (a
+            # rewalked stage computes it now)
+            leaves = None
             layer, x, leaves = self._top_input(job, inputs, replicas)
             with torch.enable_grad():
                 rep = replicas[layer - t.start : layer - t.start + 1]
@@ -1051,7 +1054,8 @@ class Worker:
             out = self._layers(job, j, replicas[base - t.start :], x, timer=timer, first=base)
             del x
             self._record(job, j, "R", mark)
-            self._fetch_ahead(job, nxt)  # the next input goes up meanwhile
+            if not inputs:  # the next input goes up meanwhile (a layered
+                self._fetch_ahead(job, nxt)  # stage: once its layers are done)
             g = self._fetch(job, t.reads[1], j)
             mark = self._mark()
             self._differentiate(out, g, timer, t.stop)
@@ -1059,6 +1063,7 @@ class Worker:
         if inputs:
             box, leaves = [leaves], []
             leaves = self._descend(job, j, replicas, inputs, box, timer)
+            self._fetch_ahead(job, nxt)
         self._release(held)
         self._record(job, j, "B", mark)
         self._report(job, timer)

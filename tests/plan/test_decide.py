@@ -264,6 +264,9 @@ def test_a_rewalked_stage_keeps_no_inputs_and_one_layers_working_set():
     assert stage_peaks(rewalked, est, saved, transient, inputs) == [40.5, 30.5, 14, 34.5, 44.5]
     assert rewalk_work([5.0, 1.0], [1.0, 2.0], 2.0) == 6.0  # a layer that saves more
     assert rewalk_work([1.0], [1.0], 2.0) == 2.0  # one layer: no walk
+    # a layer below the top runs in every walk: its transient beside the two
+    # values in hand, though it saves nothing
+    assert rewalk_work([0.0, 10.0, 10.0], [100.0, 1.0, 1.0], 5.0) == 110.0
     assert rewalk_work([], [], 2.0) == 0.0
 
 

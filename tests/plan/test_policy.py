@@ -111,3 +111,6 @@ def test_exposed_uploads_name_the_stages_a_round_does_not_hide():
     )
     assert [e.stage.kind for e in exposed_uploads(plan, costs, 4, 100.0)] == ["forward"]
     assert exposed_uploads(plan, costs, 10, bandwidth=100.0) == []
+    # nothing prefetched: every upload waits, whatever the round computes
+    bare = exposed_uploads(plan, costs, 10, bandwidth=100.0, prefetch=False)
+    assert len(bare) == plan.num_slots and all(e.round_time == 0.0 for e in bare)
