@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 __all__ = ["EngineClosedError", "EngineFailure", "HandoffTimeout", "Key", "Store"]
@@ -109,10 +110,14 @@ class Store:
             entry.readers = readers
             entry.event.set()
 
-    def take(self, key: Key, what: str = "") -> tuple[Any, bool]:
+    def take(
+        self, key: Key, what: str = "", copy: Callable[[Any], Any] | None = None
+    ) -> tuple[Any, bool]:
         """Wait for ``key`` and take one read of it. Returns ``(value, last)``;
         ``last`` is true for the final reader, after which the entry is dropped
-        (so that reader may use the value in place; earlier readers must not)."""
+        (so that reader may use the value in place; earlier readers must not).
+        ``copy``: what a reader before the last gets instead of the value,
+        made before the last reader can take it (and write it in place)."""
         with self._cond:
             entry = self._entry(key)
         if not entry.event.is_set():
@@ -132,6 +137,8 @@ class Store:
             last = entry.readers <= 0
             if last:
                 del self._entries[key]
+            elif copy is not None and value is not None:
+                value = copy(value)
             return value, last
 
     def ready(self, key: Key) -> bool:

@@ -666,17 +666,17 @@ class Worker:
         ctx = self.ctx
         self.protocol.chaos("store")
         what = f"{name} of {job.task.stage}, micro-batch {j}"
+        # a reader before the last gets its own copy, made before the last
+        # reader can take the value and write it in place (a CPU worker's
+        # upload is the host value itself; on CUDA layers write device copies)
+        copy = None if ctx.is_cuda else (lambda v: map_tensors(torch.clone, v))
         with named(f"RP wait {name} mb{j}"):
-            host, last = self.store.take(key, what)
+            host, last = self.store.take(key, what, copy)
         self.protocol.chaos("upload")
         if host is None:
             return _Uploaded(None, ctx.record(ctx.act_up))
-        # a reader before the last gets its own copy, in case a layer writes in
-        # place; fused and backward stages give their layers a copy of the leaf
-        # anyway (_leaves), or the leaf itself to a layer that never writes it
         t_ = job.task
-        copied = t_.kind != "forward" and (t_.start > 0 or job.call.input_grad)
-        dev, nbytes = self._upload_value(job, host, fresh=not last and not copied)
+        dev, nbytes = self._upload_value(job, host, fresh=False)
         kept = _rewalked(t_) and name == t_.reads[0]
         held = 0
         if last and job.call.train and key.kind == "act" and key.layer > 0:  # a stage wrote it

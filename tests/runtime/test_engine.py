@@ -911,6 +911,52 @@ def test_layers_that_change_their_input_in_place(plan, n):
     torch.testing.assert_close(x, x_before)  # the caller's batch is untouched
 
 
+def test_the_store_copies_a_value_for_readers_before_the_last():
+    from lightning_roundpipe.runtime.store import Key, Store
+
+    store = Store(5.0)
+    key, value = Key(0, "act", 1, 0), torch.ones(3)
+    store.put(key, value, readers=2)
+    first, last = store.take(key, "first", copy=torch.clone)
+    assert not last and first is not value and torch.equal(first, value)
+    second, last = store.take(key, "second", copy=torch.clone)
+    assert last and second is value  # the last reader may write it in place
+
+
+def test_a_value_two_stages_read_is_copied_for_the_first_before_the_last_writes_it():
+    """A boundary value read by a backward stage and by a forward stage
+    whose first layer writes it in place: whichever takes it first gets its
+    own copy, made before the last reader can take it (on CPU workers an
+    upload is the host value itself), so the recompute never sees the
+    forward's write, however the workers race. Several runs on three
+    workers, each equal to plain PyTorch."""
+
+    def model():
+        torch.manual_seed(0)
+        return [
+            nn.Linear(8, 8),
+            nn.Linear(8, 16),
+            _SquashInPlace(),
+            nn.ReLU(inplace=True),
+            nn.Linear(16, 16),
+            _SquashInPlace(),
+            nn.Hardtanh(inplace=True),
+            nn.Linear(16, 4),
+        ]
+
+    ref = nn.Sequential(*model())
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(ref(x.clone()), y)
+    expected.backward()
+    for _ in range(10):  # (before the fix, one run in five went wrong)
+        layers = model()
+        with engine(layers, 3, 4, "2,2|4|2,2", profile_iterations=0) as eng:
+            loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.synchronize()
+        torch.testing.assert_close(loss, expected.detach())
+        assert_grads_equal(layers, list(ref))
+
+
 class _Intact(nn.Linear):
     input_intact = True  # never writes its input: a stage starting here copies nothing
 
