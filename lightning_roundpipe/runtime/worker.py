@@ -677,15 +677,13 @@ class Worker:
             return _Uploaded(None, ctx.record(ctx.act_up))
         t_ = job.task
         dev, nbytes = self._upload_value(job, host, fresh=False)
-        kept = _rewalked(t_) and name == t_.reads[0]
-        held = 0
-        if last and job.call.train and key.kind == "act" and key.layer > 0:  # a stage wrote it
-            held = nbytes
-            if not kept:
-                self._release(held)
-        if kept:
-            return _Uploaded(dev, ctx.record(ctx.act_up), host, held)
-        return _Uploaded(dev, ctx.record(ctx.act_up))
+        ready = ctx.record(ctx.act_up)
+        wrote = last and job.call.train and key.kind == "act" and key.layer > 0  # (by a stage)
+        held = nbytes if wrote else 0
+        if _rewalked(t_) and name == t_.reads[0]:  # kept until the stage is done
+            return _Uploaded(dev, ready, host, held)
+        self._release(held)
+        return _Uploaded(dev, ready)
 
     def _upload_value(self, job: Job, host: Any, fresh: bool) -> tuple[Any, int]:
         """Start the upload of a host value; returns it and its bytes."""

@@ -1344,28 +1344,18 @@ def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(mode)
     torch.testing.assert_close(loss, expected.detach())
     assert_grads_equal(layers, ref)
     b2 = log[log.index(("bwd", 3)) + 1 :]  # after the fused stage: B2, layers 0-2
-    if mode == "layered":
-        # a first pass without autograd, then each layer's recompute right
-        # before its backward: one layer's autograd state at a time
+    # layered: a first pass without autograd, then each layer's recompute
+    # right before its backward (one layer's autograd state at a time);
+    # rewalk: no layer input kept, each computed again from the stage input
+    # right before that layer's recompute
+    walk = {"layered": [], "rewalk": [("nograd", 0)]}
+    if mode:
         assert b2 == [
             ("nograd", 0),
             ("nograd", 1),
             ("fwd", 2),
             ("bwd", 2),
-            ("fwd", 1),
-            ("bwd", 1),
-            ("fwd", 0),
-            ("bwd", 0),
-        ]
-    elif mode == "rewalk":
-        # no layer input kept: each layer's is computed again from the
-        # stage input right before that layer's recompute
-        assert b2 == [
-            ("nograd", 0),
-            ("nograd", 1),
-            ("fwd", 2),
-            ("bwd", 2),
-            ("nograd", 0),
+            *walk[mode],
             ("fwd", 1),
             ("bwd", 1),
             ("fwd", 0),
@@ -1373,73 +1363,6 @@ def test_a_layered_stage_recomputes_and_differentiates_one_layer_at_a_time(mode)
         ]
     else:
         assert b2 == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
-
-
-@pytest.mark.parametrize("mode", ["layered", "rewalk"])
-def test_a_rewalked_stage_holds_no_layer_inputs_and_prefetch_can_be_off(monkeypatch, mode):
-    """At each layer's backward, a layered stage of four layers still holds
-    the inputs its first pass kept for the layers below; a rewalked one
-    holds only the input of the layer at hand (computed again from the
-    stage input), and while it computes one, no other (the input of the
-    layer above is gone). With the runtime's prefetch off, no micro-batch's
-    input is uploaded ahead. Both train like plain PyTorch."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from lightning_roundpipe.runtime import worker as worker_mod
-
-    made, alive, ahead, earlier = [], [], [], []
-    again, differentiate = worker_mod.Worker._layer_again, worker_mod.Worker._differentiate
-    fetch, pop = worker_mod.Worker._fetch_uploaded, worker_mod._Rewalk.pop
-    walk = [None]  # the rewalked layer input being made
-
-    def counted_pop(self):
-        walk[0] = (self, self._count)
-        return pop(self)
-
-    def counted_again(self, *args, **kwargs):
-        # outputs of earlier walks still alive while this one runs
-        earlier.append(sum(not w.expired() for k, w in made if k != walk[0]) + len(self._ahead))
-        out = again(self, *args, **kwargs)
-        made.append((walk[0], StorageWeakRef(out.untyped_storage())))
-        return out
-
-    def counted_differentiate(self, *args, **kwargs):
-        alive.append(sum(not w.expired() for _, w in made))
-        return differentiate(self, *args, **kwargs)
-
-    def counted_fetch(self, job, name, j):
-        ahead.append(len(self._ahead))
-        return fetch(self, job, name, j)
-
-    monkeypatch.setattr(worker_mod.Worker, "_layer_again", counted_again)
-    monkeypatch.setattr(worker_mod.Worker, "_differentiate", counted_differentiate)
-    monkeypatch.setattr(worker_mod.Worker, "_fetch_uploaded", counted_fetch)
-    monkeypatch.setattr(worker_mod._Rewalk, "pop", counted_pop)
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(5)]
-    ref = nn.Sequential(*copy.deepcopy(layers))
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    expected = nn.functional.mse_loss(ref(x), y)
-    expected.backward()
-    for prefetch in (True, False):
-        model = copy.deepcopy(layers)
-        with engine(model, 1, 2, f"4|1|4|{mode}", profile_iterations=0) as eng:
-            eng._rt.prefetch = prefetch
-            for seen in (made, alive, ahead, earlier):
-                seen.clear()
-            loss = eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
-            eng.synchronize()
-            assert eng.boundary_peak > 0 and eng._rt.held == 0  # (all released)
-        torch.testing.assert_close(loss, expected.detach())
-        assert_grads_equal(model, list(ref))
-        # B2's four layers' backward, for each of two micro-batches
-        held = alive[-8:]
-        assert held == ([3, 2, 1, 0] * 2 if mode == "layered" else [1, 1, 1, 0] * 2), held
-        assert (max(ahead) > 0) == prefetch
-        # a walk runs with no other layer input of the stage alive, and
-        # nothing uploaded ahead for the next micro-batch
-        if mode == "rewalk":
-            assert earlier and max(earlier) == 0, earlier
 
 
 def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
