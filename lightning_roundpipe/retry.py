@@ -5,7 +5,8 @@ first training batch of a fit :class:`FirstBatchRetry` waits for every stage
 at the end of each, so that running out of device memory surfaces where the
 batch can still be run again. It then asks
 :func:`~lightning_roundpipe.plan.decide.after_out_of_memory` what to change,
-has the strategy build a new engine with it, forgets what the failed attempt
+has the strategy build a new engine with it (activations counted larger
+than predicted, smaller stages or more micro-batches), forgets what the failed attempt
 logged and runs the batch's ``training_step`` again, so the result is that of
 a run that fitted at once.
 """
@@ -48,6 +49,8 @@ class FirstBatchRetry:
         size_limit: a cap on each stage's weights and gradients learned from a
             failure (size-estimate bytes), or None.
         microbatches: a micro-batch count learned from a failure, or None.
+        activation_scale: how many times over predicted activations count,
+            learned from failures (1: as predicted).
         resumed: the one-behind weights a resumed run started from (a re-plan
             before the first step resumes from them again).
     """
@@ -69,6 +72,7 @@ class FirstBatchRetry:
         self.left = replans
         self.size_limit: int | None = None
         self.microbatches: int | None = None
+        self.activation_scale = 1.0
         self.resumed: dict[str, Tensor] | None = None
         self.open = False  # the first batch is running on a fresh engine
         self._call: tuple[tuple, dict] | None = None
@@ -76,6 +80,7 @@ class FirstBatchRetry:
     def reset(self) -> None:
         """A new fit: nothing learned yet."""
         self.left, self.size_limit, self.microbatches = self.replans, None, None
+        self.activation_scale = 1.0
 
     def arm(self) -> None:
         """A fresh engine for fitting: watch its first batch."""
@@ -159,7 +164,8 @@ class FirstBatchRetry:
         return loss
 
     def replan(self, err: WorkerError) -> None:
-        """Rebuild the engine with smaller stages or more micro-batches, or
+        """Rebuild the engine with activations counted larger, smaller stages
+        or more micro-batches, or
         re-raise ``err`` (not an out-of-memory error, none left, nothing to change)."""
         strategy = self.strategy
         engine = strategy.engine
@@ -182,6 +188,11 @@ class FirstBatchRetry:
             auto_microbatches=strategy.num_microbatches == "auto",
             batch_size=batch,
             batch_microbatches=None if batch is None else engine.microbatches_for(batch),
+            predicted_peaks=engine.predicted_peaks,
+            memory_limit=engine.memory_limit,
+            prefetch=engine.prefetch,
+            activation_scale=engine.activation_scale,
+            with_activations=engine.plan_with_activations,
         )
         if decision is None:
             raise err
@@ -189,6 +200,8 @@ class FirstBatchRetry:
             self.size_limit = decision.size_limit
         if decision.microbatches is not None:
             self.microbatches = decision.microbatches
+        if decision.activation_scale is not None:
+            self.activation_scale = decision.activation_scale
         self.left -= 1
         cuda = any(d.type == "cuda" for d in engine.devices)
         self._close()
@@ -201,7 +214,8 @@ class FirstBatchRetry:
         rank_zero_warn(
             f"RoundPipe: {err.device} ran out of memory in stage {err.stage} (layers "
             f"{start}-{stop - 1}) during the first batch; re-planned with {decision.change}: "
-            f"plan {plan} -> {strategy.engine.plan}, {m} -> {strategy.engine.num_microbatches} "
+            f"plan {plan} -> {decision.plan or strategy.engine.plan}, {m} -> "
+            f"{strategy.engine.num_microbatches} "
             "micro-batches; running the batch again"
         )
 

@@ -148,6 +148,10 @@ class RoundPipeStrategy(ParallelStrategy):
             by more than this fraction (never when ``plan`` is given).
         oom_replans: when a device runs out of memory during the fit's first
             training batch, re-plan up to this many times instead of failing:
+            where the failed stage's activations were predicted (a supported
+            causal LM), they count larger than predicted from then on (at
+            least by the room the stage had), so the plan for activations
+            cuts, layers or rewalks the stages or stops prefetching; else
             stages at most half the size of the one that failed (a cap on
             weights and gradients per stage, never below the largest layer, kept
             when re-partitioning from measurements), or, when that stage cannot
@@ -547,6 +551,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 trace=self.trace_dir is not None,
                 # learned from an out-of-memory error, in size-estimate units
                 size_limit=self._retry.size_limit,
+                activation_scale=self._retry.activation_scale,
             )
             self.engine = RoundPipeEngine.from_options(
                 adapter.layers(),

@@ -5,6 +5,7 @@ padding, tiling, fp32 and bf16); a plan that would not fit is replaced before
 anything runs; the predicted peak follows a fit's measured peak memory on CPU;
 ``python -m lightning_roundpipe.plan estimate`` from a config file."""
 
+import copy
 import json
 import sys
 
@@ -196,6 +197,69 @@ def test_too_little_host_memory_for_one_layer_stages_gets_a_layered_plan(caplog,
     assert 0 < held[400_000] <= 400_000 < held[None]
     assert "backward stages recompute one layer at a time" in caplog.text
     assert ("each layer's input again from the stage's" in caplog.text) == (mode == "rewalk")
+
+
+def test_out_of_memory_in_a_layered_stage_counts_the_activations_larger(monkeypatch):
+    """A layered stage runs out of device memory in the first batch (injected
+    on CPU workers): the strategy counts the predicted activations a quarter
+    larger, which no layered stage fits; the batch runs again with the
+    stages rewalked (halving the stages' weights would have given one-layer
+    stages, which keep more boundary values than activation_memory allows),
+    and training equals plain Lightning's."""
+    import lightning as L
+    from test_adapters import LM, QUIET
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_roundpipe import RoundPipeStrategy
+    from lightning_roundpipe.runtime import worker as worker_mod
+
+    failed = []
+    original = worker_mod.Worker._layers
+
+    def layers(self, job, *args, **kwargs):
+        if job.task.layered and not job.task.rewalk and job.call.iteration == 0:
+            failed.append(str(job.task))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(self, job, *args, **kwargs)
+
+    monkeypatch.setattr(worker_mod.Worker, "_layers", layers)
+    ids = torch.randint(0, 101, (8, 512), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(ids, torch.ones_like(ids), ids), batch_size=4)
+    model = tiny("llama", max_position_embeddings=512, num_hidden_layers=6)
+    ref, mod = LM(model), LM(copy.deepcopy(model))
+
+    def fit(module, strategy):
+        L.seed_everything(0)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, **QUIET)
+        trainer.fit(module, data)
+
+    fit(ref, "auto")
+    plans = []
+
+    def end(self, *args):
+        engine = self.trainer.strategy.engine
+        plans.append((str(engine.plan), engine.activation_scale))
+
+    monkeypatch.setattr(LM, "on_train_batch_end", end)
+    strategy = RoundPipeStrategy(
+        async_optimizer=False,
+        num_microbatches=2,
+        device_memory_limit=4_000_000,
+        tile_memory=None,
+        activation_memory=400_000,  # fewer boundary values than one-layer stages keep
+    )
+    with pytest.warns(UserWarning, match=r"ran out of memory in stage B1 \(layers 5-7\)") as w:
+        fit(mod, strategy)
+    message = str(next(x.message for x in w if "re-planned" in str(x.message)))
+    assert (
+        "re-planned with activations counted 1.25x their prediction (stage B1 was predicted to "
+        "need 3.394e+06 bytes of the 4e+06 a stage may use): plan 5|3|2,3|layered -> "
+        "5|3|2,3|rewalk, 2 -> 2 micro-batches" in message
+    )
+    assert len(failed) == 1 and plans == [("5|3|2,3|rewalk", 1.25)] * 2
+    torch.testing.assert_close(torch.stack(mod.losses), torch.stack(ref.losses))
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")

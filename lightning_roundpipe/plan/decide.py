@@ -15,9 +15,12 @@ measured costs come in as numbers.
   measured, switch to the measured best plan when it is faster by more than a
   margin or when the current plan no longer fits the limit.
 * :func:`after_out_of_memory`: a stage ran out of device memory in the first
-  batch: cap stage sizes at half the failed stage (never below the largest
-  layer), or, where the stage cannot be cut and the micro-batch count is
-  automatic, double the micro-batches.
+  batch: where its activations were predicted, count them larger than
+  predicted (the re-plan of :func:`plan_for_activations` then cuts, layers
+  or rewalks the stages that need it, or stops prefetching); else cap stage
+  sizes at half the failed stage (never below the largest layer), or, where
+  the stage cannot be cut and the micro-batch count is automatic, double the
+  micro-batches.
 """
 
 from __future__ import annotations
@@ -700,11 +703,22 @@ class OutOfMemory:
             bytes), or None.
         microbatches: a new micro-batch count, or None.
         change: what changes, for the warning.
+        activation_scale: the factor predicted activations are to be counted
+            with from now on (saved and transient bytes), or None: unchanged.
+        plan: with ``activation_scale``, the plan for activations that
+            large (a new engine plans it once it is told the activations).
     """
 
     size_limit: int | None
     microbatches: int | None
     change: str
+    activation_scale: float | None = None
+    plan: StagePlan | None = None
+
+
+#: after an out-of-memory error, predicted activations count at least this
+#: much more than before, and at most this much more in one re-plan
+_SCALE_STEP = (1.25, 4.0)
 
 
 def after_out_of_memory(
@@ -720,17 +734,65 @@ def after_out_of_memory(
     auto_microbatches: bool,
     batch_size: int | None,
     batch_microbatches: int | None,
+    predicted_peaks: Sequence[float] | None = None,
+    memory_limit: float | None = None,
+    prefetch: bool = True,
+    activation_scale: float = 1.0,
+    with_activations: Callable[[float], Predicted | None] | None = None,
 ) -> OutOfMemory | None:
     """What to change after stage ``failed_stage`` (layers ``failed``) ran out
     of memory, or None when nothing smaller can be tried.
 
-    Stages at most half the failed one's size when the plan is not given, the
-    stage has more than one layer and the partitioner then finds a different
-    plan (``microbatches_for(limit)``: the micro-batch count it would use);
-    else, with an automatic count and micro-batches of more than one sample
-    (``batch_microbatches`` of a batch of ``batch_size``), twice the
-    micro-batches."""
+    First, where the stage's activations were predicted (``predicted_peaks``:
+    each slot's of ``current``, within ``memory_limit``, the bytes a stage
+    may use, with activations counted ``activation_scale`` times their
+    prediction),
+    the prediction was short: they count larger from now on, at least by
+    what the stage had room for (its limit beyond its weights, over what
+    was predicted for its activations; at least a quarter more, at most four
+    times), when the plan for activations that large
+    (``with_activations(scale)``: what :func:`plan_for_activations` decides
+    for them) fits and differs from the current one in its stages, the
+    memory a stage may use or whether the next stage is prefetched
+    (``prefetch``: whether it is now). A plan for activations goes on
+    choosing between cut, layered and rewalked stages and how much of the
+    device a stage takes, where halving the stages' weights would not
+    touch what filled the device.
+
+    Else stages at most half the failed one's size when the plan is not
+    given, the stage has more than one layer and the partitioner then finds
+    a different plan (``microbatches_for(limit)``: the micro-batch count it
+    would use); else, with an automatic count and micro-batches of more than
+    one sample (``batch_microbatches`` of a batch of ``batch_size``), twice
+    the micro-batches."""
     start, stop = failed
+    slots = [i for i, st in enumerate(current.stages) if st.label == failed_stage]
+    if with_activations is not None and predicted_peaks and slots and memory_limit is not None:
+        slot = slots[0]
+        weights = current.stage_memory(estimates)[slot]
+        predicted_peak = predicted_peaks[slot]
+        predicted = predicted_peak - weights  # (already times activation_scale)
+        if predicted > 0:
+            low, high = _SCALE_STEP
+            step = min(high, max(low, (memory_limit - weights) / predicted))
+            scale = activation_scale * step
+            new = with_activations(scale)
+            if (
+                new is not None
+                and not new.warning
+                and (str(new.plan), new.memory_limit, new.prefetch)
+                != (str(current), memory_limit, prefetch)
+            ):
+                return OutOfMemory(
+                    None,
+                    None,
+                    f"activations counted {scale:.3g}x their prediction (stage {failed_stage} "
+                    f"was predicted to need {predicted_peak:.4g} bytes of the {memory_limit:.4g} "
+                    f"a stage may use)"
+                    + ("" if new.prefetch or not prefetch else ", nothing prefetched"),
+                    activation_scale=scale,
+                    plan=new.plan,
+                )
     if not plan_given and stop - start > 1 and estimates.memory is not None:
         stage = estimates.stage_memory(start, stop)
         # never below the largest layer anywhere in the model: one layer per

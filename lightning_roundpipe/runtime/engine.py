@@ -31,7 +31,13 @@ import torch
 from torch import nn
 
 from ..plan import Clock, LayerCosts, PlanError, Schedule, StagePlan, lower
-from ..plan.decide import after_measurement, initial_plan, plan_for_activations, stage_peaks
+from ..plan.decide import (
+    Predicted,
+    after_measurement,
+    initial_plan,
+    plan_for_activations,
+    stage_peaks,
+)
 from ..plan.policy import RoundChoice, choose_round, exposed_uploads
 from ..plan.replicas import gradient_buckets
 from ..plan.schedule import Placement
@@ -200,6 +206,10 @@ class RoundPipeEngine:
             gradients, the unit of :func:`estimate_costs`) on top of
             ``device_memory_limit``, kept when re-partitioning from measurements.
             The strategy sets it after a stage ran out of device memory.
+        activation_scale: predicted activation bytes (saved and transient,
+            :meth:`expect_activations`) count this many times over when
+            planning (default 1). The strategy sets it after a stage whose
+            activations were predicted ran out of device memory.
         optimizer_threads: intra-op threads for the asynchronous optimizer
             thread (``torch.set_num_threads`` there); default: unchanged. Keep
             some cores for the device workers.
@@ -283,6 +293,7 @@ class RoundPipeEngine:
         replan_margin: float = 0.05,
         nonfinite: NonFinite = "raise",
         size_limit: int | None = None,
+        activation_scale: float = 1.0,
         tile_memory: int | Literal["auto"] | None = "auto",
         double_buffer: bool | None = None,
         optimizer_state: int | None = None,
@@ -323,6 +334,7 @@ class RoundPipeEngine:
             watchdog_timeout=watchdog_timeout,
             device_memory_limit=device_memory_limit,
             size_limit=size_limit,
+            activation_scale=activation_scale,
             optimizer_threads=optimizer_threads,
             profile_iterations=profile_iterations,
             replan_margin=replan_margin,
@@ -382,6 +394,9 @@ class RoundPipeEngine:
         self._weight_cap: float | None = None
         self.replan_margin = replan_margin
         self.size_limit = size_limit
+        self.activation_scale = self.options.activation_scale
+        # the last activations told (expect_activations), as predicted
+        self._expected: tuple[list[float], list[float]] | None = None
         self._profiler = Profiler(len(layers), profile_iterations) if profile_iterations else None
         self._replanned = False
         #: predicted peak device memory of each slot (:meth:`expect_activations`)
@@ -709,8 +724,8 @@ class RoundPipeEngine:
         not fit ``activation_memory`` on the host, is replaced now, before
         anything runs (a given plan is kept, with a warning; see
         :func:`~lightning_roundpipe.plan.decide.plan_for_activations`).
-        Returns each slot's predicted peak device memory
-        (:attr:`predicted_peaks`)."""
+        Both count ``activation_scale`` times over. Returns each slot's
+        predicted peak device memory (:attr:`predicted_peaks`)."""
         n = self._costs.num_layers
         if len(saved) != n or len(transient) != n:
             raise ValueError(f"expect_activations needs one value per pipeline layer ({n})")
@@ -718,27 +733,19 @@ class RoundPipeEngine:
             raise ValueError(f"boundary must be a number of bytes >= 0, got {boundary!r}")
         if boundary is not None:
             self._boundary = boundary
-        boundary = self._boundary  # (not given: the last one told)
+        self._expected = (list(saved), list(transient))
         if self._replanned:  # measured activations decide the plan from now on
-            self.predicted_peaks = stage_peaks(self.plan, self._costs, saved, transient, boundary)
+            scale = self.activation_scale
+            self.predicted_peaks = stage_peaks(
+                self.plan,
+                self._costs,
+                [scale * x for x in saved],
+                [scale * x for x in transient],
+                self._boundary,
+            )
             return self.predicted_peaks
-        decision = plan_for_activations(
-            self.plan,
-            self._costs,
-            saved,
-            transient,
-            self.num_devices,
-            self.num_microbatches,
-            user_plan=self._user_plan,
-            async_optimizer=self.async_optimizer,
-            memory_limit=self._limit,
-            size_limit=self.size_limit,
-            device_budget=self._budget,
-            weight_cap=self._weight_cap,
-            boundary=boundary,
-            host_limit=self._host_limit,
-            prefetch=self._rt.prefetch,
-        )
+        decision = self.plan_with_activations(self.activation_scale)
+        assert decision is not None
         if decision.memory_limit != self._limit:
             # long sequences: stages take more of the device, the prefetched
             # next stage's weights less, or nothing is prefetched (the limit
@@ -756,6 +763,32 @@ class RoundPipeEngine:
             log.warning("RoundPipe %s", decision.reason)
         self.predicted_peaks = decision.peaks
         return decision.peaks
+
+    def plan_with_activations(self, scale: float) -> Predicted | None:
+        """What :func:`~lightning_roundpipe.plan.decide.plan_for_activations`
+        decides from the current plan for the activations last told to
+        :meth:`expect_activations` counted ``scale`` times over (nothing is
+        changed); None before any were told."""
+        if self._expected is None:
+            return None
+        saved, transient = ([scale * x for x in v] for v in self._expected)
+        return plan_for_activations(
+            self.plan,
+            self._costs,
+            saved,
+            transient,
+            self.num_devices,
+            self.num_microbatches,
+            user_plan=self._user_plan,
+            async_optimizer=self.async_optimizer,
+            memory_limit=self._limit,
+            size_limit=self.size_limit,
+            device_budget=self._budget,
+            weight_cap=self._weight_cap,
+            boundary=self._boundary,
+            host_limit=self._host_limit,
+            prefetch=self._rt.prefetch,
+        )
 
     @property
     def reduction(self) -> dict[str, float] | None:

@@ -2,8 +2,8 @@
 
 The strategy builds an :class:`EngineOptions` when it is constructed (so a bad
 value fails before anything else happens, naming the option) and hands it,
-completed with what only setup knows (precision, seed, a size cap learned from
-an out-of-memory failure), to :meth:`RoundPipeEngine.from_options
+completed with what only setup knows (precision, seed, a size cap or an
+activation scale learned from an out-of-memory failure), to :meth:`RoundPipeEngine.from_options
 <lightning_roundpipe.runtime.RoundPipeEngine.from_options>`; an engine built
 from keyword arguments validates them through the same class. Precisions and
 the non-finite policies are defined here and nowhere else.
@@ -54,6 +54,7 @@ class EngineOptions:
     watchdog_timeout: float = 600.0
     device_memory_limit: int | None = None
     size_limit: int | None = None
+    activation_scale: float = 1.0
     optimizer_threads: int | None = None
     profile_iterations: int = 2
     replan_margin: float = 0.05
@@ -106,6 +107,8 @@ class EngineOptions:
             raise ValueError(f"placement must be 'free-first' or 'rotate', got {self.placement!r}")
         if self.size_limit is not None and not self.size_limit > 0:
             raise ValueError(f"size_limit must be > 0, got {self.size_limit!r}")
+        if not self.activation_scale >= 1:
+            raise ValueError(f"activation_scale must be >= 1, got {self.activation_scale!r}")
         tm = self.tile_memory
         if tm not in ("auto", None) and not _positive_int(tm):
             raise ValueError(

@@ -85,6 +85,90 @@ def test_after_out_of_memory_cuts_the_stage_or_doubles_the_microbatches():
     assert oom((7, 8), batch=4) is None  # micro-batches of one sample already
 
 
+def test_after_out_of_memory_counts_predicted_activations_larger_where_that_changes_the_plan():
+    from lightning_roundpipe.plan.decide import Predicted, plan_for_activations, stage_peaks
+
+    est = costs()
+    current = StagePlan.parse("4,3|1|3,4", 8)
+    saved, transient = [4.0] * 8, [1.0] * 8
+    asked = []
+
+    def planned(scale):
+        asked.append(scale)
+        return plan_for_activations(
+            current,
+            est,
+            [scale * x for x in saved],
+            [scale * x for x in transient],
+            2,
+            4,
+            user_plan=False,
+            async_optimizer=True,
+            memory_limit=60,
+        )
+
+    def oom(stage, failed, scale=1.0, plan=planned, peaks=None):
+        return after_out_of_memory(
+            est,
+            current,
+            2,
+            failed,
+            stage,
+            plan_given=False,
+            microbatches_for=lambda limit: 4,
+            num_microbatches=4,
+            auto_microbatches=True,
+            batch_size=8,
+            batch_microbatches=4,
+            predicted_peaks=peaks or stage_peaks(current, est, saved, transient),
+            memory_limit=60,
+            activation_scale=scale,
+            with_activations=plan,
+        )
+
+    # B3 (layers 0-3): predicted 40 + 16 + 1 of 60; its activations had room
+    # for 20 / 17 of their prediction: at least a quarter more
+    bwd = oom("B3", (0, 4))
+    assert asked == [1.25] and bwd.activation_scale == 1.25
+    assert bwd.size_limit is None and bwd.microbatches is None
+    assert str(bwd.plan) == "3,3|2|2,2,2" == str(planned(1.25).plan)
+    assert bwd.change.startswith("activations counted 1.25x their prediction (stage B3 was ")
+    # F1 works with 2 bytes of activations (1 counted twice) beside 40 of
+    # weights: room for 10x, at most 4x per re-plan, on top of the 2x
+    # learned earlier
+    asked.clear()
+    twice = stage_peaks(current, est, [2 * x for x in saved], [2 * x for x in transient])
+    fwd = oom("F1", (0, 4), scale=2.0, peaks=twice)
+    assert asked == [8.0] and fwd.activation_scale == 8.0
+    assert str(fwd.plan) == "1,1,1,1,1,1,1|1|1,1,1,1,1,1,1"
+    # no plan fits activations that large, or the plan for them is the same
+    # plan with the same room: the stages are cut by their weights
+    kept = Predicted(current, [0.0] * 5, "no plan fits", True, 60)
+    for plan in (lambda s: kept, lambda s: Predicted(current, [0.0] * 5, "fits", False, 60)):
+        cut = oom("B3", (0, 4), plan=plan)
+        assert cut.activation_scale is None and cut.size_limit == 20
+    # the same plan with nothing prefetched is a change
+    unfetched = Predicted(current, [0.0] * 5, "", False, 70, None, False)
+    alone = oom("B3", (0, 4), plan=lambda s: unfetched)
+    assert alone.activation_scale == 1.25 and alone.change.endswith(", nothing prefetched")
+    # no activations predicted (a model without an adapter): as before
+    none = after_out_of_memory(
+        est,
+        current,
+        2,
+        (0, 4),
+        "B3",
+        plan_given=False,
+        microbatches_for=lambda limit: 4,
+        num_microbatches=4,
+        auto_microbatches=True,
+        batch_size=8,
+        batch_microbatches=4,
+        with_activations=lambda s: None,
+    )
+    assert none.size_limit == 20 and none.activation_scale is None
+
+
 def test_stage_peaks_add_what_a_backward_stage_keeps_and_its_largest_transient():
     from lightning_roundpipe.plan.decide import stage_peaks
 

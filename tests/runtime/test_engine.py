@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.plan import PlanError, StagePlan
-from lightning_roundpipe.runtime import EngineClosedError, RoundPipeEngine, WorkerError
+from lightning_roundpipe.plan.decide import stage_peaks
+from lightning_roundpipe.runtime import (
+    EngineClosedError,
+    RoundPipeEngine,
+    WorkerError,
+    estimate_costs,
+)
 
 from .models import lm_batch, lm_loss, mlp, reference, structured, transformer
 
@@ -1399,6 +1405,35 @@ def test_host_memory_for_boundaries_gets_a_layered_plan_that_trains_the_same():
         engine(mlp(), 1, 1) as eng,
     ):
         eng.expect_activations([0] * 7, [0] * 7, boundary=-1)
+
+
+def test_activations_counted_larger_plan_smaller_stages_and_are_previewed_without_change():
+    """activation_scale=2 plans as if every predicted saved and transient byte
+    were two; plan_with_activations says what a scale would give, changing
+    nothing; the scale is validated."""
+    saved, transient = [200_000] * 7, [100_000] * 7
+    plans = {}
+    for scale in (1.0, 2.0):
+        kw = {"device_memory_limit": 1_500_000, "activation_scale": scale}
+        with engine(mlp(), 1, 1, None, profile_iterations=0, **kw) as eng:
+            assert eng.plan_with_activations(2.0) is None  # nothing told yet
+            peaks = eng.expect_activations(saved, transient)
+            assert max(peaks) <= 1_500_000
+            plans[scale] = (str(eng.plan), peaks)
+            before = str(eng.plan)
+            preview = eng.plan_with_activations(2 * scale)
+            assert str(eng.plan) == before and eng.activation_scale == scale
+    assert plans[1.0][0] != plans[2.0][0]
+    assert str(preview.plan) != plans[2.0][0]  # counted four times: smaller again
+    doubled = stage_peaks(
+        StagePlan.parse(plans[2.0][0], 7),
+        estimate_costs(mlp(), torch.float32),
+        [2 * x for x in saved],
+        [2 * x for x in transient],
+    )
+    assert plans[2.0][1] == doubled
+    with pytest.raises(ValueError, match=r"activation_scale must be >= 1, got 0\.5"):
+        RoundPipeEngine(mlp(), ["cpu"], 1, activation_scale=0.5)
 
 
 @pytest.mark.parametrize(
