@@ -554,6 +554,13 @@ def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(t
     assert text.split("plan: ")[1].split()[0].endswith("|rewalk")
     assert "note: rewalked plan: its backward stages recompute one layer at a time" in text
     assert "(forwards of the layers below: " in text and "% more compute)" in text
+    # and the step counts the copies nothing hides then: the weights, the
+    # inputs and gradients, the rewalk's uploads of a stage's input again
+    wait = float(text.split("the GPUs wait ")[1].split()[0])
+    assert wait > 0 and "s in all for copies compute does not hide" in text
+    text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--seq", 1024)[1]
+    assert "nothing prefetched" not in text and "rewalk" not in text
+    assert "the GPUs wait " not in text
 
 
 def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):

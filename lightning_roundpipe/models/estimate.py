@@ -34,7 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import LayerCosts, PlanError, ReductionEstimate, estimate_reduction, simulate
+from ..plan import (
+    Copies,
+    LayerCosts,
+    PlanError,
+    ReductionEstimate,
+    estimate_reduction,
+    simulate,
+)
 from ..plan.decide import Predicted, initial_plan, plan_for_activations
 from ..plan.policy import choose_round
 from ..runtime.host import HOST_ACTIVATION_SHARE, state_bytes
@@ -214,6 +221,10 @@ class Estimate:
     host_update_seconds: float = 0.0
     #: the devices' part of ``step_seconds``
     device_seconds: float = 0.0
+    #: device time per step (all GPUs together) spent waiting for host-device
+    #: copies no compute hides (nothing prefetched; a rewalked stage's
+    #: uploads of its input again), part of ``device_seconds``
+    copy_seconds: float = 0.0
     async_optimizer: bool = True
     #: whether a worker prefetches the next stage's weights (False: a stage
     #: takes all of the GPU's usable memory)
@@ -277,6 +288,11 @@ class Estimate:
             + ")",
             f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
             f"(weight uploads need {self.upload_seconds:.3g} s per step"
+            + (
+                f"; the GPUs wait {self.copy_seconds:.3g} s in all for copies compute does not hide"
+                if self.copy_seconds > 0
+                else ""
+            )
             + (
                 ""
                 if self.servers > 1
@@ -512,6 +528,10 @@ def estimate(
     host = {"state": float(state), "activations": float(acts), "total": float(state + acts)}
     fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
     timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
+    # copies devices wait for: with nothing prefetched, and a rewalked
+    # stage's uploads of its input again
+    value = value_bytes(seq * micro_batch, hidden, size)
+    copies = Copies(link_gbps * 1e9, value, decision.prefetch)
     sim = simulate(
         "roundpipe",
         timed,
@@ -520,6 +540,7 @@ def estimate(
         plan=plan,
         async_optimizer=async_optimizer,
         microbatches_per_round=rounds.round_size,
+        copies=copies,
     )
     # one step: the busy time spread over the GPUs, idle for the bubble (back to
     # back with the asynchronous optimizer, one iteration's makespan without)
@@ -613,6 +634,7 @@ def estimate(
         optimizer_seconds=optimizer,
         host_update_seconds=host_update,
         device_seconds=device_step,
+        copy_seconds=sim.copy_wait,
         async_optimizer=async_optimizer,
         reduction=reduction,
         prefetch=decision.prefetch,

@@ -34,7 +34,7 @@ from .replicas import (
     gradient_ready_times,
     overlap_reduction,
 )
-from .schedule import Clock, Schedule, Task, lower
+from .schedule import Clock, Copies, Schedule, Task, lower
 from .simulate import SCHEDULES, Segment, SimulationResult, choose_microbatches, simulate
 from .stages import Stage, StagePlan
 from .windows import TransferPiece, TransferWindow, transfer_windows
@@ -44,6 +44,7 @@ __all__ = [
     "SCHEDULES",
     "Bucket",
     "Clock",
+    "Copies",
     "ExposedUpload",
     "GradientTimes",
     "LayerCosts",

@@ -37,7 +37,7 @@ from typing import Literal
 from .costs import LayerCosts, PlanError
 from .stages import Stage, StageKind, StagePlan, extra_forward_time
 
-__all__ = ["Clock", "Placement", "Schedule", "Segment", "Task", "lower", "readers_of"]
+__all__ = ["Clock", "Copies", "Placement", "Schedule", "Segment", "Task", "lower", "readers_of"]
 
 Placement = Literal["free-first", "rotate"]
 SegmentKind = Literal["F", "R", "B"]
@@ -258,6 +258,53 @@ class _Iter:
     end: float = 0.0
 
 
+@dataclass(frozen=True)
+class Copies:
+    """The host-device copies a device waits for, for :class:`Clock`.
+
+    With prefetching (the default) a worker uploads the next stage's
+    weights and the next micro-batch's input while a stage computes, and
+    the clock treats those copies as hidden. Where a stage has all of the
+    device's usable memory (``prefetch=False``, long sequences) they are
+    exposed: a task's weights go up once it starts, each micro-batch's input
+    once the one before is done, and a backward stage's gradient from above
+    once its recompute is done. A rewalked stage uploads its input once more
+    for each layer but the first whatever the prefetching (each walk starts
+    from it, and there is no room to keep it on the device).
+
+    Attributes:
+        bandwidth: host-to-device bytes per unit of the costs' time.
+        boundary: bytes of one boundary value of a micro-batch (a layer's
+            input, or its gradient; a model's first input, token ids, is
+            counted as nothing).
+        prefetch: whether workers prefetch.
+    """
+
+    bandwidth: float
+    boundary: float
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise PlanError(f"bandwidth must be > 0, got {self.bandwidth!r}")
+        if not self.boundary >= 0:
+            raise PlanError(f"boundary must be >= 0 bytes, got {self.boundary!r}")
+
+    def waits(self, task: Task, costs: LayerCosts) -> tuple[float, float, float, float]:
+        """The exposed copy times of ``task``: its weights (once, before its
+        first micro-batch), then per micro-batch its input, its gradient
+        from above (a backward stage) and a rewalked stage's uploads again."""
+        value = self.boundary / self.bandwidth if task.start > 0 else 0.0
+        again = 0.0
+        if task.rewalk and task.kind != "forward":
+            again = (task.stop - task.start - 1) * value
+        if self.prefetch:
+            return 0.0, 0.0, 0.0, again
+        weights = costs.stage_weight_bytes(task.start, task.stop) / self.bandwidth
+        grad = self.boundary / self.bandwidth if task.kind == "backward" else 0.0
+        return weights, value, grad, again
+
+
 class Clock:
     """Predicted device timelines: the timing model that placement and the
     simulator share.
@@ -294,6 +341,11 @@ class Clock:
             runtime's default with the asynchronous optimizer).
         record: keep every busy :class:`Segment` in :attr:`segments` (the
             simulator does); a schedule always carries its own.
+        copies: the host-device copies a device waits for (:class:`Copies`);
+            None: none (every copy hidden behind compute).
+
+    Attributes:
+        copy_wait: device time spent waiting for such copies so far.
     """
 
     def __init__(
@@ -306,6 +358,7 @@ class Clock:
         optimizer_time: float = 0.0,
         double_buffer: bool = True,
         record: bool = False,
+        copies: Copies | None = None,
     ) -> None:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise PlanError(f"num_devices must be an integer >= 1, got {num_devices!r}")
@@ -320,6 +373,8 @@ class Clock:
         self.optimizer_time = optimizer_time
         self.double_buffer = double_buffer
         self.record = record
+        self.copies = copies
+        self.copy_wait = 0.0
         self.free = [0.0] * num_devices
         self.segments: list[Segment] = []
         self._prev: _Iter | None = None  # the iteration lowered last
@@ -387,15 +442,24 @@ class Clock:
             ready = max(ready, self._slot_end.get(task.slot, 0.0))
         first = max(free[d], ready)
         end = first
+        # exposed copies: the weights before the first micro-batch, then per
+        # micro-batch the input, the gradient from above, the rewalk's uploads
+        w_up, x_up, g_up, again = (
+            self.copies.waits(task, costs) if self.copies is not None else (0.0,) * 4
+        )
+        ready += w_up
+        self.copy_wait += w_up + len(task.microbatches) * (x_up + g_up + again)
         for mb in task.microbatches:
-            start = max(free[d], ready, self._arrival(it, task.reads[0], mb, d))
+            start = max(free[d] + w_up, ready, self._arrival(it, task.reads[0], mb, d)) + x_up
+            w_up = 0.0
             if task.kind == "forward":
                 parts: list[tuple[SegmentKind, float, float]] = [("F", start, start + fwd)]
             elif task.kind == "fused":
-                parts = [("F", start, start + fwd), ("B", start + fwd, start + fwd + bwd)]
+                b0 = start + fwd + again
+                parts = [("F", start, start + fwd), ("B", b0, b0 + bwd)]
             else:
                 # the recompute needs only the saved input; the backward waits for the gradient
-                b0 = max(start + fwd, self._arrival(it, task.reads[1], mb, d))
+                b0 = max(start + fwd, self._arrival(it, task.reads[1], mb, d)) + g_up + again
                 parts = [("R", start, start + fwd), ("B", b0, b0 + bwd)]
             end = free[d] = parts[-1][2]
             for key in task.writes:

@@ -38,7 +38,7 @@ from typing import Literal
 
 from .costs import LayerCosts, PlanError
 from .partition import balanced_partition
-from .schedule import Clock, Placement, Schedule, Segment, SegmentKind, lower
+from .schedule import Clock, Copies, Placement, Schedule, Segment, SegmentKind, lower
 from .stages import StagePlan
 
 __all__ = [
@@ -72,6 +72,8 @@ class SimulationResult:
             steady-state idle fraction when iterations run back to back.
         timeline: every busy segment, by start time.
         plan: RoundPipe's stage plan; ``stages``: a baseline's layers per stage.
+        copy_wait: RoundPipe with ``copies`` only: device time spent waiting
+            for exposed host-device copies (part of the idle time).
     """
 
     schedule: str
@@ -88,6 +90,7 @@ class SimulationResult:
     plan: StagePlan | None = None
     stages: tuple[int, ...] | None = None
     async_bubble_ratio: float | None = None
+    copy_wait: float = 0.0
 
     def device_timeline(self, device: int) -> list[Segment]:
         """The segments one device ran, in time order."""
@@ -183,12 +186,14 @@ def simulate_schedules(
     optimizer_time: float = 0.0,
     placement: Placement = "free-first",
     double_buffer: bool = True,
+    copies: Copies | None = None,
 ) -> tuple[list[Schedule], Clock]:
     """Lower ``iterations`` training iterations back to back (one optimizer
     step each) on one clock, exactly as the runtime lowers them; the clock
     holds every predicted segment. ``double_buffer``: the trainable weights
     have two master copies (the runtime's default with the asynchronous
-    optimizer; see :class:`Clock`)."""
+    optimizer; see :class:`Clock`); ``copies``: the host-device copies
+    devices wait for (:class:`~.schedule.Copies`)."""
     clock = Clock(
         costs,
         num_devices,
@@ -197,6 +202,7 @@ def simulate_schedules(
         optimizer_time=optimizer_time,
         double_buffer=double_buffer,
         record=True,
+        copies=copies,
     )
     out = []
     for it in range(iterations):
@@ -276,6 +282,7 @@ def _simulate_roundpipe(
     memory_limit: float | None,
     optimizer_time: float,
     placement: Placement,
+    copies: Copies | None,
 ) -> SimulationResult:
     if plan is None:  # the plan the runtime would run
         from .policy import choose_plan  # the policy simulates: imported here, not at the top
@@ -292,12 +299,16 @@ def _simulate_roundpipe(
         )
     plan.validate(costs.num_layers)
     kw = dict(
-        round_size=mr, comm_time=comm_time, optimizer_time=optimizer_time, placement=placement
+        round_size=mr,
+        comm_time=comm_time,
+        optimizer_time=optimizer_time,
+        placement=placement,
+        copies=copies,
     )
     _, clock = simulate_schedules(
         costs, plan, n, m, iterations, async_optimizer=async_optimizer, **kw
     )
-    extra: dict = {"plan": plan}
+    extra: dict = {"plan": plan, "copy_wait": clock.copy_wait}
     if async_optimizer:
         extra["async_bubble_ratio"] = steady_async_bubble(costs, plan, n, m, **kw)
     return result_from_segments("roundpipe", clock.segments, n, m, iterations, **extra)
@@ -453,6 +464,7 @@ def simulate(
     iterations: int = 1,
     optimizer_time: float = 0.0,
     placement: Placement = "free-first",
+    copies: Copies | None = None,
 ) -> SimulationResult:
     """Simulate one schedule on ``num_devices`` devices.
 
@@ -482,6 +494,9 @@ def simulate(
         optimizer_time: RoundPipe only: time of one host optimizer step.
         placement: RoundPipe only: ``"free-first"`` (rounds start on the
             device free first, as the runtime places them) or ``"rotate"``.
+        copies: RoundPipe only: the host-device copies devices wait for
+            (:class:`~.schedule.Copies`: with nothing prefetched, and a
+            rewalked stage's uploads again); default none.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -511,6 +526,7 @@ def simulate(
             memory_limit,
             optimizer_time,
             placement,
+            copies,
         )
     if plan is not None:
         raise PlanError(f"plan= is for RoundPipe; {schedule} takes stages=")

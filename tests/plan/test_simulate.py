@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from lightning_roundpipe.plan import (
     SCHEDULES,
+    Copies,
     LayerCosts,
     PlanError,
     StagePlan,
@@ -295,3 +296,38 @@ def test_choose_microbatches_grows_with_devices_without_the_async_optimizer():
     assert choose_microbatches(costs, 4, async_optimizer=False, target_bubble=0.5) == 4
     with pytest.raises(PlanError, match="target_bubble must be in"):
         choose_microbatches(costs, 4, async_optimizer=False, target_bubble=1.0)
+
+
+def test_exposed_copies_lengthen_the_timeline_by_what_devices_wait_for():
+    """Copies: hidden with prefetching but for a rewalked stage's uploads of
+    its input again; with nothing prefetched each task waits for its weights
+    and each micro-batch for its input and, in a backward stage, its
+    gradient (token ids, the first layer's input, count as nothing). On one
+    device every wait adds to the makespan."""
+    costs = LayerCosts([1.0] * 3, [2.0] * 3, memory=[10.0] * 3, weight_bytes=[10.0] * 3)
+    hidden, alone = Copies(10, 5), Copies(10, 5, prefetch=False)  # a value: 0.5
+    for plan, m, wait_hidden, wait_alone in [
+        # F1 (0-1): weights 2; fused (2): weights 1, input 0.5 per micro-batch;
+        # B2 (0-1): weights 2, gradient 0.5 per micro-batch
+        ("2|1|2", 1, 0.0, 2 + 1.5 + 2.5),
+        ("2|1|2", 2, 0.0, 2 + 2 + 3),
+        # the fused stage (1-2) rewalked: its input once more per micro-batch
+        ("1|2|1|rewalk", 2, 2 * 0.5, 1 + (2 + 2 * 0.5) + (2 * 0.5) + (1 + 2 * 0.5)),
+        ("1|2|1|layered", 2, 0.0, 1 + 3 + 2),
+    ]:
+        base = simulate("roundpipe", costs, 1, m, plan=plan)
+        for copies, wait in ((hidden, wait_hidden), (alone, wait_alone)):
+            res = simulate("roundpipe", costs, 1, m, plan=plan, copies=copies)
+            assert res.copy_wait == pytest.approx(wait), (plan, m, copies)
+            assert res.makespan == pytest.approx(base.makespan + wait)
+            assert res.work == base.work  # waiting is idle time
+    # several devices: a round's task waits for its weights once
+    many = simulate("roundpipe", costs, 2, 4, plan="2|1|2", copies=alone)
+    assert many.copy_wait == pytest.approx(2 + (1 + 4 * 0.5) + (2 + 4 * 0.5))
+    assert many.makespan > simulate("roundpipe", costs, 2, 4, plan="2|1|2").makespan
+    for bad, match in (
+        (dict(bandwidth=0, boundary=1), "bandwidth must be > 0"),
+        (dict(bandwidth=1, boundary=-1), "boundary must be >= 0 bytes"),
+    ):
+        with pytest.raises(PlanError, match=match):
+            Copies(**bad)
