@@ -718,7 +718,7 @@ class OutOfMemory:
 
 #: after an out-of-memory error, predicted activations count at least this
 #: much more than before, and at most this much more in one re-plan
-_SCALE_STEP = (1.25, 4.0)
+_SCALE_STEP = (1.25, 16.0)
 
 
 def after_out_of_memory(
@@ -747,17 +747,18 @@ def after_out_of_memory(
     each slot's of ``current``, within ``memory_limit``, the bytes a stage
     may use, with activations counted ``activation_scale`` times their
     prediction),
-    the prediction was short: they count larger from now on, at least by
-    what the stage had room for (its limit beyond its weights, over what
-    was predicted for its activations; at least a quarter more, at most four
-    times), when the plan for activations that large
-    (``with_activations(scale)``: what :func:`plan_for_activations` decides
-    for them) fits and differs from the current one in its stages, the
-    memory a stage may use or whether the next stage is prefetched
-    (``prefetch``: whether it is now). A plan for activations goes on
-    choosing between cut, layered and rewalked stages and how much of the
-    device a stage takes, where halving the stages' weights would not
-    touch what filled the device.
+    the prediction was short: they count larger from now on, by the
+    smallest of a few steps (a twentieth more than what the stage had room
+    for, its limit beyond its weights over what was predicted for its
+    activations, at least a quarter more; then a quarter more each time, at
+    most sixteen times in one re-plan) at which the plan for activations that
+    large (``with_activations(scale)``: what :func:`plan_for_activations`
+    decides for them on a new engine) fits and differs from the current
+    one in its stages, the memory a stage may use or whether the next stage
+    is prefetched (``prefetch``: whether it is now). A plan for activations
+    goes on choosing between cut, layered and rewalked stages and how much
+    of the device a stage takes, where halving the stages' weights would
+    not touch what filled the device.
 
     Else stages at most half the failed one's size when the plan is not
     given, the stage has more than one layer and the partitioner then finds
@@ -772,16 +773,24 @@ def after_out_of_memory(
         weights = current.stage_memory(estimates)[slot]
         predicted_peak = predicted_peaks[slot]
         predicted = predicted_peak - weights  # (already times activation_scale)
-        if predicted > 0:
-            low, high = _SCALE_STEP
-            step = min(high, max(low, (memory_limit - weights) / predicted))
+        low, high = _SCALE_STEP
+        # at least what the stage had room for, a little more (at exactly
+        # that a plain stage fits again), then larger steps up to the cap
+        # while the plan stays (kept inputs of layered stages do not scale)
+        step = (
+            high
+            if predicted <= 0
+            else min(high, max(low, 1.05 * (memory_limit - weights) / predicted))
+        )
+        while predicted > 0:
             scale = activation_scale * step
             new = with_activations(scale)
-            if (
-                new is not None
-                and not new.warning
-                and (str(new.plan), new.memory_limit, new.prefetch)
-                != (str(current), memory_limit, prefetch)
+            if new is None or new.warning:  # (no plan fits activations this large)
+                break
+            if (str(new.plan), new.memory_limit, new.prefetch) != (
+                str(current),
+                memory_limit,
+                prefetch,
             ):
                 return OutOfMemory(
                     None,
@@ -793,6 +802,9 @@ def after_out_of_memory(
                     activation_scale=scale,
                     plan=new.plan,
                 )
+            if step >= high:
+                break
+            step = min(high, step * low)
     if not plan_given and stop - start > 1 and estimates.memory is not None:
         stage = estimates.stage_memory(start, stop)
         # never below the largest layer anywhere in the model: one layer per

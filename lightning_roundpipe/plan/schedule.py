@@ -266,11 +266,15 @@ class Copies:
     weights and the next micro-batch's input while a stage computes, and
     the clock treats those copies as hidden. Where a stage has all of the
     device's usable memory (``prefetch=False``, long sequences) they are
-    exposed: a task's weights go up once it starts, each micro-batch's input
-    once the one before is done, and a backward stage's gradient from above
-    once its recompute is done. A rewalked stage uploads its input once more
-    for each layer but the first whatever the prefetching (each walk starts
-    from it, and there is no room to keep it on the device).
+    exposed: a task's weights go up once the device is free (hidden while
+    it waits for its first input anyway), each micro-batch's input once the
+    one before is done. Whatever the prefetching, a backward stage's
+    gradient from above goes up once it has arrived and the recompute has
+    started, overlapping it, and a rewalked stage uploads its input once
+    more for each layer but the first (each walk starts from it, and there
+    is no room to keep it on the device). Copies are taken to use the whole
+    link one after another: a bound on what the worker, which issues them
+    on streams and never waits for the device itself, exposes.
 
     Attributes:
         bandwidth: host-to-device bytes per unit of the costs' time.
@@ -291,17 +295,18 @@ class Copies:
             raise PlanError(f"boundary must be >= 0 bytes, got {self.boundary!r}")
 
     def waits(self, task: Task, costs: LayerCosts) -> tuple[float, float, float, float]:
-        """The exposed copy times of ``task``: its weights (once, before its
-        first micro-batch), then per micro-batch its input, its gradient
-        from above (a backward stage) and a rewalked stage's uploads again."""
+        """The copy times of ``task`` a device may wait for: its weights
+        (once, before its first micro-batch), then per micro-batch its input,
+        its gradient from above (a backward stage) and a rewalked stage's
+        uploads again."""
         value = self.boundary / self.bandwidth if task.start > 0 else 0.0
+        grad = self.boundary / self.bandwidth if task.kind == "backward" else 0.0
         again = 0.0
         if task.rewalk and task.kind != "forward":
             again = (task.stop - task.start - 1) * value
         if self.prefetch:
-            return 0.0, 0.0, 0.0, again
+            return 0.0, 0.0, grad, again
         weights = costs.stage_weight_bytes(task.start, task.stop) / self.bandwidth
-        grad = self.boundary / self.bandwidth if task.kind == "backward" else 0.0
         return weights, value, grad, again
 
 
@@ -447,20 +452,28 @@ class Clock:
         w_up, x_up, g_up, again = (
             self.copies.waits(task, costs) if self.copies is not None else (0.0,) * 4
         )
-        ready += w_up
-        self.copy_wait += w_up + len(task.microbatches) * (x_up + g_up + again)
         for mb in task.microbatches:
-            start = max(free[d] + w_up, ready, self._arrival(it, task.reads[0], mb, d)) + x_up
-            w_up = 0.0
+            arrival = self._arrival(it, task.reads[0], mb, d)
+            begin = max(free[d], ready, arrival)
+            if w_up:  # the weights from when the device is free, before the first input
+                begin, waited = max(max(free[d], ready) + w_up, arrival), begin
+                self.copy_wait += begin - waited
+                w_up = 0.0
+            start = begin + x_up
             if task.kind == "forward":
                 parts: list[tuple[SegmentKind, float, float]] = [("F", start, start + fwd)]
             elif task.kind == "fused":
                 b0 = start + fwd + again
                 parts = [("F", start, start + fwd), ("B", b0, b0 + bwd)]
             else:
-                # the recompute needs only the saved input; the backward waits for the gradient
-                b0 = max(start + fwd, self._arrival(it, task.reads[1], mb, d)) + g_up + again
+                # the recompute needs only the saved input; the backward waits for
+                # the gradient, uploaded once it arrived, during the recompute
+                grad = self._arrival(it, task.reads[1], mb, d)
+                b0 = max(start + fwd, grad + g_up)
+                self.copy_wait += b0 - max(start + fwd, grad)
+                b0 += again
                 parts = [("R", start, start + fwd), ("B", b0, b0 + bwd)]
+            self.copy_wait += x_up + again
             end = free[d] = parts[-1][2]
             for key in task.writes:
                 it.avail[(key, mb)] = (end, d)

@@ -383,6 +383,8 @@ class RoundPipeEngine:
         self._user_plan = user_plan
         self._costs = costs
         self._limit = limit
+        # what a new engine with these options starts from (re-plan previews)
+        self._initial = (plan, limit)
         # the memory limit the tiles are sized from (the stage limit may grow
         # for long sequences, the tiles stay)
         self._tile_limit = limit
@@ -744,8 +746,9 @@ class RoundPipeEngine:
                 self._boundary,
             )
             return self.predicted_peaks
-        decision = self.plan_with_activations(self.activation_scale)
-        assert decision is not None
+        decision = self._for_activations(
+            self.activation_scale, self.plan, self._limit, self._weight_cap, self._rt.prefetch
+        )
         if decision.memory_limit != self._limit:
             # long sequences: stages take more of the device, the prefetched
             # next stage's weights less, or nothing is prefetched (the limit
@@ -766,14 +769,29 @@ class RoundPipeEngine:
 
     def plan_with_activations(self, scale: float) -> Predicted | None:
         """What :func:`~lightning_roundpipe.plan.decide.plan_for_activations`
-        decides from the current plan for the activations last told to
-        :meth:`expect_activations` counted ``scale`` times over (nothing is
-        changed); None before any were told."""
+        decides on a new engine with these options (from the plan, stage
+        limit and prefetching this one started with) for the activations
+        last told to :meth:`expect_activations` counted ``scale`` times
+        over; nothing changes. None before any were told."""
         if self._expected is None:
             return None
+        plan, limit = self._initial
+        return self._for_activations(scale, plan, limit, None, True)
+
+    def _for_activations(
+        self,
+        scale: float,
+        plan: StagePlan,
+        limit: int | None,
+        weight_cap: float | None,
+        prefetch: bool,
+    ) -> Predicted:
+        """plan_for_activations from this state, for the activations last
+        told counted ``scale`` times over."""
+        assert self._expected is not None
         saved, transient = ([scale * x for x in v] for v in self._expected)
         return plan_for_activations(
-            self.plan,
+            plan,
             self._costs,
             saved,
             transient,
@@ -781,13 +799,13 @@ class RoundPipeEngine:
             self.num_microbatches,
             user_plan=self._user_plan,
             async_optimizer=self.async_optimizer,
-            memory_limit=self._limit,
+            memory_limit=limit,
             size_limit=self.size_limit,
             device_budget=self._budget,
-            weight_cap=self._weight_cap,
+            weight_cap=weight_cap,
             boundary=self._boundary,
             host_limit=self._host_limit,
-            prefetch=self._rt.prefetch,
+            prefetch=prefetch,
         )
 
     @property

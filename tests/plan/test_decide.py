@@ -134,13 +134,18 @@ def test_after_out_of_memory_counts_predicted_activations_larger_where_that_chan
     assert str(bwd.plan) == "3,3|2|2,2,2" == str(planned(1.25).plan)
     assert bwd.change.startswith("activations counted 1.25x their prediction (stage B3 was ")
     # F1 works with 2 bytes of activations (1 counted twice) beside 40 of
-    # weights: room for 10x, at most 4x per re-plan, on top of the 2x
-    # learned earlier
+    # weights: room for 10x, a twentieth more, on top of the 2x learned
+    # earlier; no plan fits activations that large, so the activations do
+    # not explain the failure: the stage is cut by its weights instead
     asked.clear()
     twice = stage_peaks(current, est, [2 * x for x in saved], [2 * x for x in transient])
     fwd = oom("F1", (0, 4), scale=2.0, peaks=twice)
-    assert asked == [8.0] and fwd.activation_scale == 8.0
-    assert str(fwd.plan) == "1,1,1,1,1,1,1|1|1,1,1,1,1,1,1"
+    assert asked == [pytest.approx(21.0)]
+    assert fwd.activation_scale is None and fwd.size_limit == 20
+    # one step is at most 16x
+    asked.clear()
+    oom("F1", (0, 4))
+    assert asked == [16.0]
     # no plan fits activations that large, or the plan for them is the same
     # plan with the same room: the stages are cut by their weights
     kept = Predicted(current, [0.0] * 5, "no plan fits", True, 60)
@@ -151,6 +156,45 @@ def test_after_out_of_memory_counts_predicted_activations_larger_where_that_chan
     unfetched = Predicted(current, [0.0] * 5, "", False, 70, None, False)
     alone = oom("B3", (0, 4), plan=lambda s: unfetched)
     assert alone.activation_scale == 1.25 and alone.change.endswith(", nothing prefetched")
+    # a layered stage keeps its layers' inputs (3 each), which do not scale:
+    # at 1.5 times the stage would fit again, larger steps follow until the
+    # plan changes
+    layered = StagePlan.parse("4,3|1|3,4|layered", 8)
+    asked.clear()
+
+    def planned_layered(scale):
+        asked.append(scale)
+        return plan_for_activations(
+            layered,
+            est,
+            [scale * x for x in saved],
+            [scale * x for x in transient],
+            2,
+            4,
+            user_plan=False,
+            async_optimizer=True,
+            memory_limit=60,
+            boundary=3.0,
+        )
+
+    steps = after_out_of_memory(
+        est,
+        layered,
+        2,
+        (0, 4),
+        "B3",
+        plan_given=False,
+        microbatches_for=lambda limit: 4,
+        num_microbatches=4,
+        auto_microbatches=True,
+        batch_size=8,
+        batch_microbatches=4,
+        predicted_peaks=stage_peaks(layered, est, saved, transient, 3.0),
+        memory_limit=60,
+        with_activations=planned_layered,
+    )
+    assert asked == pytest.approx([1.5, 1.875, 2.34375])  # 1.05 * 20 / 14, then 1.25x
+    assert steps.activation_scale == pytest.approx(2.34375) and steps.plan != layered
     # no activations predicted (a model without an adapter): as before
     none = after_out_of_memory(
         est,

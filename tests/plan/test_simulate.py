@@ -299,31 +299,37 @@ def test_choose_microbatches_grows_with_devices_without_the_async_optimizer():
 
 
 def test_exposed_copies_lengthen_the_timeline_by_what_devices_wait_for():
-    """Copies: hidden with prefetching but for a rewalked stage's uploads of
-    its input again; with nothing prefetched each task waits for its weights
-    and each micro-batch for its input and, in a backward stage, its
-    gradient (token ids, the first layer's input, count as nothing). On one
+    """Copies: with prefetching only a backward stage's gradient from above
+    (uploaded during its recompute) and a rewalked stage's uploads of its
+    input again can make a device wait; with nothing prefetched also each
+    task's weights (from when its device is free) and each micro-batch's
+    input (token ids, the first layer's input, count as nothing). On one
     device every wait adds to the makespan."""
     costs = LayerCosts([1.0] * 3, [2.0] * 3, memory=[10.0] * 3, weight_bytes=[10.0] * 3)
     hidden, alone = Copies(10, 5), Copies(10, 5, prefetch=False)  # a value: 0.5
-    for plan, m, wait_hidden, wait_alone in [
+    slow = Copies(1, 5)  # a value: 5, longer than a recompute (2)
+    for plan, m, copies, wait in [
         # F1 (0-1): weights 2; fused (2): weights 1, input 0.5 per micro-batch;
-        # B2 (0-1): weights 2, gradient 0.5 per micro-batch
-        ("2|1|2", 1, 0.0, 2 + 1.5 + 2.5),
-        ("2|1|2", 2, 0.0, 2 + 2 + 3),
+        # B2 (0-1): weights 2, its gradient hidden by the recompute
+        ("2|1|2", 1, hidden, 0.0),
+        ("2|1|2", 1, alone, 2 + 1.5 + 2),
+        ("2|1|2", 2, alone, 2 + 2 + 2),
+        ("2|1|2", 1, slow, 5 - 2),  # the gradient's upload outlasts the recompute
         # the fused stage (1-2) rewalked: its input once more per micro-batch
-        ("1|2|1|rewalk", 2, 2 * 0.5, 1 + (2 + 2 * 0.5) + (2 * 0.5) + (1 + 2 * 0.5)),
-        ("1|2|1|layered", 2, 0.0, 1 + 3 + 2),
+        ("1|2|1|rewalk", 2, hidden, 2 * 0.5),
+        ("1|2|1|rewalk", 2, alone, 1 + (2 + 2 * (0.5 + 0.5)) + 1),
+        ("1|2|1|layered", 2, alone, 1 + (2 + 2 * 0.5) + 1),
     ]:
         base = simulate("roundpipe", costs, 1, m, plan=plan)
-        for copies, wait in ((hidden, wait_hidden), (alone, wait_alone)):
-            res = simulate("roundpipe", costs, 1, m, plan=plan, copies=copies)
-            assert res.copy_wait == pytest.approx(wait), (plan, m, copies)
-            assert res.makespan == pytest.approx(base.makespan + wait)
-            assert res.work == base.work  # waiting is idle time
-    # several devices: a round's task waits for its weights once
+        res = simulate("roundpipe", costs, 1, m, plan=plan, copies=copies)
+        assert res.copy_wait == pytest.approx(wait), (plan, m, copies)
+        assert res.makespan == pytest.approx(base.makespan + wait)
+        assert res.work == base.work  # waiting is idle time
+    # two devices: the fused stage's weights go up while its device waits
+    # for F1's first output anyway (device 1 from 0, F1's output at 4); F1's
+    # and B2's weights once device 0 is free, exposed
     many = simulate("roundpipe", costs, 2, 4, plan="2|1|2", copies=alone)
-    assert many.copy_wait == pytest.approx(2 + (1 + 4 * 0.5) + (2 + 4 * 0.5))
+    assert many.copy_wait == pytest.approx(2 + 4 * 0.5 + 2)
     assert many.makespan > simulate("roundpipe", costs, 2, 4, plan="2|1|2").makespan
     for bad, match in (
         (dict(bandwidth=0, boundary=1), "bandwidth must be > 0"),
