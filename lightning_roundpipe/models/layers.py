@@ -26,6 +26,7 @@ from torch import nn
 from ..runtime.scope import stage_cached
 from . import attention
 from .attention import GroupedAttention
+from .sliding import SlidingWindow, scaled
 from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
 __all__ = ["balance_loss", "is_packed"]
@@ -390,13 +391,36 @@ class _Decoder(nn.Module):
         self.top_k = top_k
         self.experts = experts
 
+    def _sliding_window(self, attention_mask, packed) -> int | None:
+        """The window of a sliding-window layer whose attention runs over
+        query tiles (:mod:`~.sliding`) instead of under the model's dense
+        mask: SDPA attention, no padding, no packed sequences, no attention
+        dropout; None otherwise."""
+        window = getattr(self.config, "sliding_window", None)
+        if (
+            self.kind != "sliding_attention"
+            or attention_mask is not None
+            or packed
+            or self.always_mask
+            or getattr(self.config, "_attn_implementation", None) != "sdpa"
+            or getattr(self.config, "attention_dropout", 0.0)
+            or not isinstance(window, int)
+            or isinstance(window, bool)
+            or window < 1
+        ):
+            return None
+        return window
+
     def _mask(self, hidden_states, position_ids, attention_mask, packed):
         """The model's own mask for this layer type, without the checks that
         read device values (the adapter decided them on the host): a padding
         mask is always applied (no ``is_causal`` shortcut), packed sequences
-        are kept apart from ``position_ids``."""
+        are kept apart from ``position_ids``. None for a sliding-window layer
+        whose attention runs over query tiles (:meth:`_sliding_window`)."""
         from transformers import masking_utils
 
+        if self._sliding_window(attention_mask, packed) is not None:
+            return None
         if self.kind == "linear_attention":
             # create_recurrent_attention_mask's result, without its device check
             # for an all-ones mask (a mask is given only with padding)
@@ -449,11 +473,15 @@ class _Decoder(nn.Module):
                 key, lambda: self._rotary(hidden_states, position_ids)
             )
         stats, tiles = _router(extra), _tiles(extra)
+        window = self._sliding_window(attention_mask, packed)
+        # a sliding-window layer without its dense mask: attention over tiles
+        sliding = SlidingWindow(*scaled(window)) if window is not None else contextlib.nullcontext()
         if stats and self.routers:
             # (never tiled: the routers' logits are recorded with their gradient)
-            h, stats = self._recording(hidden_states, kwargs, attention_mask, stats)
+            with sliding:
+                h, stats = self._recording(hidden_states, kwargs, attention_mask, stats)
         else:
-            with self._tiled_mlp(hidden_states, tiles.get("mlp_tile")):
+            with self._tiled_mlp(hidden_states, tiles.get("mlp_tile")), sliding:
                 h = self.layer(hidden_states, **kwargs)
         if isinstance(h, tuple):
             h = h[0]

@@ -55,7 +55,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..runtime.profiler import saved_bytes
 from ..runtime.worker import backward_handing_over
+from . import sliding
 from .attention import backward_workspace
+from .sliding import mask_bytes
 from .tiling import watching_tiles
 
 __all__ = ["ActivationModel", "applied_tiles", "probe_activations", "value_bytes"]
@@ -154,6 +156,11 @@ class ActivationModel:
         keeps_output: whether a backward stage's output stays on the device
             through its backward (with router statistics: several outputs);
             else it is freed first (:func:`~..runtime.worker.release_output`).
+        windows: per layer, the window of a sliding-window layer whose
+            attention runs over query tiles (:mod:`.sliding`), else None:
+            past the window its tiles' mask (:func:`~.sliding.mask_bytes`)
+            adds to the transient (what the tiles keep per token is in
+            ``saved``: the probes run such layers tiled).
     """
 
     saved: tuple[Poly, ...]
@@ -167,6 +174,7 @@ class ActivationModel:
     shared: tuple[float, ...]
     attention: tuple[int, int, int] | None
     keeps_output: bool
+    windows: tuple[int | None, ...] = ()
 
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
@@ -217,6 +225,9 @@ class ActivationModel:
             else:  # (untiled: the MLP is one tile of every token)
                 tile = self.mlp_tile if tiled else tokens
                 work = work_of.bytes(seq, micro_batch, tile, workspace)
+                window = self.windows[i] if i < len(self.windows) else None
+                if window is not None and seq > window:
+                    work += mask_bytes(window, self.element)
             out.append(work + boundary)
         return out
 
@@ -243,6 +254,7 @@ class ActivationModel:
             "shared": list(self.shared),
             "attention": None if self.attention is None else list(self.attention),
             "keeps_output": self.keeps_output,
+            "windows": list(self.windows),
         }
 
 
@@ -507,6 +519,16 @@ def _line(xs: Sequence[int], ys: Sequence[float]) -> Poly:
     return my - slope * mx, slope, 0.0
 
 
+def _tail_line(xs: Sequence[int], ys: Sequence[float]) -> Poly:
+    """The line through the two longest points: what a sliding-window layer
+    keeps or works with grows linearly once its tiles repeat, and at the
+    shortest probe the first tile is a larger share (a curve through all
+    three would run away at long sequences)."""
+    (x1, x2), (y1, y2) = xs[-2:], ys[-2:]
+    slope = (y2 - y1) / (x2 - x1)
+    return y2 - slope * x2, slope, 0.0
+
+
 def _envelope(polys: Sequence[Poly]) -> tuple[Poly, ...]:
     """The polynomials no other one bounds coefficient by coefficient (the
     rest are never the largest at a positive length)."""
@@ -517,33 +539,41 @@ def _envelope(polys: Sequence[Poly]) -> tuple[Poly, ...]:
     return tuple(kept)
 
 
-def _fit_trace(xs: Sequence[int], traces: Sequence[Sequence[int]], line: bool) -> tuple[Poly, ...]:
+def _fit_trace(
+    xs: Sequence[int], traces: Sequence[Sequence[int]], line: bool, tail: bool = False
+) -> tuple[Poly, ...]:
     """Each op's bytes as a polynomial of the length, from its bytes at
-    ``xs`` (``line``: a least-squares line, :func:`_line`; else the quadratic
+    ``xs`` (``line``: a least-squares line, :func:`_line`; ``tail``: the
+    line through the two longest, :func:`_tail_line`; else the quadratic
     through the three). Where the traces do not line up (the ops depend on
-    the data: experts that get no tokens), the largest of each trace."""
+    the data: experts that get no tokens; a sliding-window layer's tiles),
+    the largest of each trace."""
     if not traces[0]:
         return ((0.0, 0.0, 0.0),)
-    fit = _line if line else _quadratic
+    fit = _tail_line if tail else _line if line else _quadratic
     if any(len(t) != len(traces[0]) for t in traces):
         return (fit(xs, [max(t, default=0) for t in traces]),)
     return _envelope([fit(xs, list(ys)) for ys in zip(*traces, strict=True)])
 
 
 def _fit_working(
-    lengths: Sequence[int], tiles: Sequence[int], measured: Sequence[_LiveBytes | None]
+    lengths: Sequence[int],
+    tiles: Sequence[int],
+    measured: Sequence[_LiveBytes | None],
+    sliding: bool = False,
 ) -> Working | None:
     """One layer's :class:`Working` from its traced backwards at ``lengths``
-    tokens (``tiles`` tokens per tile)."""
+    tokens (``tiles`` tokens per tile; ``sliding``: a sliding-window layer
+    attending over query tiles, whose work grows linearly)."""
     if len(measured) != len(lengths) or any(w is None for w in measured):
         return None
     at = [w for w in measured if w is not None]
     attention = None
     if all(w.attention for w in at):
-        attention = _fit_trace(lengths, [w.attention for w in at], line=False)
+        attention = _fit_trace(lengths, [w.attention for w in at], line=False, tail=sliding)
     return Working(
-        outside=_fit_trace(lengths, [w.outside for w in at], line=False),
-        tile_base=_fit_trace(lengths, [w.tile_starts for w in at], line=False),
+        outside=_fit_trace(lengths, [w.outside for w in at], line=False, tail=sliding),
+        tile_base=_fit_trace(lengths, [w.tile_starts for w in at], line=False, tail=sliding),
         tile_work=_fit_trace(tiles, [w.tile_ops for w in at], line=True),
         attention=attention,
     )
@@ -593,52 +623,64 @@ def probe_activations(
     paired: list[float] = [0.0 for _ in layers]  # two sequences at the last length
     works: list[list[_LiveBytes | None]] = [[] for _ in layers]
     last = lengths[-1]
-    for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
-        # tile at the probe exactly when the real call tiles
-        probe_tiles = {}
-        if mlp_tile:
-            probe_tiles["mlp_tile"] = max(1, batch * seq // PROBE_TILES)
-        x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router, batch)
-        for i, layer in enumerate(layers):
-            rep = runnable(layer)
-            key = (_signature(layer), seq, batch)
-            if i == 0:  # (the model's own embedding: it keeps its indices only)
-                got = batch * _embedding_bytes(embed, seq)
-            elif layer is head and loss_chunk:
-                # a chunked loss keeps the head's input and, until backward,
-                # its gradient (and no logits): counted below, exactly
-                got = 0.0
-            else:
-                if key not in measured:
-                    inputs = dict(x, **probe_tiles)
-                    leaf = inputs["hidden_states"].detach().requires_grad_()
-                    inputs["hidden_states"] = leaf
-                    counted: dict[int, int] = {}
-                    # a block's backward is measured too (the head's is known)
-                    live = _LiveBytes() if layer is not head and batch == 1 else None
-                    with (
-                        torch.enable_grad(),
-                        saved_bytes(rep, counted, 0),
-                        _Fp32Matmuls(),  # (below the tracer, which sees its outputs only)
-                        live or contextlib.nullcontext(),
-                    ):
-                        out = rep(**inputs)
-                        if layer is head and loss is not None:
-                            labels = torch.zeros(batch, seq, dtype=torch.long)
-                            loss(out, labels)
-                    work = None if live is None else _backward_working(live, out, leaf)
-                    measured[key] = [float(counted[0]), None if layer is head else out, work]
-                got, nxt, work = measured[key]
-                if nxt is not None:
-                    x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
+    # sliding-window layers run tiled (at the probes' own window: the
+    # sequences are short) where the real call runs them tiled
+    with sliding.probing():
+        for seq, batch in [*((n, 1) for n in lengths), (last, 2)]:
+            # tile at the probe exactly when the real call tiles
+            probe_tiles = {}
+            if mlp_tile:
+                probe_tiles["mlp_tile"] = max(1, batch * seq // PROBE_TILES)
+            x = _probe_inputs(embed, dtype, seq, vocab, mask, packed, router, batch)
+            for i, layer in enumerate(layers):
+                rep = runnable(layer)
+                key = (_signature(layer), seq, batch)
+                if i == 0:  # (the model's own embedding: it keeps its indices only)
+                    got = batch * _embedding_bytes(embed, seq)
+                elif layer is head and loss_chunk:
+                    # a chunked loss keeps the head's input and, until backward,
+                    # its gradient (and no logits): counted below, exactly
+                    got = 0.0
+                else:
+                    if key not in measured:
+                        inputs = dict(x, **probe_tiles)
+                        leaf = inputs["hidden_states"].detach().requires_grad_()
+                        inputs["hidden_states"] = leaf
+                        counted: dict[int, int] = {}
+                        # a block's backward is measured too (the head's is known)
+                        live = _LiveBytes() if layer is not head and batch == 1 else None
+                        with (
+                            torch.enable_grad(),
+                            saved_bytes(rep, counted, 0),
+                            _Fp32Matmuls(),  # (below the tracer, which sees its outputs only)
+                            live or contextlib.nullcontext(),
+                        ):
+                            out = rep(**inputs)
+                            if layer is head and loss is not None:
+                                labels = torch.zeros(batch, seq, dtype=torch.long)
+                                loss(out, labels)
+                        work = None if live is None else _backward_working(live, out, leaf)
+                        measured[key] = [float(counted[0]), None if layer is head else out, work]
+                    got, nxt, work = measured[key]
+                    if nxt is not None:
+                        x = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in nxt.items()}
+                    if batch == 1:
+                        works[i].append(work)
                 if batch == 1:
-                    works[i].append(work)
-            if batch == 1:
-                per_layer[i].append(got)
-            else:
-                paired[i] = got
+                    per_layer[i].append(got)
+                else:
+                    paired[i] = got
     element = torch.empty(0, dtype=dtype).element_size()
-    saved = [_quadratic(lengths, ys) for ys in per_layer]
+    # (a padding mask, whatever its values, keeps the model's dense mask)
+    pad = torch.ones(1, 1) if mask else None
+    windows = tuple(
+        layer._sliding_window(pad, packed) if hasattr(layer, "_sliding_window") else None
+        for layer in layers
+    )
+    saved = [
+        (_quadratic if w is None else _tail_line)(lengths, ys)
+        for ys, w in zip(per_layer, windows, strict=True)
+    ]
     # what two sequences keep less than twice one's: kept once per micro-batch
     shared = [max(0.0, 2 * ys[-1] - two) / last for ys, two in zip(per_layer, paired, strict=True)]
     saved = [(c0, c1 - once, c2) for (c0, c1, c2), once in zip(saved, shared, strict=True)]
@@ -649,7 +691,10 @@ def probe_activations(
     tile_lengths = [max(1, n // PROBE_TILES) for n in lengths]
     return ActivationModel(
         saved=tuple(saved),
-        working=tuple(_fit_working(lengths, tile_lengths, w) for w in works),
+        working=tuple(
+            _fit_working(lengths, tile_lengths, w, sliding=win is not None)
+            for w, win in zip(works, windows, strict=True)
+        ),
         hidden=hidden,
         element=element,
         mlp_tile=mlp_tile,
@@ -659,6 +704,7 @@ def probe_activations(
         shared=tuple(shared),
         attention=attention,
         keeps_output=router,
+        windows=windows,
     )
 
 

@@ -1,0 +1,186 @@
+"""Sliding-window attention over query tiles, without a sequence x sequence mask.
+
+A decoder layer with sliding-window attention lets each position see the
+``window`` positions up to itself. Transformers builds that as a dense
+boolean mask of ``sequence x sequence`` entries per micro-batch (16 GiB at
+128K tokens, more once SDPA turns it into an additive bias), and a masked
+call cannot use the flash kernel. Positions further apart than the window
+never meet, so the attention can run over tiles of queries instead: each
+tile calls :func:`~torch.nn.functional.scaled_dot_product_attention` with
+the keys from ``window - 1`` positions before it, under a mask of
+``tile x (tile + window - 1)`` entries. The result is the same attention;
+memory grows with the sequence times the window, not its square.
+
+:class:`SlidingWindow` is a :class:`~torch.overrides.TorchFunctionMode`
+(thread-local: only the calling worker's layer is affected) that a decoder
+layer enters around its block when the adapter gave the block no mask (see
+``_Decoder``): every SDPA call inside then runs tiled. It is used only
+where the model's attention goes through SDPA (``attn_implementation
+"sdpa"``), without padding, packed sequences or attention dropout; any
+other case keeps the model's own mask.
+
+A masked call with grouped-query attention (``enable_gqa``) would fall back
+to the math kernel, which materialises the scores; the tiles' keys and
+values are expanded to the query heads instead (each tile's own, about
+``(tile + window) / tile`` times the keys and values of the tile's
+positions), so that the memory-efficient kernel runs them. A first tile no
+longer than the window needs no mask and runs as a causal call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "PROBE_TILE",
+    "PROBE_WINDOW",
+    "SlidingWindow",
+    "mask_bytes",
+    "probing",
+    "scaled",
+    "sliding_tile",
+    "sliding_window_attention",
+]
+
+#: the window and tile the activation probes run sliding-window layers with
+#: (their sequences, 16 to 48 tokens, are shorter than any real window):
+#: every probe length is then four tiles or more, each tile's keys 1.5
+#: times its queries, as at long sequences under :func:`sliding_tile`
+PROBE_WINDOW, PROBE_TILE = 3, 4
+
+_PROBING: ContextVar[bool] = ContextVar("roundpipe_sliding_probing", default=False)
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """While active (the activation probes, :mod:`.memory`), sliding-window
+    layers attend over :data:`PROBE_WINDOW` positions in tiles of
+    :data:`PROBE_TILE`, whatever their own window: the probes' short
+    sequences then run the tiled attention that long ones run."""
+    token = _PROBING.set(True)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+
+
+def scaled(window: int) -> tuple[int, int | None]:
+    """The window and tile a layer of ``window`` attends with now: its own
+    (tile: :func:`sliding_tile`), or while :func:`probing`, the probes'."""
+    if _PROBING.get():
+        return PROBE_WINDOW, PROBE_TILE
+    return window, None
+
+
+def mask_bytes(window: int, element: int) -> int:
+    """Bytes of one tile's mask at most: booleans, the additive bias SDPA
+    makes of them in the compute dtype (``element`` bytes) and its padded
+    copy, for :func:`sliding_tile` queries and the keys they see."""
+    tile = sliding_tile(window)
+    return tile * (tile + window - 1) * (1 + 2 * element)
+
+
+def sliding_tile(window: int) -> int:
+    """Queries per call for a window: twice the window (each tile's keys are
+    then about 1.5 times its queries; real windows are hundreds of positions
+    or more, so the calls are never small)."""
+    return 2 * window
+
+
+def sliding_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window: int,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    tile: int | None = None,
+) -> torch.Tensor:
+    """Causal attention in which position ``q`` sees keys ``q - window + 1``
+    to ``q`` (transformers' ``sliding_window_causal_mask_function``), over
+    query tiles of ``tile`` positions (default :func:`sliding_tile`).
+
+    ``query`` is ``(..., heads, sequence, head_dim)``, ``key`` and ``value``
+    ``(..., kv_heads, sequence, head_dim)`` with ``heads`` a multiple of
+    ``kv_heads`` when ``enable_gqa`` (as for SDPA)."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    seq = query.shape[-2]
+    if key.shape[-2] != seq or value.shape[-2] != seq:
+        raise ValueError(
+            f"sliding-window attention over tiles needs as many keys as queries (no cache), "
+            f"got {seq} queries and {key.shape[-2]} keys"
+        )
+    if seq <= window:  # no position is out of another's window: causal attention
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+    size = tile if tile is not None else sliding_tile(window)
+    if size < 1:
+        raise ValueError(f"tile must be >= 1, got {size!r}")
+    groups = query.shape[-3] // key.shape[-3]
+    positions = torch.arange(seq, device=query.device)
+    out = []
+    for a in range(0, seq, size):
+        b = min(seq, a + size)
+        lo = max(0, a - window + 1)
+        q = query[..., a:b, :]
+        k, v = key[..., lo:b, :], value[..., lo:b, :]
+        if lo == a and b - a <= window:  # a first tile within the window: causal
+            out.append(
+                F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+                )
+            )
+            continue
+        if groups > 1:  # (a masked GQA call would run the math kernel)
+            k = k.repeat_interleave(groups, dim=-3)
+            v = v.repeat_interleave(groups, dim=-3)
+        distance = positions[a:b, None] - positions[None, lo:b]
+        mask = (distance >= 0) & (distance < window)
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+    return torch.cat(out, dim=-2)
+
+
+class SlidingWindow(TorchFunctionMode):
+    """While active, every :func:`~torch.nn.functional.scaled_dot_product_attention`
+    call is sliding-window attention over query tiles
+    (:func:`sliding_window_attention`). A decoder layer enters it around a
+    block whose mask it left out; a call that still brings a mask, or
+    attention dropout, is refused (the window would be lost)."""
+
+    def __init__(self, window: int, tile: int | None = None) -> None:
+        super().__init__()
+        self.window = window
+        self.tile = tile
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        call = dict(zip(names, args, strict=False)) | kwargs
+        if call.get("attn_mask") is not None or call.get("dropout_p", 0.0):
+            raise RuntimeError(
+                "a sliding-window layer's attention was called with a mask or attention "
+                "dropout after RoundPipe left its mask out; please report the model type"
+            )
+        return sliding_window_attention(
+            call["query"],
+            call["key"],
+            call["value"],
+            self.window,
+            scale=call.get("scale"),
+            enable_gqa=bool(call.get("enable_gqa", False)),
+            tile=self.tile,
+        )

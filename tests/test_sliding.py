@@ -1,0 +1,180 @@
+"""Sliding-window attention over query tiles: the same attention as the
+model's dense mask (forward and gradients), run by every supported family
+with sliding-window layers under SDPA without building that mask, and
+predicted to grow linearly with the sequence."""
+
+import copy
+
+import pytest
+import torch
+from test_adapters import TINY, attached, attached_engine, tiny
+from torch.nn import functional as F
+
+from lightning_roundpipe.models import CausalLMAdapter
+from lightning_roundpipe.models.sliding import (
+    SlidingWindow,
+    mask_bytes,
+    sliding_tile,
+    sliding_window_attention,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def dense(q, k, v, window):
+    """Attention under transformers' sliding-window causal mask, built whole."""
+    from transformers import masking_utils
+
+    seq = q.shape[-2]
+    allowed = masking_utils.sliding_window_causal_mask_function(window)
+    i = torch.arange(seq)
+    mask = allowed(0, 0, i[:, None], i[None, :])
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("seq", "window", "tile", "heads", "kv_heads"),
+    [
+        (10, 3, 4, 4, 2),  # a first tile longer than the window
+        (37, 5, None, 4, 4),  # the last tile short
+        (64, 16, 16, 8, 2),  # a first tile as long as the window: causal
+        (5, 8, None, 2, 2),  # shorter than the window: causal
+        (100, 7, 1, 2, 1),  # one query per call
+    ],
+)
+def test_tiled_sliding_window_attention_is_the_dense_masks(seq, window, tile, heads, kv_heads):
+    g = torch.Generator().manual_seed(seq)
+
+    def leaf(h):
+        return torch.randn(2, h, seq, 8, dtype=torch.float64, generator=g).requires_grad_()
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    got = sliding_window_attention(q, k, v, window, tile=tile, enable_gqa=heads != kv_heads)
+    want = dense(q, k, v, window)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(got.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(
+        torch.autograd.grad(got, (q, k, v), grad),
+        torch.autograd.grad(want, (q, k, v), grad),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_tiles_and_their_errors():
+    assert sliding_tile(4096) == 8192
+    # a tile's booleans, the bias in the compute dtype and its padded copy
+    assert mask_bytes(4, 2) == 8 * 11 * 5
+    q = torch.randn(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="window must be an integer >= 1, got 0"):
+        sliding_window_attention(q, q, q, 0)
+    with pytest.raises(ValueError, match="needs as many keys as queries"):
+        sliding_window_attention(q, q[..., :5, :], q[..., :5, :], 2)
+    # inside the mode every SDPA call is tiled; one that still brings a mask
+    # or dropout would lose the window, and is refused
+    want = dense(q, q, q, 2)
+    with SlidingWindow(2):
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, is_causal=True), want)
+        for kwargs in ({"attn_mask": torch.ones(6, 6, dtype=torch.bool)}, {"dropout_p": 0.1}):
+            with pytest.raises(RuntimeError, match="with a mask or attention dropout"):
+                F.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+def sliding_layers(model) -> list[int]:
+    adapter = CausalLMAdapter(model, "model")
+    return [
+        i
+        for i, layer in enumerate(adapter.layers())
+        if getattr(layer, "_sliding_window", lambda *a: None)(None, False) is not None
+    ]
+
+
+#: the families whose sliding-window layers run under SDPA (tiled)
+SLIDING = [
+    k for k in TINY if tiny(k).config._attn_implementation == "sdpa" and sliding_layers(tiny(k))
+]
+
+
+def test_the_sliding_families_are_the_expected_ones():
+    assert {"mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "cohere2"} <= set(SLIDING)
+    # eager attention (softcapping, sinks) keeps the model's mask
+    assert not {"gemma2", "gpt_oss"} & set(SLIDING)
+
+
+@pytest.mark.parametrize("kind", SLIDING)
+def test_sliding_families_train_like_the_model_without_the_dense_mask(kind, monkeypatch):
+    """40 tokens without padding, windows of 3 or 4: the pipeline's loss and
+    gradients equal the model's, with tiles of twice the window, and the
+    pipeline never builds the sliding-window mask the model builds."""
+    from transformers import masking_utils
+
+    model = tiny(kind, max_position_embeddings=64)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (4, 40), generator=torch.Generator().manual_seed(0))
+    # (models import the mask helpers by name: count what the helper calls)
+    built = []
+    original = masking_utils.sliding_window_causal_mask_function
+
+    def counting(window):
+        built.append(window)
+        return original(window)
+
+    monkeypatch.setattr(masking_utils, "sliding_window_causal_mask_function", counting)
+    expected = ref(input_ids=ids, labels=ids).loss
+    expected.backward()
+    assert built, "the model builds no sliding-window mask: nothing to compare"
+    built.clear()
+    with attached_engine(model, plan="2|2|2") as (_, eng):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        eng.synchronize()
+    assert not built
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_with_padding_the_models_mask_is_kept(monkeypatch):
+    """A padding mask: the sliding-window layers get the model's own mask
+    (the tiles handle neither padding nor packed sequences)."""
+    from transformers import masking_utils
+
+    model = tiny("mistral", max_position_embeddings=64)
+    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref = copy.deepcopy(model)
+    expected = ref(input_ids=ids, attention_mask=mask, labels=ids).loss
+    built = []
+    original = masking_utils.sliding_window_causal_mask_function
+    monkeypatch.setattr(
+        masking_utils,
+        "sliding_window_causal_mask_function",
+        lambda window: built.append(window) or original(window),
+    )
+    loss = attached(model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    assert built
+    torch.testing.assert_close(loss, expected)
+
+
+def test_the_prediction_of_a_sliding_layer_grows_linearly():
+    """The probes run the sliding-window layers tiled (their sequences are
+    shorter than the window): what they keep and work with is linear in the
+    sequence, beside a tile's mask, and close to a full-attention layer's."""
+    full = CausalLMAdapter(tiny("llama"), "model").activation_model(torch.float32, {}, loss=True)
+    act = CausalLMAdapter(tiny("mistral"), "model").activation_model(torch.float32, {}, loss=True)
+    assert act.windows[1:-1] == (4, 4) and full.windows[1:-1] == (None, None)
+    for (_, _, c2), w in zip(act.saved, act.working, strict=True):
+        assert c2 == 0
+        polys = () if w is None else (*w.outside, *w.tile_base, *(w.attention or ()))
+        assert all(p[2] == 0 for p in polys)
+    # (past the window a tile's mask joins the transient)
+    seq = 1 << 20
+    saved, work = act.saved_bytes(seq), act.transient_bytes(seq)
+    base_saved, base_work = full.saved_bytes(seq), full.transient_bytes(seq)
+    # keys and values expanded to the query heads, and the tiles' outputs
+    assert base_saved[1] < saved[1] < 1.5 * base_saved[1]
+    assert work[1] < 1.5 * base_work[1] + mask_bytes(4, 4)
