@@ -332,3 +332,13 @@ def test_protocol_delays_reports_both_optimizers(capsys):
     assert "| synchronous |" in out
     assert "| asynchronous, one master copy |" in out
     assert "| asynchronous, two master copies |" in out
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="/proc: Linux")
+def test_sliding_window_benchmark_tiles_with_less_memory_and_the_same_loss():
+    """The sliding-window benchmark at a tiny size: both trials in their own
+    processes, the same loss, the tiled one's peak below the dense mask's."""
+    mod = load("sliding_window")
+    dense, tiled = (mod.trial(2048, 64, d) for d in (True, False))
+    assert tiled["loss"] == pytest.approx(dense["loss"], rel=1e-5)
+    assert 0 < tiled["grown"] < dense["grown"]
