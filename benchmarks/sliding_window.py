@@ -120,24 +120,31 @@ def mistral_7b():
 def longest(dense: bool, gpu_memory: float) -> tuple[int, str]:
     """``plan estimate``'s longest sequence at micro-batch 1 for Mistral-7B
     with LoRA (r = 32) in bf16 on one GPU, and its plan. ``dense``: the
-    layers under the dense mask, counted (its booleans, the additive bias
-    SDPA makes of them and its padded copy: ``5 s^2`` bytes in bf16) on top
-    of what the probes see: they are shorter than the window, where
-    transformers gives SDPA no mask at all, so the estimate without tiles
-    never saw it."""
+    layers under the dense mask, counted by hand on top of what the probes
+    see (they are shorter than the window, where transformers gives SDPA no
+    mask, so the estimate without tiles never saw it): each layer keeps the
+    additive bias SDPA makes of the booleans for its backward (``s^2``
+    elements in bf16), and the booleans (``s^2`` bytes, shared by a stage's
+    layers) are counted as working memory."""
     from lightning_roundpipe.models import layers, memory
     from lightning_roundpipe.models.estimate import estimate
 
-    original = layers._Decoder._sliding_window, memory.ActivationModel.transient_bytes
+    model = memory.ActivationModel
+    original = layers._Decoder._sliding_window, model.saved_bytes, model.transient_bytes
 
-    def with_mask(self, seq, micro_batch=1, *, cuda=False):
-        out = original[1](self, seq, micro_batch, cuda=cuda)
-        mask = micro_batch * seq * seq * (1 + 2 * self.element)
-        return [x if i in (0, len(out) - 1) else x + mask for i, x in enumerate(out)]
+    def blocks(values, extra):
+        return [x if i in (0, len(values) - 1) else x + extra for i, x in enumerate(values)]
+
+    def saved(self, seq, micro_batch=1):
+        kept = micro_batch * seq * seq * self.element
+        return blocks(original[1](self, seq, micro_batch), kept)
+
+    def transient(self, seq, micro_batch=1, *, cuda=False):
+        return blocks(original[2](self, seq, micro_batch, cuda=cuda), micro_batch * seq * seq)
 
     if dense:
         layers._Decoder._sliding_window = lambda self, *args: None
-        memory.ActivationModel.transient_bytes = with_mask
+        model.saved_bytes, model.transient_bytes = saved, transient
     try:
         est = estimate(
             mistral_7b(),
@@ -147,7 +154,7 @@ def longest(dense: bool, gpu_memory: float) -> tuple[int, str]:
             name="mistral-7b",
         )
     finally:
-        layers._Decoder._sliding_window, memory.ActivationModel.transient_bytes = original
+        layers._Decoder._sliding_window, model.saved_bytes, model.transient_bytes = original
     return est.longest_seq, est.plan
 
 
@@ -184,9 +191,10 @@ def main() -> None:
         out += (
             f"\n`plan estimate` for Mistral-7B v0.1's shape (window 4096) with LoRA r=32 in "
             f"bf16 on one {args.gpu_memory:g} GiB GPU: longest sequence at micro-batch 1 "
-            f"{est[True][0]:,} tokens with the dense mask counted (plan `{est[True][1]}`; "
-            "the estimate did not count it before: its probes are shorter than the window, "
-            "where transformers gives SDPA no mask), "
+            f"{est[True][0]:,} tokens with the dense mask counted by hand (each layer's bias "
+            f"kept for its backward; plan `{est[True][1]}`; the estimate did not count it "
+            "before: its probes are shorter than the window, where transformers gives SDPA "
+            "no mask), "
             f"{est[False][0]:,} with query tiles (plan `{est[False][1]}`).\n"
         )
     emit(out, args.append)

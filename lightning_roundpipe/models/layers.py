@@ -395,10 +395,13 @@ class _Decoder(nn.Module):
         """The window of a sliding-window layer whose attention runs over
         query tiles (:mod:`~.sliding`) instead of under the model's dense
         mask: SDPA attention, no padding, no packed sequences, no attention
-        dropout; None otherwise."""
+        dropout, no gradient checkpointing of the block (transformers'
+        recompute would run the block outside the tiles' mode: without the
+        window); None otherwise."""
         window = getattr(self.config, "sliding_window", None)
         if (
             self.kind != "sliding_attention"
+            or (getattr(self.layer, "gradient_checkpointing", False) and self.layer.training)
             or attention_mask is not None
             or packed
             or self.always_mask

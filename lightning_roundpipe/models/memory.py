@@ -158,9 +158,11 @@ class ActivationModel:
             else it is freed first (:func:`~..runtime.worker.release_output`).
         windows: per layer, the window of a sliding-window layer whose
             attention runs over query tiles (:mod:`.sliding`), else None:
-            past the window its tiles' mask (:func:`~.sliding.mask_bytes`)
-            adds to the transient (what the tiles keep per token is in
-            ``saved``: the probes run such layers tiled).
+            past the window the masks its tiles share
+            (:func:`~.sliding.mask_bytes`, counted for each such layer,
+            though a stage's layers share them) add to ``saved`` (what the
+            tiles keep per token is in ``saved`` already: the probes run
+            such layers tiled).
     """
 
     saved: tuple[Poly, ...]
@@ -179,9 +181,12 @@ class ActivationModel:
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
         ``micro_batch`` sequences of ``seq`` tokens."""
+        windows = self.windows or (None,) * len(self.saved)
         return [
-            micro_batch * (c0 + c1 * seq + c2 * seq * seq) + once * seq
-            for (c0, c1, c2), once in zip(self.saved, self.shared, strict=True)
+            micro_batch * (c0 + c1 * seq + c2 * seq * seq)
+            + once * seq
+            + (mask_bytes(w, self.element) if w is not None and seq > w else 0)
+            for (c0, c1, c2), once, w in zip(self.saved, self.shared, windows, strict=True)
         ]
 
     def transient_bytes(self, seq: int, micro_batch: int = 1, *, cuda: bool = False) -> list[float]:
@@ -225,9 +230,6 @@ class ActivationModel:
             else:  # (untiled: the MLP is one tile of every token)
                 tile = self.mlp_tile if tiled else tokens
                 work = work_of.bytes(seq, micro_batch, tile, workspace)
-                window = self.windows[i] if i < len(self.windows) else None
-                if window is not None and seq > window:
-                    work += mask_bytes(window, self.element)
             out.append(work + boundary)
         return out
 

@@ -38,6 +38,8 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..runtime.scope import stage_cached
+
 __all__ = [
     "PROBE_TILE",
     "PROBE_WINDOW",
@@ -80,11 +82,11 @@ def scaled(window: int) -> tuple[int, int | None]:
 
 
 def mask_bytes(window: int, element: int) -> int:
-    """Bytes of one tile's mask at most: booleans, the additive bias SDPA
-    makes of them in the compute dtype (``element`` bytes) and its padded
-    copy, for :func:`sliding_tile` queries and the keys they see."""
+    """Bytes of the two additive masks the tiles of a layer of ``window``
+    take views of (:func:`_biases`; ``element`` bytes each): kept for the
+    backward, once per stage whatever its sliding-window layers."""
     tile = sliding_tile(window)
-    return tile * (tile + window - 1) * (1 + 2 * element)
+    return tile * (_padded(tile) + _padded(tile + window - 1)) * element
 
 
 def sliding_tile(window: int) -> int:
@@ -92,6 +94,34 @@ def sliding_tile(window: int) -> int:
     then about 1.5 times its queries; real windows are hundreds of positions
     or more, so the calls are never small)."""
     return 2 * window
+
+
+def _padded(n: int) -> int:
+    """``n`` rounded up to a multiple of 16: a bias whose rows are that far
+    apart is aligned for the memory-efficient kernel, which otherwise pads
+    (copies) it at every call."""
+    return -(-n // 16) * 16
+
+
+def _biases(
+    window: int, tile: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive masks (0 where a query sees a key, -inf elsewhere) every
+    tile's call takes a view of, so that the calls (and their backwards,
+    which keep them) share one copy: the first tile's (queries and keys
+    from position 0: ``0 <= q - k < window``) and every later tile's (its
+    queries, the keys from ``window - 1`` before them: query ``i`` sees keys
+    ``i`` to ``i + window - 1``). Their rows are :func:`_padded` apart."""
+    rows = torch.arange(tile, device=device, dtype=torch.int32)[:, None]
+
+    def bias(keys: int, sees: Any) -> torch.Tensor:
+        cols = torch.arange(_padded(keys), device=device, dtype=torch.int32)[None, :]
+        out = torch.zeros(tile, _padded(keys), dtype=dtype, device=device)
+        return out.masked_fill_(~sees(rows, cols), float("-inf"))
+
+    first = bias(tile, lambda i, j: (j <= i) & (j > i - window))
+    later = bias(tile + window - 1, lambda i, j: (j >= i) & (j < i + window))
+    return first, later
 
 
 def sliding_window_attention(
@@ -106,11 +136,18 @@ def sliding_window_attention(
 ) -> torch.Tensor:
     """Causal attention in which position ``q`` sees keys ``q - window + 1``
     to ``q`` (transformers' ``sliding_window_causal_mask_function``), over
-    query tiles of ``tile`` positions (default :func:`sliding_tile`).
+    query tiles of ``tile`` positions (default :func:`sliding_tile`; at
+    least ``window - 1``).
 
     ``query`` is ``(..., heads, sequence, head_dim)``, ``key`` and ``value``
     ``(..., kv_heads, sequence, head_dim)`` with ``heads`` a multiple of
-    ``kv_heads`` when ``enable_gqa`` (as for SDPA)."""
+    ``kv_heads`` when ``enable_gqa`` (as for SDPA). The tiles are
+    :func:`torch.split` chunks, and a tile's keys its own chunk after the
+    last ``window - 1`` of the one before: the backward then handles every
+    chunk at once, where slicing each tile out of the whole would make the
+    backward allocate a sequence-sized gradient per tile. The masks are
+    views of two shared ones (:func:`_biases`; within a stage, one pair for
+    all its layers, :func:`~..runtime.scope.stage_cached`)."""
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an integer >= 1, got {window!r}")
     seq = query.shape[-2]
@@ -124,29 +161,39 @@ def sliding_window_attention(
             query, key, value, is_causal=True, scale=scale, enable_gqa=enable_gqa
         )
     size = tile if tile is not None else sliding_tile(window)
-    if size < 1:
-        raise ValueError(f"tile must be >= 1, got {size!r}")
+    if size < max(1, window - 1):
+        raise ValueError(f"tile must be >= max(1, window - 1) = {max(1, window - 1)}, got {size}")
     groups = query.shape[-3] // key.shape[-3]
-    positions = torch.arange(seq, device=query.device)
+    first, later = stage_cached(
+        ("sliding bias", window, size, query.dtype, query.device),
+        lambda: _biases(window, size, query.dtype, query.device),
+    )
+    back = window - 1  # keys a later tile takes from the chunk before
     out = []
-    for a in range(0, seq, size):
-        b = min(seq, a + size)
-        lo = max(0, a - window + 1)
-        q = query[..., a:b, :]
-        k, v = key[..., lo:b, :], value[..., lo:b, :]
-        if lo == a and b - a <= window:  # a first tile within the window: causal
-            out.append(
-                F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+    chunks = zip(query.split(size, -2), key.split(size, -2), value.split(size, -2), strict=True)
+    before: tuple[torch.Tensor, torch.Tensor] | None = None
+    for q, k, v in chunks:
+        rows = q.shape[-2]
+        if before is None:  # the first tile: keys from position 0
+            before = (k, v)
+            if rows <= window:  # every query sees every earlier key: causal
+                out.append(
+                    F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+                    )
                 )
-            )
-            continue
+                continue
+            bias = first[:rows, :rows]
+        else:
+            (pk, pv), before = before, (k, v)
+            if back:
+                k = torch.cat([pk[..., size - back :, :], k], dim=-2)
+                v = torch.cat([pv[..., size - back :, :], v], dim=-2)
+            bias = later[:rows, : rows + back]
         if groups > 1:  # (a masked GQA call would run the math kernel)
             k = k.repeat_interleave(groups, dim=-3)
             v = v.repeat_interleave(groups, dim=-3)
-        distance = positions[a:b, None] - positions[None, lo:b]
-        mask = (distance >= 0) & (distance < window)
-        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale))
     return torch.cat(out, dim=-2)
 
 
