@@ -295,3 +295,19 @@ def test_on_a_gpu_the_tiles_give_the_dense_masks_attention_with_less_memory():
     for a, b in zip(tiled[1], full[1], strict=True):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
     assert tiled[2] < full[2] / 2, (tiled[2], full[2])
+
+
+def test_the_estimate_says_which_layers_attend_over_tiles(tmp_path):
+    import io
+
+    from lightning_roundpipe.plan.cli import main
+
+    def note(kind):
+        path = tmp_path / f"{kind}.json"
+        tiny(kind).config.to_json_file(path)
+        out = io.StringIO()
+        assert main(["estimate", str(path), "--gpu-memory", "1.25", "--seq", "512"], out=out) == 0
+        return out.getvalue()
+
+    assert "note: 2 sliding-window layers (window 4) attend over query tiles" in note("mistral")
+    assert "sliding-window" not in note("llama")

@@ -578,6 +578,14 @@ def estimate(
             f"that a micro-batch keeps {plan.boundaries_per_microbatch()} boundary values on "
             "the host"
         )
+    windows = sorted({w for w in activations(seq * micro_batch).windows if w is not None})
+    if windows:
+        count = sum(w is not None for w in activations(seq * micro_batch).windows)
+        notes.append(
+            f"{count} sliding-window layers (window {', '.join(map(str, windows))}) attend over "
+            "query tiles: memory linear in the sequence, as predicted here; batches with "
+            "padding or packed sequences give them the model's sequence x sequence mask instead"
+        )
     if longest and longest >= ceiling:
         notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")
     params = sum(p.numel() for p in model.parameters())
