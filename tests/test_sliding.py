@@ -66,9 +66,11 @@ def test_tiled_sliding_window_attention_is_the_dense_masks(seq, window, tile, he
 
 def test_the_tiles_and_their_errors():
     assert sliding_tile(4096) == 8192
-    # the two masks every tile takes a view of (rows 16-aligned), bf16
-    assert mask_bytes(4096, 2) == 8192 * (8192 + 12288) * 2
-    assert mask_bytes(4, 2) == 8 * (16 + 16) * 2
+    # the two masks every tile takes a view of (rows 16-aligned), bf16; the
+    # first only as long as the sequence, the later tiles' only past a tile
+    assert mask_bytes(4096, 2, 1 << 20) == 8192 * (8192 + 12288) * 2
+    assert mask_bytes(4096, 2, 5000) == 5000 * 5008 * 2
+    assert mask_bytes(4, 2, 40) == 8 * (16 + 16) * 2
     q = torch.randn(1, 2, 6, 4)
     with pytest.raises(ValueError, match="window must be an integer >= 1, got 0"):
         sliding_window_attention(q, q, q, 0)
@@ -165,18 +167,23 @@ def test_the_tiles_share_their_masks_and_backward_in_linear_time():
     assert len(saved_storages(64)) == len(saved_storages(512)) == 2
 
 
-def test_gradient_checkpointing_keeps_the_models_mask():
+@pytest.mark.parametrize("frozen", [None, 0, 1])
+def test_gradient_checkpointing_keeps_the_models_mask(frozen):
     """transformers' gradient checkpointing recomputes a block outside the
-    tiles' mode: such blocks keep the model's own mask, and train like it."""
+    tiles' mode: such blocks keep the model's own mask, and train like it,
+    also beside a block of the same stage in evaluation mode (not
+    checkpointed: tiled), each with its own mask."""
     model = tiny("mistral", max_position_embeddings=64)
     model.gradient_checkpointing_enable()
     model.train()
+    if frozen is not None:
+        model.model.layers[frozen].eval()
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 101, (4, 40), generator=torch.Generator().manual_seed(0))
     expected = ref(input_ids=ids, labels=ids).loss
     expected.backward()
-    assert not sliding_layers(model)
-    with attached_engine(model, plan="2|2|2") as (_, eng):
+    assert len(sliding_layers(model)) == (frozen is not None)
+    with attached_engine(model, plan="3|1|3") as (_, eng):  # both blocks in a stage
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         eng.synchronize()

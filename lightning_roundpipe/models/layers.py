@@ -464,9 +464,12 @@ class _Decoder(nn.Module):
         return self.rotary(hidden_states, position_ids)
 
     def forward(self, hidden_states, position_ids, attention_mask=None, packed=False, **extra):
-        # built by the stage's first decoder layer of this kind, reused by the others
+        window = self._sliding_window(attention_mask, packed)
+        # built by the stage's first decoder layer of this kind, reused by the
+        # others (a tiled sliding-window layer has none; one beside it whose
+        # block is checkpointed has the model's)
         mask = stage_cached(
-            ("mask", self.kind),
+            ("mask", self.kind, window is not None),
             lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
         )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
@@ -476,7 +479,6 @@ class _Decoder(nn.Module):
                 key, lambda: self._rotary(hidden_states, position_ids)
             )
         stats, tiles = _router(extra), _tiles(extra)
-        window = self._sliding_window(attention_mask, packed)
         # a sliding-window layer without its dense mask: attention over tiles
         sliding = SlidingWindow(*scaled(window)) if window is not None else contextlib.nullcontext()
         if stats and self.routers:

@@ -185,7 +185,7 @@ class ActivationModel:
         return [
             micro_batch * (c0 + c1 * seq + c2 * seq * seq)
             + once * seq
-            + (mask_bytes(w, self.element) if w is not None and seq > w else 0)
+            + (mask_bytes(w, self.element, seq) if w is not None and seq > w else 0)
             for (c0, c1, c2), once, w in zip(self.saved, self.shared, windows, strict=True)
         ]
 

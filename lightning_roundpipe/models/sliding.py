@@ -81,19 +81,22 @@ def scaled(window: int) -> tuple[int, int | None]:
     return window, None
 
 
-def mask_bytes(window: int, element: int) -> int:
-    """Bytes of the two additive masks the tiles of a layer of ``window``
-    take views of (:func:`_biases`; ``element`` bytes each): kept for the
-    backward, once per stage whatever its sliding-window layers."""
-    tile = sliding_tile(window)
-    return tile * (_padded(tile) + _padded(tile + window - 1)) * element
-
-
 def sliding_tile(window: int) -> int:
     """Queries per call for a window: twice the window (each tile's keys are
     then about 1.5 times its queries; real windows are hundreds of positions
     or more, so the calls are never small)."""
     return 2 * window
+
+
+def mask_bytes(window: int, element: int, seq: int) -> int:
+    """Bytes of the additive masks the tiles of a layer of ``window`` take
+    views of at ``seq`` tokens (:func:`_biases`; ``element`` bytes each):
+    kept for the backward, once per stage whatever its sliding-window
+    layers."""
+    tile = sliding_tile(window)
+    rows = min(tile, seq)
+    later = tile * _padded(tile + window - 1) if seq > tile else 0
+    return (rows * _padded(rows) + later) * element
 
 
 def _padded(n: int) -> int:
@@ -104,23 +107,27 @@ def _padded(n: int) -> int:
 
 
 def _biases(
-    window: int, tile: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+    window: int, tile: int, seq: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The additive masks (0 where a query sees a key, -inf elsewhere) every
     tile's call takes a view of, so that the calls (and their backwards,
     which keep them) share one copy: the first tile's (queries and keys
-    from position 0: ``0 <= q - k < window``) and every later tile's (its
-    queries, the keys from ``window - 1`` before them: query ``i`` sees keys
-    ``i`` to ``i + window - 1``). Their rows are :func:`_padded` apart."""
-    rows = torch.arange(tile, device=device, dtype=torch.int32)[:, None]
+    from position 0: ``0 <= q - k < window``) and, when ``seq`` has more
+    than one tile, every later tile's (its queries, the keys from
+    ``window - 1`` before them: query ``i`` sees keys ``i`` to
+    ``i + window - 1``). Their rows are :func:`_padded` apart."""
 
-    def bias(keys: int, sees: Any) -> torch.Tensor:
-        cols = torch.arange(_padded(keys), device=device, dtype=torch.int32)[None, :]
-        out = torch.zeros(tile, _padded(keys), dtype=dtype, device=device)
-        return out.masked_fill_(~sees(rows, cols), float("-inf"))
+    def bias(rows: int, keys: int, shift: int) -> torch.Tensor:
+        # query i sees keys i + shift - window + 1 to i + shift; one boolean
+        # temporary at a time
+        out = torch.zeros(rows, _padded(keys), dtype=dtype, device=device)
+        for cut in (lambda t: t.triu_(shift + 1), lambda t: t.tril_(shift - window)):
+            out.masked_fill_(cut(torch.ones_like(out, dtype=torch.bool)), float("-inf"))
+        return out
 
-    first = bias(tile, lambda i, j: (j <= i) & (j > i - window))
-    later = bias(tile + window - 1, lambda i, j: (j >= i) & (j < i + window))
+    rows = min(tile, seq)
+    first = bias(rows, rows, 0)
+    later = bias(tile, tile + window - 1, window - 1) if seq > tile else None
     return first, later
 
 
@@ -165,8 +172,8 @@ def sliding_window_attention(
         raise ValueError(f"tile must be >= max(1, window - 1) = {max(1, window - 1)}, got {size}")
     groups = query.shape[-3] // key.shape[-3]
     first, later = stage_cached(
-        ("sliding bias", window, size, query.dtype, query.device),
-        lambda: _biases(window, size, query.dtype, query.device),
+        ("sliding bias", window, size, min(seq, size + 1), query.dtype, query.device),
+        lambda: _biases(window, size, seq, query.dtype, query.device),
     )
     back = window - 1  # keys a later tile takes from the chunk before
     out = []
@@ -189,6 +196,7 @@ def sliding_window_attention(
             if back:
                 k = torch.cat([pk[..., size - back :, :], k], dim=-2)
                 v = torch.cat([pv[..., size - back :, :], v], dim=-2)
+            assert later is not None  # (built when the sequence has more than one tile)
             bias = later[:rows, : rows + back]
         if groups > 1:  # (a masked GQA call would run the math kernel)
             k = k.repeat_interleave(groups, dim=-3)
