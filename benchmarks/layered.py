@@ -27,13 +27,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import LLAMA, RESIDENT, emit
+from report import LLAMA, RESIDENT, emit, measured_fit
 
 CHILD = (
     RESIDENT
@@ -101,15 +100,7 @@ CHILD = (
 def trial(settings: dict) -> dict:
     """One fit in a fresh process (its peak memory says nothing about the
     next one's)."""
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(settings)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the measured fit failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.split("RESULT")[-1])
+    return measured_fit(CHILD, json.dumps(settings))
 
 
 def compare(base: dict) -> tuple[dict, dict, dict]:

@@ -49,6 +49,18 @@ def child_result(cmd: list[str], timeout: float) -> dict[str, Any]:
     return {"error": tail.splitlines()[-1][:300] if tail else f"exit {proc.returncode}"}
 
 
+def measured_fit(code: str, *args: str, timeout: float = 1200) -> dict[str, Any]:
+    """Run ``python -c code *args`` (a measured fit in a fresh process: its
+    peak memory says nothing about the next one's) and return the JSON it
+    printed after ``RESULT``; a failure raises with the child's stderr."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the measured fit failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.split("RESULT")[-1])
+
+
 #: for a benchmark's child process (its code is ``RESIDENT + ...``): ``status``
 #: reads a /proc field (KiB; Linux) and ``restart_peak`` restarts the resident
 #: high-water mark (``VmHWM``), so what imports and set-up peaked at earlier

@@ -20,14 +20,13 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESIDENT, emit
+from report import RESIDENT, emit, measured_fit
 
 GIB = 2**30
 
@@ -89,15 +88,7 @@ CHILD = RESIDENT + textwrap.dedent(
 def trial(seq: int, window: int, dense: bool) -> dict:
     """One fit in a fresh process: peak growth (bytes), seconds, loss."""
     settings = {"window": window, "dense": dense}
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(seq), json.dumps(settings)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the measured fit failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.split("RESULT")[-1])
+    return measured_fit(CHILD, str(seq), json.dumps(settings))
 
 
 def mistral_7b():

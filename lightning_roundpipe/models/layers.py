@@ -418,12 +418,9 @@ class _Decoder(nn.Module):
         """The model's own mask for this layer type, without the checks that
         read device values (the adapter decided them on the host): a padding
         mask is always applied (no ``is_causal`` shortcut), packed sequences
-        are kept apart from ``position_ids``. None for a sliding-window layer
-        whose attention runs over query tiles (:meth:`_sliding_window`)."""
+        are kept apart from ``position_ids``."""
         from transformers import masking_utils
 
-        if self._sliding_window(attention_mask, packed) is not None:
-            return None
         if self.kind == "linear_attention":
             # create_recurrent_attention_mask's result, without its device check
             # for an all-ones mask (a mask is given only with padding)
@@ -466,12 +463,14 @@ class _Decoder(nn.Module):
     def forward(self, hidden_states, position_ids, attention_mask=None, packed=False, **extra):
         window = self._sliding_window(attention_mask, packed)
         # built by the stage's first decoder layer of this kind, reused by the
-        # others (a tiled sliding-window layer has none; one beside it whose
-        # block is checkpointed has the model's)
-        mask = stage_cached(
-            ("mask", self.kind, window is not None),
-            lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
-        )
+        # others; none for a sliding-window layer whose attention runs over
+        # query tiles (one beside it whose block is checkpointed has the model's)
+        mask = None
+        if window is None:
+            mask = stage_cached(
+                ("mask", self.kind),
+                lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
+            )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
         if self.rotary is not None:
             key = ("rotary", self.rotary_key, self.kind if self.rotary_per_kind else None)

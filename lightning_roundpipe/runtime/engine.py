@@ -737,13 +737,8 @@ class RoundPipeEngine:
             self._boundary = boundary
         self._expected = (list(saved), list(transient))
         if self._replanned:  # measured activations decide the plan from now on
-            scale = self.activation_scale
             self.predicted_peaks = stage_peaks(
-                self.plan,
-                self._costs,
-                [scale * x for x in saved],
-                [scale * x for x in transient],
-                self._boundary,
+                self.plan, self._costs, *self._scaled(self.activation_scale), self._boundary
             )
             return self.predicted_peaks
         decision = self._for_activations(
@@ -778,6 +773,12 @@ class RoundPipeEngine:
         plan, limit = self._initial
         return self._for_activations(scale, plan, limit, None, True)
 
+    def _scaled(self, scale: float) -> tuple[list[float], list[float]]:
+        """The saved and transient bytes last told, counted ``scale`` times over."""
+        assert self._expected is not None
+        saved, transient = ([scale * x for x in v] for v in self._expected)
+        return saved, transient
+
     def _for_activations(
         self,
         scale: float,
@@ -788,13 +789,10 @@ class RoundPipeEngine:
     ) -> Predicted:
         """plan_for_activations from this state, for the activations last
         told counted ``scale`` times over."""
-        assert self._expected is not None
-        saved, transient = ([scale * x for x in v] for v in self._expected)
         return plan_for_activations(
             plan,
             self._costs,
-            saved,
-            transient,
+            *self._scaled(scale),
             self.num_devices,
             self.num_microbatches,
             user_plan=self._user_plan,

@@ -90,29 +90,39 @@ def test_after_out_of_memory_counts_predicted_activations_larger_where_that_chan
 
     est = costs()
     current = StagePlan.parse("4,3|1|3,4", 8)
+    layered = StagePlan.parse("4,3|1|3,4|layered", 8)
     saved, transient = [4.0] * 8, [1.0] * 8
     asked = []
 
-    def planned(scale):
-        asked.append(scale)
-        return plan_for_activations(
-            current,
-            est,
-            [scale * x for x in saved],
-            [scale * x for x in transient],
-            2,
-            4,
-            user_plan=False,
-            async_optimizer=True,
-            memory_limit=60,
-        )
+    def planner(plan, boundary=None):
+        def planned(scale):
+            asked.append(scale)
+            return plan_for_activations(
+                plan,
+                est,
+                [scale * x for x in saved],
+                [scale * x for x in transient],
+                2,
+                4,
+                user_plan=False,
+                async_optimizer=True,
+                memory_limit=60,
+                boundary=boundary,
+            )
 
-    def oom(stage, failed, scale=1.0, plan=planned, peaks=None):
+        return planned
+
+    def oom(stage, plan=current, boundary=None, scale=1.0, planned=None, peaks=None, told=True):
+        """After ``stage`` (layers 0-3) of ``plan`` failed, its activations
+        ``told`` (predicted ``peaks``, by default from saved and transient)."""
+        asked.clear()
+        if told and peaks is None:
+            peaks = stage_peaks(plan, est, saved, transient, boundary)
         return after_out_of_memory(
             est,
-            current,
+            plan,
             2,
-            failed,
+            (0, 4),
             stage,
             plan_given=False,
             microbatches_for=lambda limit: 4,
@@ -120,97 +130,49 @@ def test_after_out_of_memory_counts_predicted_activations_larger_where_that_chan
             auto_microbatches=True,
             batch_size=8,
             batch_microbatches=4,
-            predicted_peaks=peaks or stage_peaks(current, est, saved, transient),
+            predicted_peaks=peaks if told else None,
             memory_limit=60,
             activation_scale=scale,
-            with_activations=plan,
+            with_activations=planned or planner(plan, boundary),
         )
 
     # B3 (layers 0-3): predicted 40 + 16 + 1 of 60; its activations had room
     # for 20 / 17 of their prediction: at least a quarter more
-    bwd = oom("B3", (0, 4))
+    bwd = oom("B3")
     assert asked == [1.25] and bwd.activation_scale == 1.25
     assert bwd.size_limit is None and bwd.microbatches is None
-    assert str(bwd.plan) == "3,3|2|2,2,2" == str(planned(1.25).plan)
+    assert str(bwd.plan) == "3,3|2|2,2,2" == str(planner(current)(1.25).plan)
     assert bwd.change.startswith("activations counted 1.25x their prediction (stage B3 was ")
     # F1 works with 2 bytes of activations (1 counted twice) beside 40 of
     # weights: room for 10x, a twentieth more, on top of the 2x learned
     # earlier; no plan fits activations that large, so the activations do
     # not explain the failure: the stage is cut by its weights instead
-    asked.clear()
     twice = stage_peaks(current, est, [2 * x for x in saved], [2 * x for x in transient])
-    fwd = oom("F1", (0, 4), scale=2.0, peaks=twice)
+    fwd = oom("F1", scale=2.0, peaks=twice)
     assert asked == [pytest.approx(21.0)]
     assert fwd.activation_scale is None and fwd.size_limit == 20
     # one step is at most 16x
-    asked.clear()
-    oom("F1", (0, 4))
+    oom("F1")
     assert asked == [16.0]
     # no plan fits activations that large, or the plan for them is the same
     # plan with the same room: the stages are cut by their weights
     kept = Predicted(current, [0.0] * 5, "no plan fits", True, 60)
-    for plan in (lambda s: kept, lambda s: Predicted(current, [0.0] * 5, "fits", False, 60)):
-        cut = oom("B3", (0, 4), plan=plan)
+    for planned in (lambda s: kept, lambda s: Predicted(current, [0.0] * 5, "fits", False, 60)):
+        cut = oom("B3", planned=planned)
         assert cut.activation_scale is None and cut.size_limit == 20
     # the same plan with nothing prefetched is a change
     unfetched = Predicted(current, [0.0] * 5, "", False, 70, None, False)
-    alone = oom("B3", (0, 4), plan=lambda s: unfetched)
+    alone = oom("B3", planned=lambda s: unfetched)
     assert alone.activation_scale == 1.25 and alone.change.endswith(", nothing prefetched")
     # a layered stage keeps its layers' inputs (3 each), which do not scale:
     # at 1.5 times the stage would fit again, larger steps follow until the
     # plan changes
-    layered = StagePlan.parse("4,3|1|3,4|layered", 8)
-    asked.clear()
-
-    def planned_layered(scale):
-        asked.append(scale)
-        return plan_for_activations(
-            layered,
-            est,
-            [scale * x for x in saved],
-            [scale * x for x in transient],
-            2,
-            4,
-            user_plan=False,
-            async_optimizer=True,
-            memory_limit=60,
-            boundary=3.0,
-        )
-
-    steps = after_out_of_memory(
-        est,
-        layered,
-        2,
-        (0, 4),
-        "B3",
-        plan_given=False,
-        microbatches_for=lambda limit: 4,
-        num_microbatches=4,
-        auto_microbatches=True,
-        batch_size=8,
-        batch_microbatches=4,
-        predicted_peaks=stage_peaks(layered, est, saved, transient, 3.0),
-        memory_limit=60,
-        with_activations=planned_layered,
-    )
+    steps = oom("B3", plan=layered, boundary=3.0)
     assert asked == pytest.approx([1.5, 1.875, 2.34375])  # 1.05 * 20 / 14, then 1.25x
     assert steps.activation_scale == pytest.approx(2.34375) and steps.plan != layered
     # no activations predicted (a model without an adapter): as before
-    none = after_out_of_memory(
-        est,
-        current,
-        2,
-        (0, 4),
-        "B3",
-        plan_given=False,
-        microbatches_for=lambda limit: 4,
-        num_microbatches=4,
-        auto_microbatches=True,
-        batch_size=8,
-        batch_microbatches=4,
-        with_activations=lambda s: None,
-    )
-    assert none.size_limit == 20 and none.activation_scale is None
+    none = oom("B3", planned=lambda s: None, told=False)
+    assert none.size_limit == 20 and none.activation_scale is None and not asked
 
 
 def test_stage_peaks_add_what_a_backward_stage_keeps_and_its_largest_transient():
