@@ -124,13 +124,9 @@ def run_one(
     from lightning_roundpipe import RoundPipeStrategy
 
     gpu = torch.cuda.is_available()
-    if strategy == "fsdp_offload" and not gpu:
-        return {"skipped": "FSDP CPU offload needs CUDA"}
-    if strategy == "deepspeed_offload":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            return {"skipped": "deepspeed is not installed"}
+    why = cannot_run(strategy)
+    if why is not None:
+        return {"skipped": why}
     # a LoRA base in the compute dtype where the strategy takes mixed dtypes
     # (RoundPipe holds it once on the host; FSDP flattens one dtype per unit)
     base = (
@@ -277,6 +273,20 @@ def _stop_profiler(prof, folder: Path, gpu: bool) -> dict:
     return trace_summary.summary(events)
 
 
+def cannot_run(strategy: str) -> str | None:
+    """Why ``strategy`` cannot run on this machine (a peer that needs CUDA, or
+    a package that is not installed), or None."""
+    import importlib.util
+
+    import torch
+
+    if strategy == "fsdp_offload" and not torch.cuda.is_available():
+        return "FSDP CPU offload needs CUDA"
+    if strategy == "deepspeed_offload" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed"
+    return None
+
+
 def trial(
     strategy: str,
     size: str,
@@ -292,6 +302,9 @@ def trial(
     """Run one trial in a fresh process; returns its JSON result. ``timeout``
     (default: ``$ROUNDPIPE_TRIAL_TIMEOUT`` seconds, else an hour) bounds it; a
     trial that runs out of time is reported, not raised."""
+    why = cannot_run(strategy)
+    if why is not None:  # (known here: no process to start)
+        return {"skipped": why}
     if timeout is None:
         timeout = float(os.environ.get("ROUNDPIPE_TRIAL_TIMEOUT", 3600))
     cmd = [

@@ -8,6 +8,8 @@ optimizer) and ``"roundpipe_sync"`` (ordinary training semantics).
 - :class:`RoundPipeStrategy`, :class:`RoundPipePrecision`: the Lightning integration.
 """
 
+# first, before Lightning: an unusable transformers is refused at once
+from . import _requirements  # noqa: F401, I001
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .precision import RoundPipePrecision

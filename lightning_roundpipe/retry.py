@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import gc
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import Tensor
 
 from .plan.decide import after_out_of_memory
@@ -211,13 +212,18 @@ class FirstBatchRetry:
         if cuda:
             torch.cuda.empty_cache()  # the failed engine's blocks back to the driver
         self._build(self.resumed)
-        rank_zero_warn(
+        message = (
             f"RoundPipe: {err.device} ran out of memory in stage {err.stage} (layers "
             f"{start}-{stop - 1}) during the first batch; re-planned with {decision.change}: "
             f"plan {plan} -> {decision.plan or strategy.engine.plan}, {m} -> "
             f"{strategy.engine.num_microbatches} "
             "micro-batches; running the batch again"
         )
+        # every server re-plans on its own (gradients are reduced per layer,
+        # whatever each server's plan): the one that ran out says so
+        if strategy.world_size > 1:
+            message = rank_prefixed_message(message, strategy.global_rank)
+        warnings.warn(message, stacklevel=2)
 
 
 def _forget_frames(exc: BaseException | None) -> None:

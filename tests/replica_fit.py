@@ -3,7 +3,7 @@ launches it under torchrun, or with the environment variables a manual launch
 sets, or alone as the one-server reference).
 
     python tests/replica_fit.py OUT --nodes N --batch-size B [--async] [--fail-at K]
-        [--kill-at K] [--hang-at K] [--no-log] [--steps S]
+        [--kill-at K] [--hang-at K] [--oom-once] [--no-log] [--steps S]
 
 Writes ``OUT/rank{r}.pt`` (the parameters, the logged metrics and how many
 samples the replica saw), ``OUT/last.ckpt`` (rank 0, through the Trainer) or,
@@ -54,11 +54,31 @@ class Replica(CausalLM):
             raise ValueError("injected failure on the second server")
         if self.hang_at is not None and rank == 1 and self.global_step == self.hang_at:
             time.sleep(600)
-        self.seen.extend(batch[0][:, 0].tolist())
         out = self.model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+        # (after the forward: a step run again after a re-plan saw its batch once)
+        self.seen.extend(batch[0][:, 0].tolist())
         if self.sync_log:  # a collective of the loop's thread in every step
             self.log("synced_loss", out.loss, sync_dist=True)
         return out.loss
+
+
+def run_out_of_memory_once() -> None:
+    """The first stage of several layers in this process's first batch raises
+    torch.OutOfMemoryError (as a GPU that ran out would), so that this server
+    alone re-plans, with smaller stages, and runs the batch again."""
+    from lightning_roundpipe.runtime import worker
+
+    original = worker.Worker._layers
+    fired = []
+
+    def layers(self, job, *args, **kwargs):
+        task = job.task
+        if not fired and job.call.iteration == 0 and task.stop - task.start > 1:
+            fired.append(task)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on one server)")
+        return original(self, job, *args, **kwargs)
+
+    worker.Worker._layers = layers
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail-at", type=int)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--hang-at", type=int)
+    parser.add_argument("--oom-once", action="store_true", help="on rank 1")
     parser.add_argument("--no-log", action="store_true")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume from")
     parser.add_argument("--watchdog", type=float, default=60.0)
@@ -101,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
     )
     rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+    if args.oom_once and rank == 1:
+        run_out_of_memory_once()
     try:
         data = lm_data(n=64, pad=False)
         if args.nodes == 1:

@@ -9,6 +9,7 @@ or started with the variables a manual launch sets (``MASTER_ADDR``,
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -132,11 +133,19 @@ def error(out: Path, rank: int) -> str:
 def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path):
     """torchrun --nnodes=2 --nproc-per-node=1: batch 4 per server equals one
     server with batch 8 on the same samples (synchronous optimizer, gradient
-    accumulation, clipping by the global norm); the logged loss is reduced
-    across servers; the checkpoint is written once and loads on one server."""
-    assert servers(tmp_path / "two", "--batch-size", "4", torchrun=True) == [0, 0], logs(
-        tmp_path / "two"
-    )
+    accumulation, clipping by the global norm), also when one server ran out
+    of device memory in its first batch and re-planned alone (its warning
+    names its rank); the logged loss is reduced across servers; the
+    checkpoint is written once and loads on one server."""
+    two = tmp_path / "two"
+    assert servers(two, "--batch-size", "4", "--oom-once", torchrun=True) == [0, 0], logs(two)
+    replanned = (two / "log1.txt").read_text()
+    assert re.search(
+        r"\[rank: 1\] RoundPipe: cpu ran out of memory in stage F\d \(layers \d-\d\) during "
+        r"the first batch; re-planned with stages of at most \d+ bytes",
+        replanned,
+    ), replanned[-3000:]
+    assert "ran out of memory" not in (two / "log0.txt").read_text()
     one_server(tmp_path / "one", "--batch-size", "8")
     a, b = result(tmp_path / "two", 0), result(tmp_path / "two", 1)
     ref = result(tmp_path / "one", 0)

@@ -38,7 +38,7 @@ when that is not clear. ``describe_layers()`` gives the layer numbering that
 plan strings use.
 """
 
-from ._requirements import MIN_TRANSFORMERS, check_transformers
+from .._requirements import MIN_TRANSFORMERS, check_transformers
 from .base import LayerStackNotFound, SequentialAdapter
 from .causal_lm import CausalLMAdapter, causal_lm_loss
 from .families import FAMILIES, Family, RouterAux, Setting

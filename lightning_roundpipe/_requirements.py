@@ -1,5 +1,7 @@
-"""The transformers versions the Hugging Face adapter can use, checked when
-:mod:`lightning_roundpipe.models` is imported (before any model is touched)."""
+"""The transformers versions the Hugging Face adapter can use, checked first
+when :mod:`lightning_roundpipe` is imported: before Lightning, so that an
+unusable version is refused in a fraction of a second, not after the
+seconds importing Lightning takes."""
 
 from importlib.metadata import PackageNotFoundError, version
 
