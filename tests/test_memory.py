@@ -580,6 +580,7 @@ def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):
     args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--lora-rank", 4)
     code, text = run_cli(*args)
     assert code == 0, text
+    assert text.startswith(f"model: {path.stem}, "), text  # (not the dtype of the note)
     fp32 = gib_in(text, "(model state ")
     note = text.split("are their own master copy: host state ")[1]
     assert gib_in("x" + note, "x") < fp32

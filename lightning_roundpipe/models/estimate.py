@@ -554,9 +554,9 @@ def estimate(
         )
     compute_state = host_state_bytes(model, precision, dtype, double_buffer=async_optimizer)
     if compute_state < state:
-        name = str(dtype).removeprefix("torch.")
+        kind = str(dtype).removeprefix("torch.")
         notes.append(
-            f"frozen weights loaded in {name} (from_pretrained(..., dtype=torch.{name})) are "
+            f"frozen weights loaded in {kind} (from_pretrained(..., dtype=torch.{kind})) are "
             f"their own master copy: host state {gib(compute_state)} instead of {gib(state)}"
         )
     if rounds.round_size < m:

@@ -159,6 +159,17 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
             out.write(f"wrote {path}\n")
 
 
+def _model_name(source: str) -> str:
+    """What the estimate calls the model: a config file's name, or its folder's
+    for a ``config.json`` (``.../Llama-3.1-8B/config.json``), else ``source``."""
+    path = Path(source)
+    if not path.is_file():
+        return source
+    if path.stem == "config" and path.resolve().parent.name:
+        return path.resolve().parent.name
+    return path.stem
+
+
 def _cmd_estimate(args: argparse.Namespace, out) -> None:
     # (torch and transformers: the rest of the planning layer needs neither)
     import torch
@@ -187,7 +198,7 @@ def _cmd_estimate(args: argparse.Namespace, out) -> None:
         tflops=args.tflops,
         link_gbps=args.link_gbps,
         async_optimizer=not args.sync,
-        name=Path(args.config).stem if Path(args.config).is_file() else args.config,
+        name=_model_name(args.config),
         servers=args.servers,
         network_gbps=args.network_gbps,
         optimizer_gbps=args.optimizer_gbps,

@@ -154,3 +154,15 @@ def test_module_entry_point():
         check=True,
     )
     assert proc.stdout.splitlines()[0] == "|4|"
+
+
+def test_the_estimate_names_the_model_by_its_config_file_or_folder(tmp_path):
+    from lightning_roundpipe.plan.cli import _model_name
+
+    folder = tmp_path / "Llama-3.1-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (tmp_path / "mistral.json").write_text("{}")
+    assert _model_name(str(folder / "config.json")) == "Llama-3.1-8B"
+    assert _model_name(str(tmp_path / "mistral.json")) == "mistral"
+    assert _model_name("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"  # a cached name
