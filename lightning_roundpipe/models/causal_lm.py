@@ -279,6 +279,9 @@ class CausalLMAdapter(_Adapter):
         ``prepare`` does); cached per setting."""
         key = (dtype, tuple(sorted(tiles.items())), loss, mask, packed, router)
         cache = self.__dict__.setdefault("_activation_models", {})
+        # the layers' probes, shared by the settings that differ in tiles alone
+        memos = self.__dict__.setdefault("_layer_probes", {})
+        memo = memos.setdefault((dtype, loss, mask, packed, router, prepare), {})
         if key not in cache:
             cache[key] = probe_activations(
                 self._layers,
@@ -292,6 +295,7 @@ class CausalLMAdapter(_Adapter):
                 router=router,
                 prepare=prepare,
                 attention=attention_heads(self.target.config),
+                memo=memo,
             )
         return cache[key]
 
