@@ -650,6 +650,13 @@ def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):
         assert f"(bounded by {bound} memory" in text
         longest[dtype] = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
     assert longest["float32"] < longest["bfloat16"] == device
+    # a host smaller than the fp32 base's state: said first, and nothing else
+    # about the host's share of boundary values
+    text = run_cli(*args, "--host-memory", 0.9 * fp32)[1]
+    notes = [line for line in text.splitlines() if line.startswith("note: ")]
+    assert notes[0].startswith("note: the model state alone (") and "no sequence fits" in notes[0]
+    assert "frozen weights in the compute dtype need less" in notes[0]
+    assert "fits: NO" in text and "rounds of" not in text
 
 
 def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):

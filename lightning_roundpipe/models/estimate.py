@@ -559,7 +559,18 @@ def estimate(
             f"frozen weights loaded in {kind} (from_pretrained(..., dtype=torch.{kind})) are "
             f"their own master copy: host state {gib(compute_state)} instead of {gib(state)}"
         )
-    if rounds.round_size < m:
+    if spare is not None and spare <= 0:
+        notes.insert(
+            0,
+            f"the model state alone ({gib(state)}) needs more than the host memory "
+            f"({gib(host_memory)}): no sequence fits"
+            + (
+                " (frozen weights in the compute dtype need less: below)"
+                if compute_state < state
+                else ""
+            ),
+        )
+    elif rounds.round_size < m:
         notes.append(
             f"rounds of {rounds.round_size} micro-batches: a whole batch's boundary "
             f"activations ({gib(per_mb * m)}) exceed a quarter of the host memory the model "
