@@ -692,7 +692,7 @@ def probe_activations(
                         del out
                     got, nxt, work = measured[key]
                     if nxt is not None:
-                        x = dict(nxt)
+                        x = nxt  # (detached when kept; a layer's inputs are a new dict)
                     if batch == 1:
                         works[i].append(work)
                 if batch == 1:
