@@ -597,8 +597,17 @@ def test_the_longest_sequence_respects_the_host_memory_and_says_what_bounds_it(t
     assert "fits: yes" in run_cli(*args, "--seq", longest)[1]
     assert "fits: NO" in run_cli(*args, "--seq", int(longest * 1.25))[1]
     # less host memory than the model state: nothing fits, whatever the plan
+    # the plan and step are then shown where the GPUs alone would put them
+    # (a stage within its share of the GPU), not at one token
     code, text = run_cli(path, "--gpu-memory", 1.25, "--host-memory", state / 2)
     assert "longest sequence at micro-batch 1: 0 tokens" in text and "fits: NO" in text
+    assert "; LoRA adapters (--lora-rank) keep optimizer state for far fewer weights" in text
+    alone = int(text.split("the GPUs alone allow ")[1].split()[0])
+    assert f"setting: 1 x {alone} tokens per micro-batch" in text
+    assert f"note: the plan, memory and step above are at {alone} tokens, the longest" in text
+    limit = gib_in(text, "a stage may use ")
+    peaks = text.split("(predicted peak): ")[1].splitlines()[0].split(", ")
+    assert max(float(p.split()[0]) for p in peaks) <= limit + 0.005
     # at the longest sequences a stage takes all of the GPU's usable memory,
     # and where the host holds few boundary values the stages are rewalked:
     # it says so, with the compute that costs
@@ -657,6 +666,25 @@ def test_a_frozen_base_in_the_compute_dtype_is_held_once_on_the_host(tmp_path):
     assert notes[0].startswith("note: the model state alone (") and "no sequence fits" in notes[0]
     assert "frozen weights in the compute dtype need less" in notes[0]
     assert "fits: NO" in text and "rounds of" not in text
+
+
+def test_a_gpu_too_small_for_a_layers_weights_is_refused_naming_the_gpu_memory(tmp_path, capsys):
+    """A layer whose weights and gradients alone exceed a stage's share of the
+    GPU is refused at once (no probes), with the GPU memory that would hold
+    it, which then does."""
+    path = config_file(tmp_path, vocab_size=64000, hidden_size=512, head_dim=128)
+    code, _ = run_cli(path, "--gpu-memory", 1.1)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert (
+        "of device memory for its weights and gradients alone, more than a stage may use on a "
+        in err
+    )
+    assert "gpu_memory (--gpu-memory) must be at least " in err
+    assert "or train LoRA adapters (--lora-rank)" in err
+    need = float(err.split("must be at least ")[1].split(" GiB")[0])
+    code, text = run_cli(path, "--gpu-memory", need + 0.01, "--seq", 16)
+    assert code == 0 and "fits: yes" in text, text
 
 
 def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,9 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            # peft reads transformers' deprecated is_gradient_checkpointing: not the user's to fix
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
             model = get_peft_model(model, lora).get_base_model()  # adapters injected
     return model
 
@@ -376,6 +379,30 @@ def boundary_bytes(plan: Any, tokens: int, hidden: int, element: int) -> int:
     return value_bytes(tokens, hidden, element) * plan.boundaries_per_microbatch()
 
 
+def _check_layers_fit(
+    memory: list[float], limit: int, gpu_memory: float, lora_rank: int | None
+) -> None:
+    """Refuse a GPU on which some layer's weights and gradients alone exceed
+    what a stage may use (half of what the CUDA context leaves), naming the
+    GPU memory that would hold it, before any probe runs."""
+    if not memory or max(memory) <= limit:
+        return
+    worst = max(range(len(memory)), key=memory.__getitem__)
+    what = "the embedding" if worst == 0 else "the head" if worst == len(memory) - 1 else "a block"
+    need = 2 * memory[worst] + CUDA_CONTEXT
+    raise ValueError(
+        f"layer {worst} ({what}) needs {gib(memory[worst])} of device memory for its weights "
+        f"and gradients alone, more than a stage may use on a GPU of {gib(gpu_memory)} "
+        f"({gib(limit)}: half of what the CUDA context leaves, the other half holding the next "
+        f"stage's weights): gpu_memory (--gpu-memory) must be at least {gib(need)}"
+        + (
+            ""
+            if lora_rank
+            else ", or train LoRA adapters (--lora-rank): frozen weights have no gradients"
+        )
+    )
+
+
 def tile_budget(gpu_memory: float) -> int:
     """Bytes per tile on a GPU of ``gpu_memory`` bytes as ``tile_memory="auto"``
     sizes them: an eighth of a stage's memory (half of what the CUDA context
@@ -437,6 +464,7 @@ def estimate(
     limit = int(budget_all // 2)  # a stage and the next one, prefetched
     if limit <= 0:
         raise ValueError(f"gpu_memory must be more than {CUDA_CONTEXT} bytes, got {gpu_memory}")
+    _check_layers_fit(sizes.memory or [], limit, gpu_memory, lora_rank)
     size = torch.empty(0, dtype=dtype).element_size()
     tiles = adapter.tiles_for(tile_budget(gpu_memory), dtype)
     models: dict[tuple, ActivationModel] = {}
@@ -518,9 +546,13 @@ def estimate(
             values = boundary_bytes(alone, device_longest, hidden, size)
             device_host = state + values / HOST_ACTIVATION_SHARE
     notes = []
+    shown_at = None  # nothing fits: the sequence the plan is shown at instead
     if seq is None:
-        seq = max(1, min(longest, ceiling) if longest else 1)
-    decision = plan_at(seq, micro_batch)
+        if longest:
+            seq = min(longest, ceiling)
+        else:  # what the GPUs alone allow, were the host large enough
+            seq = shown_at = max(1, min(device_longest or 1, ceiling))
+    decision = plan_at(seq, micro_batch, host=shown_at is None)
     plan, peaks, room = decision.plan, decision.peaks, decision.memory_limit
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
     rounds = choose_round(m, boundary_bytes=per_mb, budget=round_budget)
@@ -567,8 +599,17 @@ def estimate(
             + (
                 " (frozen weights in the compute dtype need less: below)"
                 if compute_state < state
+                else "; LoRA adapters (--lora-rank) keep optimizer state for far fewer weights"
+                if not lora_rank
                 else ""
             ),
+        )
+    if shown_at is not None:
+        notes.insert(
+            1 if notes else 0,
+            f"the plan, memory and step above are at {shown_at} tokens, the longest the GPUs "
+            "alone allow (up to max_position_embeddings), as they would be with enough host "
+            "memory",
         )
     elif rounds.round_size < m:
         notes.append(
