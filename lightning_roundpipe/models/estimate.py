@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -53,6 +54,8 @@ from .causal_lm import CausalLMAdapter
 from .memory import ActivationModel, applied_tiles, longest_sequence, value_bytes
 
 __all__ = ["Estimate", "estimate", "load_config"]
+
+_log = logging.getLogger(__name__)
 
 GiB = 2**30
 #: memory the CUDA context and allocator keep on a GPU before any tensor
@@ -138,10 +141,13 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
-        with torch.device("meta"), warnings.catch_warnings():
-            # peft reads transformers' deprecated is_gradient_checkpointing: not the user's to fix
-            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             model = get_peft_model(model, lora).get_base_model()  # adapters injected
+        # peft's warnings about the config built here (its deprecated transformers
+        # calls, its own MoE target patterns) are nothing the user can act on
+        for w in caught:
+            _log.debug("peft, injecting LoRA for the estimate: %s", w.message)
     return model
 
 
