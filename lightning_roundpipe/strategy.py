@@ -13,9 +13,12 @@ they run in order on the optimizer thread while devices compute.
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 import logging
 import os
 import time
+import typing
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -47,12 +50,22 @@ from .plan.decide import tightest
 from .precision import RoundPipePrecision
 from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
-from .runtime.options import PRECISIONS, EngineOptions, NonFinite
+from .runtime.options import PRECISIONS, EngineOptions, NonFinite, check_types
 from .runtime.replicas import Replicas
 
 __all__ = ["RoundPipeStrategy"]
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _option_hints() -> dict[str, Any]:
+    """The annotated types of the strategy's own keyword options (the
+    Trainer sets ``cluster_environment`` and the positional ones)."""
+    hints = typing.get_type_hints(RoundPipeStrategy.__init__)
+    params = inspect.signature(RoundPipeStrategy.__init__).parameters.values()
+    own = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    return {name: hints[name] for name in own if name != "cluster_environment"}
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -188,7 +201,7 @@ class RoundPipeStrategy(ParallelStrategy):
         microbatches_per_round: int | Literal["auto"] | None = None,
         activation_memory: int | None = None,
         plan: str | Literal["auto"] = "auto",
-        trace_dir: str | None = None,
+        trace_dir: str | os.PathLike | None = None,
         layers: str | None = None,
         device_memory_limit: int | None = None,
         tile_memory: int | Literal["auto"] | None = "auto",
@@ -206,6 +219,13 @@ class RoundPipeStrategy(ParallelStrategy):
         reduce_bucket_bytes: int = 25 * 2**20,
         cluster_environment: ClusterEnvironment | None = None,
     ) -> None:
+        given = dict(locals())
+        check_types({k: given[k] for k in _option_hints()}, _option_hints())
+        if log_every_n_steps is not None and log_every_n_steps < 0:
+            raise ValueError(
+                f"log_every_n_steps must be >= 0 (0 turns the strategy's own metrics off) or "
+                f"None (the Trainer's), got {log_every_n_steps!r}"
+            )
         if num_microbatches != "auto" and (
             isinstance(num_microbatches, bool)
             or not isinstance(num_microbatches, int)

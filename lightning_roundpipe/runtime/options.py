@@ -11,15 +11,19 @@ the non-finite policies are defined here and nowhere else.
 
 from __future__ import annotations
 
+import os
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import torch
 
 from ..plan import PlanError
 from ..plan.schedule import Placement
 
-__all__ = ["NONFINITE", "PRECISIONS", "EngineOptions", "NonFinite", "Precision"]
+__all__ = ["NONFINITE", "PRECISIONS", "EngineOptions", "NonFinite", "Precision", "check_types"]
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 #: the compute dtype (and master-copy dtype) of each supported precision
@@ -31,6 +35,58 @@ PRECISIONS: dict[str, torch.dtype] = {
 }
 NonFinite = Literal["raise", "skip", "ignore"]
 NONFINITE = ("raise", "skip", "ignore")
+
+
+def _accepts(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the annotated type ``hint`` (``bool`` is not an
+    ``int`` here, and a number is not a flag: ``"false"`` is not ``False``)."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is Literal:  # (of the right type: which values, the option's own check says)
+        return any(type(value) is type(a) for a in get_args(hint))
+    if origin in (Union, types.UnionType):
+        return any(_accepts(value, h) for h in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(origin, type):  # (list[int] and the like: the container only)
+        return isinstance(value, origin)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _describe(hint: Any) -> list[str]:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return [repr(a) for a in get_args(hint)]
+    if origin in (Union, types.UnionType):
+        return [d for h in get_args(hint) for d in _describe(h)]
+    names = {
+        bool: "True or False",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        os.PathLike: "a path",
+        type(None): "None",
+    }
+    if hint in names:
+        return [names[hint]]
+    return [f"a {getattr(origin or hint, '__name__', str(hint))}"]
+
+
+def check_types(values: Mapping[str, Any], hints: Mapping[str, Any]) -> None:
+    """Raise a ``ValueError`` (as every option's own check does) naming the
+    first option in ``values`` whose value is not of its annotated type in
+    ``hints`` (options without one are not checked), before the options'
+    value checks: a string where a flag belongs would otherwise count as
+    true, a float number of workers fail deep inside a run."""
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is not None and not _accepts(value, hint):
+            raise ValueError(f"{name} must be {' or '.join(_describe(hint))}, got {value!r}")
 
 
 def _positive_int(value: Any) -> bool:
@@ -63,6 +119,10 @@ class EngineOptions:
     double_buffer: bool | None = None
 
     def __post_init__(self) -> None:
+        check_types(
+            {f.name: getattr(self, f.name) for f in fields(self)},
+            typing.get_type_hints(EngineOptions),
+        )
         if self.double_buffer not in (None, True, False):
             raise ValueError(
                 f"double_buffer must be True, False or None, got {self.double_buffer!r}"

@@ -759,7 +759,21 @@ def test_the_startup_log_and_plan_errors_name_the_layers(caplog):
             {"async_optimizer": False, "double_buffer": True},
             r"double_buffer=True needs the asynchronous optimizer \(async_optimizer=True\)",
         ),
-        ({"double_buffer": "yes"}, "double_buffer must be True, False or None, got 'yes'"),
+        ({"double_buffer": "yes"}, "double_buffer must be True or False or None, got 'yes'"),
+        # every option's type, checked from its annotation before anything else:
+        # a string is not a flag, a float is not a count of workers
+        ({"async_optimizer": "false"}, "async_optimizer must be True or False, got 'false'"),
+        ({"fuse_optimizer": "no"}, "fuse_optimizer must be True or False, got 'no'"),
+        ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
+        ({"plan": 5}, "plan must be a string or 'auto', got 5"),
+        ({"layers": 123}, "layers must be a string or None, got 123"),
+        ({"trace_dir": 123}, "trace_dir must be a string or a path or None, got 123"),
+        ({"workers_per_device": 2.5}, "workers_per_device must be an integer, got 2.5"),
+        ({"watchdog_timeout": "5"}, "watchdog_timeout must be a number, got '5'"),
+        ({"device_memory_limit": 1e9}, "device_memory_limit must be an integer or None, got 1000000000.0"),
+        ({"nonfinite": 3}, "nonfinite must be 'raise' or 'skip' or 'ignore', got 3"),
+        ({"log_every_n_steps": "5"}, "log_every_n_steps must be an integer or None, got '5'"),
+        ({"log_every_n_steps": -1}, r"log_every_n_steps must be >= 0 \(0 turns the strategy's own"),
     ],
 )
 def test_engine_options_are_refused_when_the_strategy_is_built(kwargs, match):
