@@ -718,11 +718,55 @@ def test_estimate_prints_the_gradient_all_reduce_across_servers(tmp_path, capsys
     assert code == 0
     for line in ("servers:", "all-reduce:", "throughput of", "network:"):
         assert line not in text
-    # options are checked before the model is read
-    code, _ = run_cli(path, "--gpu-memory", 1.25, "--servers", 0)
-    assert code == 2 and "--servers must be >= 1" in capsys.readouterr().err
-    code, _ = run_cli(path, "--gpu-memory", 1.25, "--servers", 2, "--network-gbps", 0)
-    assert code == 2 and "--network-gbps must be > 0" in capsys.readouterr().err
+    # options are checked before the model is read (test_estimate_refuses_bad_numbers)
+    with pytest.raises(SystemExit):
+        run_cli(path, "--gpu-memory", 1.25, "--servers", 0)
+    assert "argument --servers: must be an integer > 0, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--tflops", "0", "a number > 0, got '0'"),
+        ("--tflops", "-1", "a number > 0, got '-1'"),
+        ("--link-gbps", "nan", "a number > 0, got 'nan'"),
+        ("--network-gbps", "0", "a number > 0, got '0'"),
+        ("--seq", "0", "an integer > 0, got '0'"),
+        ("--seq", "-5", "an integer > 0, got '-5'"),
+        ("--microbatches", "0", "an integer > 0, got '0'"),
+        ("--lora-rank", "0", "an integer > 0, got '0'"),
+        ("--gpus", "2.5", "an integer > 0, got '2.5'"),
+        ("--gpu-memory", "-5", "a number > 0, got '-5'"),
+    ],
+)
+def test_estimate_refuses_bad_numbers_naming_the_flag(tmp_path, capsys, flag, value, expected):
+    """Counts and rates are checked as arguments are read: the error names
+    the flag (not the object it would have reached), and nothing runs."""
+    args = [config_file(tmp_path), "--gpu-memory", 24, flag, value]
+    with pytest.raises(SystemExit) as exc:
+        run_cli(*args)
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be {expected}" in capsys.readouterr().err
+
+
+def test_estimate_errors_name_the_gpu_memory_and_the_config_file(tmp_path, capsys):
+    path = config_file(tmp_path)
+    code, _ = run_cli(path, "--gpu-memory", 0.5)
+    assert code == 2
+    assert (
+        "gpu_memory (--gpu-memory) must be more than the 1.00 GiB the CUDA context takes, got "
+        "0.50 GiB" in capsys.readouterr().err
+    )
+    path.write_text("not json")
+    code, _ = run_cli(path, "--gpu-memory", 24)
+    assert code == 2 and f"{path}: not a config JSON file (" in capsys.readouterr().err
+    # and through the Python API, with the argument's own name
+    from lightning_roundpipe.models.estimate import estimate
+
+    with pytest.raises(ValueError, match="tflops must be > 0, got 0"):
+        estimate(object(), gpu_memory=24 * 2**30, tflops=0)
+    with pytest.raises(ValueError, match="seq must be an integer >= 1, got 0"):
+        estimate(object(), gpu_memory=24 * 2**30, seq=0)
 
 
 def test_the_host_state_counts_the_asynchronous_optimizers_second_master_copy(tmp_path):
@@ -748,6 +792,32 @@ def test_the_host_state_counts_the_asynchronous_optimizers_second_master_copy(tm
         for a in (True, False)
     )
     assert two / one == pytest.approx(20 / 18, rel=1e-9)
+
+
+def test_the_estimated_step_is_no_shorter_than_each_links_weight_traffic(tmp_path):
+    """Each round every stage's weights go up and its fp32 gradients come
+    down, the stages spread over the GPUs' links: where that takes longer
+    than the compute, it is the step (and a note says so); LoRA's frozen
+    weights have no gradients to bring down."""
+    from lightning_roundpipe.models.estimate import estimate, load_config
+
+    config = load_config(str(config_file(tmp_path, vocab_size=64000, hidden_size=512)))
+    kw = dict(gpu_memory=8 * 2**30, seq=64, optimizer_gbps=1e6)
+    compute = estimate(config, link_gbps=1e6, **kw)  # an instant link
+    assert compute.step_seconds == compute.device_seconds > compute.upload_seconds
+    assert not any("weight traffic" in n for n in compute.notes)
+    weights = compute.parameters * 2  # bf16
+    for gpus in (1, 2):
+        slow = estimate(config, link_gbps=1.0, gpus=gpus, **kw)
+        assert slow.step_seconds == slow.upload_seconds > compute.step_seconds
+        gradients = slow.trainable * 4  # fp32, down while the weights go up
+        per_link = max(weights, gradients) / gpus / 1e9
+        assert slow.upload_seconds == pytest.approx(per_link, rel=1e-6)
+        assert any("weight traffic" in n and "bounds the step" in n for n in slow.notes)
+        assert slow.tokens_per_second == pytest.approx(64 * gpus / slow.upload_seconds)
+    pytest.importorskip("peft")
+    lora = estimate(config, link_gbps=1.0, lora_rank=4, **kw)
+    assert lora.upload_seconds == pytest.approx(weights / 1e9, rel=1e-2)  # (and the adapters)
 
 
 def test_the_estimated_step_counts_the_hosts_work_per_update(tmp_path):

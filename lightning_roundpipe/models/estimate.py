@@ -112,8 +112,11 @@ def load_config(source: str) -> Any:
 
     path = Path(source)
     if path.is_file():
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if "model_type" not in data:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{source}: not a config JSON file ({exc})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{source}: a config JSON needs 'model_type'")
         return transformers.AutoConfig.for_model(**data)
     try:
@@ -217,6 +220,9 @@ class Estimate:
     longest_seq: int
     step_seconds: float
     tokens_per_second: float
+    #: each GPU link's time per step for the weights going up and the fp32
+    #: gradients coming down (at once), once per round; the step is no
+    #: shorter (they hide behind compute only up to its length)
     upload_seconds: float
     notes: list[str] = field(default_factory=list)
     #: data parallelism: replicas (one per server) and their network (Gb/s)
@@ -296,7 +302,7 @@ class Estimate:
             )
             + ")",
             f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
-            f"(weight uploads need {self.upload_seconds:.3g} s per step"
+            f"(weight uploads need {self.upload_seconds:.3g} s per step on each GPU's link"
             + (
                 f"; the GPUs wait {self.copy_seconds:.3g} s in all for copies compute does not hide"
                 if self.copy_seconds > 0
@@ -451,11 +457,23 @@ def estimate(
     gradients over a ``network_gbps`` gigabit-per-second link each; the host
     optimizer step streams :data:`OPTIMIZER_BYTES` per trainable parameter at
     ``optimizer_gbps`` GB/s."""
-    if gpus < 1 or micro_batch < 1:
-        raise ValueError("gpus and micro_batch must be >= 1")
-    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
-        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
-    for label, value in (("network_gbps", network_gbps), ("optimizer_gbps", optimizer_gbps)):
+    for label, count in (
+        ("gpus", gpus),
+        ("micro_batch", micro_batch),
+        ("seq", seq),
+        ("num_microbatches", num_microbatches),
+        ("lora_rank", lora_rank),
+        ("servers", servers),
+    ):
+        whole = isinstance(count, int) and not isinstance(count, bool)
+        if count is not None and not (whole and count >= 1):
+            raise ValueError(f"{label} must be an integer >= 1, got {count!r}")
+    for label, value in (
+        ("tflops", tflops),
+        ("link_gbps", link_gbps),
+        ("network_gbps", network_gbps),
+        ("optimizer_gbps", optimizer_gbps),
+    ):
         if not value > 0:
             raise ValueError(f"{label} must be > 0, got {value!r}")
     if precision not in PRECISIONS:
@@ -469,7 +487,10 @@ def estimate(
     budget_all = gpu_memory - CUDA_CONTEXT  # a worker's device bytes
     limit = int(budget_all // 2)  # a stage and the next one, prefetched
     if limit <= 0:
-        raise ValueError(f"gpu_memory must be more than {CUDA_CONTEXT} bytes, got {gpu_memory}")
+        raise ValueError(
+            f"gpu_memory (--gpu-memory) must be more than the {gib(CUDA_CONTEXT)} the CUDA "
+            f"context takes, got {gib(gpu_memory)}"
+        )
     _check_layers_fit(sizes.memory or [], limit, gpu_memory, lora_rank)
     size = torch.empty(0, dtype=dtype).element_size()
     tiles = adapter.tiles_for(tile_budget(gpu_memory), dtype)
@@ -584,12 +605,19 @@ def estimate(
     # back with the asynchronous optimizer, one iteration's makespan without)
     bubble = sim.async_bubble_ratio if async_optimizer else sim.bubble_ratio
     step = sim.work / (gpus * (1 - (bubble or 0.0)))
-    upload = sum(sizes.weight_bytes or []) * 2 / (link_gbps * 1e9)  # up + gradients down
+    # every stage's weights go up and its fp32 gradients down once per round,
+    # each round's stages spread over the GPUs' links (up and down at once)
+    per_round = max(sum(sizes.weight_bytes or []), sum(_gradient_bytes(layers)))
+    upload = (
+        -(-m // rounds.round_size) * per_round / (min(gpus, len(plan.stages)) * link_gbps * 1e9)
+    )
     if upload > step:
         notes.append(
-            f"weight traffic ({upload:.3g} s per step at {link_gbps} GB/s per GPU link) exceeds "
-            "compute: raise num_microbatches (more work per upload) or sequence length"
+            f"weight traffic ({upload:.3g} s per step on each GPU's link at {link_gbps} GB/s) "
+            f"exceeds compute ({step:.3g} s), so it bounds the step: more tokens per step "
+            "(--microbatches, --micro-batch, --seq) hide it"
         )
+        step = upload
     compute_state = host_state_bytes(model, precision, dtype, double_buffer=async_optimizer)
     if compute_state < state:
         kind = str(dtype).removeprefix("torch.")

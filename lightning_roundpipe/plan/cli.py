@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .costs import LayerCosts, PlanError
 from .partition import partition
@@ -47,6 +48,27 @@ def _numbers(text: str) -> list[float]:
     return out
 
 
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` above zero (argparse names the
+    flag in its error)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or value != value:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse's "invalid int value" wording)
+    return parse
+
+
+_count, _amount = _positive(int), _positive(float)
+
+
 def _ints(text: str) -> list[int]:
     vals = _numbers(text)
     if any(not v.is_integer() for v in vals):
@@ -60,9 +82,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     src.add_argument("--forward", type=_numbers, help="forward time per layer, e.g. 0.1,1x12,3")
     src.add_argument("--backward", type=_numbers, help="backward time per layer (no recompute)")
     src.add_argument("--memory", type=_numbers, help="device memory per layer and micro-batch")
-    p.add_argument("-N", "--devices", type=int, required=True, help="number of devices")
-    p.add_argument("-M", "--microbatches", type=int, required=True, help="micro-batches")
-    p.add_argument("--memory-limit", type=float, help="device memory per stage (memory's unit)")
+    p.add_argument("-N", "--devices", type=_count, required=True, help="number of devices")
+    p.add_argument("-M", "--microbatches", type=_count, required=True, help="micro-batches")
+    p.add_argument("--memory-limit", type=_amount, help="device memory per stage (memory's unit)")
 
 
 def _costs(args: argparse.Namespace) -> LayerCosts:
@@ -176,14 +198,6 @@ def _cmd_estimate(args: argparse.Namespace, out) -> None:
 
     from ..models.estimate import GiB, estimate, load_config
 
-    if args.servers < 1:
-        raise ValueError(f"--servers must be >= 1, got {args.servers}")
-    for flag, value in (
-        ("--network-gbps", args.network_gbps),
-        ("--optimizer-gbps", args.optimizer_gbps),
-    ):
-        if not value > 0:
-            raise ValueError(f"{flag} must be > 0, got {value}")
     config = load_config(args.config)
     result = estimate(
         config,
@@ -225,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--plan", help="RoundPipe plan in compact form, e.g. 3,3|1|2,2,2")
     s.add_argument("--stages", type=_ints, help="baselines: layers per stage, e.g. 4,3,3,3")
-    s.add_argument("--stages-per-device", type=int, help="looped baselines (default 2)")
-    s.add_argument("--round-size", type=int, help="RoundPipe micro-batches per round")
+    s.add_argument("--stages-per-device", type=_count, help="looped baselines (default 2)")
+    s.add_argument("--round-size", type=_count, help="RoundPipe micro-batches per round")
     s.add_argument("--comm-time", type=float, default=0.0, help="activation hop time")
     s.add_argument(
         "--async",
@@ -240,14 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan, memory, longest sequence and throughput of a Hugging Face causal LM",
     )
     e.add_argument("config", help="config.json path, or a model name whose config is cached")
-    e.add_argument("--gpu-memory", type=float, required=True, help="GiB of memory per GPU")
-    e.add_argument("--gpus", type=int, default=1, help="GPUs (default 1)")
-    e.add_argument("--host-memory", type=float, help="GiB of host memory (checked if given)")
-    e.add_argument("--seq", type=int, help="tokens per sequence (default: the longest that fits)")
-    e.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    e.add_argument("--microbatches", type=int, help="micro-batches per step (default: GPUs)")
+    e.add_argument("--gpu-memory", type=_amount, required=True, help="GiB of memory per GPU")
+    e.add_argument("--gpus", type=_count, default=1, help="GPUs (default 1)")
+    e.add_argument("--host-memory", type=_amount, help="GiB of host memory (checked if given)")
+    e.add_argument(
+        "--seq", type=_count, help="tokens per sequence (default: the longest that fits)"
+    )
+    e.add_argument("--micro-batch", type=_count, default=1, help="sequences per micro-batch")
+    e.add_argument("--microbatches", type=_count, help="micro-batches per step (default: GPUs)")
     e.add_argument("--precision", default="bf16-mixed", help="as Trainer(precision=...)")
-    e.add_argument("--lora-rank", type=int, help="LoRA of this rank on every linear layer")
+    e.add_argument("--lora-rank", type=_count, help="LoRA of this rank on every linear layer")
     e.add_argument(
         "--frozen-dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -255,27 +271,27 @@ def build_parser() -> argparse.ArgumentParser:
         "precision's for *-true); in the compute dtype they are held once on the host",
     )
     e.add_argument(
-        "--tflops", type=float, default=200.0, help="sustained TFLOP/s per GPU (default 200)"
+        "--tflops", type=_amount, default=200.0, help="sustained TFLOP/s per GPU (default 200)"
     )
     e.add_argument(
-        "--link-gbps", type=float, default=25.0, help="host-GPU GB/s per GPU (default 25)"
+        "--link-gbps", type=_amount, default=25.0, help="host-GPU GB/s per GPU (default 25)"
     )
     e.add_argument("--sync", action="store_true", help="synchronous optimizer")
     e.add_argument(
         "--servers",
-        type=int,
+        type=_count,
         default=1,
         help="servers, one replica each, gradients all-reduced every step (default 1)",
     )
     e.add_argument(
         "--network-gbps",
-        type=float,
+        type=_amount,
         default=100.0,
         help="link between servers in gigabits per second (default 100, i.e. 100 Gb/s)",
     )
     e.add_argument(
         "--optimizer-gbps",
-        type=float,
+        type=_amount,
         default=20.0,
         help="host GB/s of an update: the optimizer step (16 bytes per trainable parameter), "
         "the gradient check and weight copies (10 more in bf16) (default 20)",

@@ -770,7 +770,10 @@ def test_the_startup_log_and_plan_errors_name_the_layers(caplog):
         ({"trace_dir": 123}, "trace_dir must be a string or a path or None, got 123"),
         ({"workers_per_device": 2.5}, "workers_per_device must be an integer, got 2.5"),
         ({"watchdog_timeout": "5"}, "watchdog_timeout must be a number, got '5'"),
-        ({"device_memory_limit": 1e9}, "device_memory_limit must be an integer or None, got 1000000000.0"),
+        (
+            {"device_memory_limit": 1e9},
+            "device_memory_limit must be an integer or None, got 1000000000.0",
+        ),
         ({"nonfinite": 3}, "nonfinite must be 'raise' or 'skip' or 'ignore', got 3"),
         ({"log_every_n_steps": "5"}, "log_every_n_steps must be an integer or None, got '5'"),
         ({"log_every_n_steps": -1}, r"log_every_n_steps must be >= 0 \(0 turns the strategy's own"),
