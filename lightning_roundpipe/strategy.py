@@ -618,12 +618,36 @@ class RoundPipeStrategy(ParallelStrategy):
             f"simulated bubble {self._bubble:.1%} (size-based estimates)"
         )
         if trainer.state.fn == TrainerFn.FITTING:
+            self._warn_batch_statistics(adapter, m)
             self._route_optimizer_calls(trainer)
             self._resume_stale()
             # a rebuild within the fit, or of a resumed one: go on counting
             if self.precision_plugin.carried is not None:
                 self.engine.continue_from(self.precision_plugin.carried)
             self._retry.arm()
+
+    def _warn_batch_statistics(self, adapter: Any, m: int) -> None:
+        """A layer normalising over the samples of its input (batch norm) sees
+        one micro-batch at a time: say so when there are several, since the
+        result then differs from whole-batch training and follows the count."""
+        if m == 1:
+            return
+        found = [
+            f"{type(mod).__name__} (layer {i}{'.' + name if name else ''})"
+            for i, layer in enumerate(adapter.layers())
+            for name, mod in layer.named_modules()
+            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)
+        ]
+        if found:
+            shown = ", ".join(found[:3]) + (" ..." if len(found) > 3 else "")
+            how = "num_microbatches='auto'" if self.num_microbatches == "auto" else "as given"
+            rank_zero_warn(
+                f"{shown} normalise over the samples of each micro-batch: with {m} micro-batches "
+                f"per batch ({how}) their statistics, and so the training, differ from "
+                "whole-batch training and change with the count; set num_microbatches=1 for "
+                "whole-batch statistics, or a fixed integer so that runs on different numbers "
+                "of devices agree"
+            )
 
     def _check_outside_parameters(self, adapter: Any) -> None:
         """With the asynchronous optimizer the training loop must never read a

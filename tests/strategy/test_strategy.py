@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -784,3 +785,37 @@ def test_engine_options_are_refused_when_the_strategy_is_built(kwargs, match):
     EngineOptions the engine uses, before any setup."""
     with pytest.raises(ValueError, match=match):
         RoundPipeStrategy(**kwargs)
+
+
+class BatchNormSeq(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(extra=False)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("n_mb", [1, 2])
+def test_batch_norm_over_micro_batches_is_warned_of_and_one_micro_batch_is_whole_batch(n_mb):
+    """Batch norm sees one micro-batch at a time: with several its statistics
+    differ from whole-batch training (the strategy warns, naming the layer
+    and the count); with one micro-batch the training equals the default
+    strategy's."""
+    data = seq_data(32)
+    ref = BatchNormSeq()
+    fit(ref, data, "auto", max_steps=3)
+    mod = BatchNormSeq()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(mod, data, sync(n_mb), devices=2, max_steps=3)
+    said = [str(w.message) for w in caught if "normalise over the samples" in str(w.message)]
+    if n_mb == 1:
+        assert not said
+        assert_same(params(mod), params(ref))
+        assert torch.allclose(mod.net[1].running_mean, ref.net[1].running_mean, atol=1e-6)
+    else:
+        assert said == [
+            "BatchNorm1d (layer 1) normalise over the samples of each micro-batch: with 2 "
+            "micro-batches per batch (as given) their statistics, and so the training, differ "
+            "from whole-batch training and change with the count; set num_microbatches=1 for "
+            "whole-batch statistics, or a fixed integer so that runs on different numbers of "
+            "devices agree"
+        ]
