@@ -584,6 +584,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 # is already in host memory, the default budgets count it once
                 optimizer_state=0 if any(opt.state for opt in self.optimizers) else None,
                 parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
+                spread_values=adapter.spread_values,
                 replicas=self._replicas,
                 chaos=self._chaos,  # tests: delays or faults at the hand-offs
             )

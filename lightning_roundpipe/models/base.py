@@ -86,6 +86,9 @@ class _Adapter(ABC):
     """Common interception: patch ``target.forward``, restore on ``detach``."""
 
     target: nn.Module
+    #: the engine's ``spread_values``: whether a tuple between layers is the
+    #: next layer's positional arguments and a dict its keywords
+    spread_values = True
 
     @abstractmethod
     def layers(self) -> list[nn.Module]:
@@ -184,6 +187,7 @@ class SequentialAdapter(_Adapter):
     """An ``nn.Sequential``: its children are the pipeline layers."""
 
     kind = "nn.Sequential"
+    spread_values = False  # (each child takes the previous one's output whole)
 
     def __init__(self, target: nn.Sequential, name: str) -> None:
         self.target = target

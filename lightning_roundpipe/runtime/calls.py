@@ -124,6 +124,9 @@ class Runtime:
         self.held = 0
         self.held_peak = 0
         self.forbid_host_sync = False
+        # a tuple value is a layer's positional arguments, a dict its keywords
+        # (False: the value is the one argument, as nn.Sequential passes it)
+        self.spread_values = True
         # upload the next stage's weights and the next micro-batch's input
         # while a stage computes (False: the device's room is all the stage's)
         self.prefetch = True

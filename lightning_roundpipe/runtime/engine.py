@@ -138,7 +138,8 @@ class RoundPipeEngine:
     Args:
         layers: the model as an ordered list of modules; the output of layer
             ``i`` (a tensor or a tuple/dict of tensors) is the input of layer
-            ``i + 1``. Their parameters stay the optimizer copy, on the host.
+            ``i + 1`` (see ``spread_values``). Their parameters stay the
+            optimizer copy, on the host.
         devices: one worker per entry (``torch.device``, ``"cuda:0"``, ``0``,
             ``"cpu"``); entries may repeat to let several workers share one
             device.
@@ -263,6 +264,10 @@ class RoundPipeEngine:
             :class:`~lightning_roundpipe.runtime.replicas.Replicas`): each
             window's gradients are averaged over them, overlapped with the
             backward (see :mod:`~lightning_roundpipe.runtime.replicas`).
+        spread_values: how a value reaches a layer: a tuple as positional
+            arguments and a dict as keyword arguments (default; the layers
+            of the model adapters), else the value as the one argument, as
+            ``nn.Sequential`` passes it.
         rules: tests only: the ordering rules' conditions (a
             :class:`~lightning_roundpipe.runtime.optimizer.Rules`, the
             default); a subclass with a rule removed shows what it prevents.
@@ -301,6 +306,7 @@ class RoundPipeEngine:
         replicas: Replicas | None = None,
         chaos: Callable[[str], None] | None = None,
         rules: Rules | None = None,
+        spread_values: bool = True,
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -485,6 +491,7 @@ class RoundPipeEngine:
             if trace:
                 rt.trace = TraceRecorder()
             rt.forbid_host_sync = forbid_host_sync
+            rt.spread_values = spread_values
             self._set_plan(plan)
             self.scaler = LossScaler(enabled=precision == "16-mixed")
             self._caller_grads = CallerGradients(rt, self.scaler, nonfinite, self._wait)
@@ -551,7 +558,7 @@ class RoundPipeEngine:
         """An engine with ``options`` (validated when they were made);
         ``kwargs``: the arguments that are not options (``plan``, ``costs``,
         ``activation_estimate``, ``optimizer_state``, ``parameter_names``,
-        ``chaos``, ``rules``)."""
+        ``spread_values``, ``chaos``, ``rules``)."""
         return cls(layers, devices, num_microbatches, **options.as_kwargs(), **kwargs)
 
     def _outside_gradient_hooks(self, names: dict[int, str]) -> list[Any]:

@@ -773,7 +773,7 @@ class Worker:
                 with counting, self._guard():  # (bytes kept for backward: profiling only)
                     if timer is not None:
                         a = timer.watch.mark()
-                    x = call_layer(rep.module, x)
+                    x = call_layer(rep.module, x) if self.rt.spread_values else rep.module(x)
                     if finish is not None and off == last:
                         x = finish(x)
                     if timer is not None:

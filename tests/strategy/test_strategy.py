@@ -819,3 +819,35 @@ def test_batch_norm_over_micro_batches_is_warned_of_and_one_micro_batch_is_whole
             "whole-batch statistics, or a fixed integer so that runs on different numbers of "
             "devices agree"
         ]
+
+
+class _Split(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.lin(x), x.sum(-1, keepdim=True)  # one value: a tuple
+
+
+class _Join(nn.Module):
+    def forward(self, pair):  # takes the tuple whole, as nn.Sequential passes it
+        return pair[0] * pair[1]
+
+
+class TupleSeq(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(extra=False)
+        self.net = nn.Sequential(_Split(), _Join(), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_sequential_children_take_a_tuple_whole_as_torch_passes_it():
+    """nn.Sequential hands each child the previous one's output as its one
+    argument, a tuple included: pipelined, it trains like the default
+    strategy (the model adapters' layers get tuples spread instead)."""
+    data = seq_data(32)
+    ref = TupleSeq()
+    fit(ref, data, "auto", max_steps=3)
+    mod = TupleSeq()
+    fit(mod, data, sync(2, plan="1,2|1|2,1"), devices=2, max_steps=3)  # (the tuple crosses stages)
+    assert_same(params(mod), params(ref))
