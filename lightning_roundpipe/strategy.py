@@ -294,6 +294,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._chaos: Callable[[str], None] | None = None
         self._stale: dict[str, Tensor] | None = None
         self._adapter = None
+        self._stack_called = False  # the fit's first training step is checked
         self._restore: list[Callable[[], None]] = []
         # out-of-memory re-planning during the fit's first training batch
         self._retry = FirstBatchRetry(
@@ -518,6 +519,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._stack_called = False
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
@@ -831,9 +833,25 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._follow_trainable()
+        first = not self._stack_called
+        before = self.engine.iteration if self.engine is not None else 0
         if not self._retry.open:
-            return super().training_step(*args, **kwargs)
-        return self._retry.training_step(super().training_step, *args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        else:
+            out = self._retry.training_step(super().training_step, *args, **kwargs)
+        if first and self.engine is not None and self._adapter is not None:
+            self._stack_called = True
+            if self.engine.iteration == before:
+                a = self._adapter
+                rank_zero_warn(
+                    f"the first training step never called {a.name} ({a.kind}), the layer "
+                    "stack RoundPipe pipelines: whatever of its layers ran, ran on the training "
+                    f"loop's thread outside the pipeline (on the host, not on the devices). Call "
+                    f"{a.name}(...) itself rather than its layers one by one (iterating over an "
+                    "nn.Sequential, calling a model's inner modules), or name the module the "
+                    "step calls with layers='attribute.path'"
+                )
+        return out
 
     def _follow_trainable(self) -> None:
         """A new engine when parameters were frozen or unfrozen since it was

@@ -576,8 +576,9 @@ class RoundPipeEngine:
                 def refuse(grad: torch.Tensor, name: str = name) -> None:
                     raise RuntimeError(
                         f"pipeline parameter {name} got a gradient from autograd on the "
-                        "training loop's thread (a weight penalty, or a tied weight used outside "
-                        "the layer stack). With the asynchronous optimizer the optimizer thread "
+                        "training loop's thread (a weight penalty, a tied weight used outside "
+                        "the layer stack, or the stack's layers called one by one instead of the "
+                        "stack itself). With the asynchronous optimizer the optimizer thread "
                         "updates it meanwhile, so the loop would read and write it in a race. "
                         "Use strategy='roundpipe_sync' (async_optimizer=False), which adds such "
                         "gradients to the pipeline's exactly, or compute the term inside a "

@@ -851,3 +851,35 @@ def test_sequential_children_take_a_tuple_whole_as_torch_passes_it():
     mod = TupleSeq()
     fit(mod, data, sync(2, plan="1,2|1|2,1"), devices=2, max_steps=3)  # (the tuple crosses stages)
     assert_same(params(mod), params(ref))
+
+
+class IteratedSeq(SeqModule):
+    """Runs its layer stack child by child: the stack itself is never called."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for layer in self.net:
+            x = layer(x)
+        return nn.functional.mse_loss(x, y)
+
+
+def test_a_step_that_never_calls_the_layer_stack_is_warned_of():
+    """Iterating over an nn.Sequential runs its children outside the pipeline
+    (on the loop's thread, on the host): the first training step says so,
+    naming the stack; a step that calls it says nothing."""
+    data = seq_data(16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(IteratedSeq(extra=False), data, sync(2), devices=2, max_steps=2)
+    said = [str(w.message) for w in caught if "never called net" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "the first training step never called net (nn.Sequential), the layer stack RoundPipe "
+        "pipelines: whatever of its layers ran, ran on the training loop's thread outside the "
+        "pipeline"
+    )
+    assert "Call net(...) itself rather than its layers one by one" in said[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(SeqModule(extra=False), data, sync(2), devices=2, max_steps=2)
+    assert not [w for w in caught if "never called" in str(w.message)]
