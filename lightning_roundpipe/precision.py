@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
+from .groups import ThreadGroups
 from .runtime.options import PRECISIONS
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class RoundPipePrecision(Precision):
             )
         self.precision = precision
         self.clip: tuple[float, str] | None = None
+        # the asynchronous optimizer's own param_groups
+        self._groups: ThreadGroups | None = None
         # the engine of the strategy using this plugin (set while it has one)
         self.engine: RoundPipeEngine | None = None
         # several servers: averages the gradients of parameters outside the
@@ -124,6 +127,12 @@ class RoundPipePrecision(Precision):
         if clip_val and clip_val > 0:
             self.clip = (float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
 
+    def merge_groups(self) -> None:
+        """Once the queued steps have run: what the optimizer changed in its
+        own param_groups goes into the loop's (:meth:`ThreadGroups.merge`)."""
+        if self._groups is not None:
+            self._groups.merge()
+
     def _take_clip(self) -> dict[str, float]:
         """Keyword arguments for ``engine.step`` (and forget the request)."""
         clip, self.clip = self.clip, None
@@ -172,7 +181,10 @@ class RoundPipePrecision(Precision):
 
         if engine.async_optimizer:
             self._after_closure(model, optimizer)
-            engine.step(step, **self._take_clip())
+            # (on the optimizer thread's own param_groups: see ThreadGroups)
+            if self._groups is None or self._groups.optimizer is not optimizer:
+                self._groups = ThreadGroups(optimizer)
+            engine.step(self._groups.queued_step(**kwargs), **self._take_clip())
         else:
 
             def prepare() -> dict[str, float]:

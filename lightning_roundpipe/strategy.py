@@ -5,9 +5,11 @@ layer stack (:mod:`.models`), builds a :class:`~lightning_roundpipe.runtime.Roun
 over it and intercepts calls to that model, so ``training_step`` runs the
 pipeline as written. Weights, gradients and optimizer state stay on the host;
 the module never moves to a device, batches stay on the host too (the engine
-uploads each micro-batch). The optimizer step, ``zero_grad`` and scheduler
-steps are routed through the engine so that, with the asynchronous optimizer,
-they run in order on the optimizer thread while devices compute.
+uploads each micro-batch). The optimizer step and ``zero_grad`` are routed
+through the engine so that, with the asynchronous optimizer, they run in order
+on the optimizer thread while devices compute; scheduler steps run on the
+loop's thread, the thread's updates with param_groups of their own
+(:mod:`lightning_roundpipe.groups`).
 """
 
 from __future__ import annotations
@@ -711,8 +713,8 @@ class RoundPipeStrategy(ParallelStrategy):
         return average
 
     def _route_optimizer_calls(self, trainer: Any) -> None:
-        """``zero_grad`` and scheduler steps run in order with the (asynchronous)
-        optimizer steps, never racing them."""
+        """``zero_grad`` runs in order with the (asynchronous) optimizer
+        steps, never racing them."""
         engine = self.engine
         opt = self.optimizers[0]
         if self.fuse_optimizer and use_fused(opt):
@@ -747,15 +749,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
         module.zero_grad = module_zero_grad
         self._restore.append(lambda: module.__dict__.pop("zero_grad", None))
-        # scheduler steps go through the module's hook (patching the scheduler
-        # itself would put the patch into its state_dict and checkpoints)
-        original_hook = module.lr_scheduler_step
-
-        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            engine.call(lambda: original_hook(scheduler, metric))
-
-        module.lr_scheduler_step = lr_scheduler_step
-        self._restore.append(lambda: module.__dict__.pop("lr_scheduler_step", None))
+        # (scheduler steps run on this thread: an asynchronous update steps with
+        # the optimizer thread's own param_groups, see ThreadGroups)
         if self.async_optimizer:
             _warn_gradient_hooks(trainer, module)
 
@@ -946,6 +941,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def _drain(self) -> None:
         if self.engine is not None:
             self.engine.synchronize()
+            self.precision_plugin.merge_groups()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -964,8 +960,11 @@ class RoundPipeStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
         # the weights the next window computes with (one update behind), so an
-        # asynchronous run resumes exactly; ordinary loaders ignore the key
-        stale = self._stale_by_name() if self.engine is not None else self._final_stale
+        # asynchronous run resumes exactly; ordinary loaders ignore the key. A
+        # weights-only checkpoint (no optimizer state) resumes nothing: none
+        stale = None
+        if "optimizer_states" in checkpoint:
+            stale = self._stale_by_name() if self.engine is not None else self._final_stale
         if stale:
             checkpoint[self._STALE_KEY] = stale
         # Lightning's checkpoint IO writes atomically (a crash leaves the

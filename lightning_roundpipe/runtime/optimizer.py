@@ -102,7 +102,7 @@ class Chaos:
     ``points`` maps a point name to the largest delay in seconds. Workers call
     ``"upload"``, ``"forward"``, ``"backward"``, ``"grad"``, ``"download"`` and
     ``"store"``; the optimizer thread ``"g_copy"``, ``"step"``, ``"p_copy"`` and
-    ``"call"`` (queued zero_grad and scheduler steps)."""
+    ``"call"`` (queued zero_grad)."""
 
     def __init__(self, seed: int, points: dict[str, float]) -> None:
         self._rng = random.Random(seed)

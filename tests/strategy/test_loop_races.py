@@ -15,12 +15,12 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
 
 
 def _fit(module, strategy, devices, *, validate: bool, **kw):
+    kw.setdefault("max_steps", 4)
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
-        max_steps=4,
         num_sanity_val_steps=0,
         limit_val_batches=1 if validate else 0,
         val_check_interval=1,
@@ -134,3 +134,49 @@ def test_autograd_on_the_loops_thread_reaching_pipeline_parameters():
         ).fit(module, loader(seq_data(48), 12))
     for a, b in zip(before, module.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+class _LambdaSeq(DropoutSeq):
+    """Records the learning rate the loop reads at each batch start, and lets
+    a callback-like hook set a momentum for one batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[float] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        opt = self.trainer.optimizers[0]
+        self.read.append(opt.param_groups[0]["lr"])
+        opt.param_groups[0]["momentum"] = 0.5 if batch_idx == 2 else 0.9
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _scheduled(seed: int | None) -> RoundPipeStrategy:
+    s = RoundPipeStrategy(async_optimizer=True, num_microbatches=2, seed=3)
+    if seed is not None:  # an optimizer thread lagging by random amounts
+        s._chaos = Chaos(seed, {"step": 0.05, "p_copy": 0.03})
+    return s
+
+
+def test_the_learning_rate_the_loop_reads_and_each_update_uses_do_not_race_the_optimizer():
+    """Schedulers step on the loop's thread and an asynchronous update uses
+    the hyperparameters the loop had set when its step was queued: what the
+    loop reads is the default strategy's at every batch, and the weights are
+    the same however late the optimizer thread runs."""
+    expected = [0.05 / (k + 1) for k in range(6)]
+    runs = []
+    for seed in (None, 0, 1):
+        module = _LambdaSeq()
+        _fit(module, _scheduled(seed), 2, validate=False, max_steps=6)
+        assert module.read == pytest.approx(expected, rel=1e-12), seed
+        runs.append(module)
+    for other in runs[1:]:
+        for a, b in zip(runs[0].parameters(), other.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    reference = _LambdaSeq()
+    _fit(reference, "auto", 1, validate=False, max_steps=6)
+    assert reference.read == pytest.approx(expected, rel=1e-12)

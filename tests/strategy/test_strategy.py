@@ -341,6 +341,9 @@ def test_async_resume_continues_exactly_like_an_uninterrupted_async_run(tmp_path
     ckpt = tmp_path / "async.ckpt"
     t1.save_checkpoint(ckpt)
     assert "roundpipe_stale_weights" in torch.load(ckpt, weights_only=False)
+    # (a weights-only checkpoint resumes nothing: no second copy of the weights)
+    t1.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    assert "roundpipe_stale_weights" not in torch.load(tmp_path / "weights.ckpt")
     resumed = CausalLM("qwen3")
     L.seed_everything(0)
     L.Trainer(
