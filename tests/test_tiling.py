@@ -249,9 +249,11 @@ def test_dropout_is_seen_only_while_it_draws():
 
 
 def test_tile_memory_is_validated_naming_the_option():
-    for bad in (0, -5, 1.5, "big"):
+    for bad in (0, -5, "big"):
         with pytest.raises(ValueError, match=r"tile_memory must be a positive number of bytes"):
             EngineOptions(tile_memory=bad)
+    with pytest.raises(ValueError, match=r"tile_memory must be an integer or 'auto' or None"):
+        EngineOptions(tile_memory=1.5)  # (its type, from the annotation)
     with pytest.raises(ValueError, match=r"tile_memory must be a positive number of bytes"):
         RoundPipeStrategy(tile_memory=0)
 
