@@ -9,14 +9,17 @@ both threads to share the group dicts, what the loop reads would depend on how
 far the thread had got, and an update could see a rate set for a later batch.
 
 So the thread steps with dicts of its own (:class:`ThreadGroups`): each queued
-step carries the values the loop changed since the step queued before it, so
-the update of batch ``k`` uses what the loop saw when it queued it (the rate
-the scheduler gave batch ``k``, as in ordinary training), and the loop reads
-what it wrote itself. Values the optimizer changes while stepping (methods
-that keep an estimate in the group) go back into the loop's dicts whenever
-the steps have drained (checkpoints, evaluation, the end of a fit), as do
-attributes a step rebinds on the optimizer. Written here because torch has no
-notion of an optimizer stepping on another thread than its schedulers.
+step carries the values the loop changed since the step queued before it
+(tensor values copied: schedulers change a tensor rate in place), so the
+update of batch ``k`` uses what the loop saw when it queued it (the rate the
+scheduler gave batch ``k``, as in ordinary training), and the loop reads what
+it wrote itself. Values the optimizer changes while stepping (methods that
+keep an estimate in the group) go back into the loop's dicts whenever the
+steps have drained (checkpoints, evaluation, the end of a fit), unless the
+loop has set them since; attributes a step rebinds go back to the optimizer.
+A wrapper optimizer sharing its base's groups (Lookahead) has the base step
+with the thread's groups too. Written here because torch has no notion of an
+optimizer stepping on another thread than its schedulers.
 """
 
 from __future__ import annotations
@@ -26,15 +29,40 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 __all__ = ["ThreadGroups"]
 
 _MISSING = object()
 
+Group = dict[str, Any]
 
-def _values(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+
+def _copy(value: Any) -> Any:
+    """A value as it is now (a tensor's contents are copied)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return a is b
+
+
+def _values(group: Group) -> dict[str, Any]:
+    return {k: _copy(v) for k, v in group.items() if k != "params"}
+
+
+def _shadow(opt: Optimizer, groups: list[Group]) -> Optimizer:
+    """``opt`` with ``groups`` for its param_groups and every other attribute
+    its own (state, defaults, hooks), stepping through its class's ``step``
+    (an instance-level wrapper, such as a scheduler's, refers to ``opt``)."""
+    shadow = object.__new__(type(opt))
+    shadow.__dict__.update(opt.__dict__)
+    shadow.__dict__.pop("step", None)
+    shadow.param_groups = groups
+    return shadow
 
 
 class ThreadGroups:
@@ -44,16 +72,24 @@ class ThreadGroups:
     thread once the queued steps have run."""
 
     def __init__(self, optimizer: Optimizer) -> None:
+        if isinstance(type(optimizer).__dict__.get("param_groups"), property):
+            raise ValueError(
+                f"{type(optimizer).__name__} exposes param_groups as a property: the "
+                "asynchronous optimizer steps with param_groups of its own, so that the training "
+                "loop's schedulers never race it; use strategy='roundpipe_sync' "
+                "(async_optimizer=False) with this optimizer"
+            )
         self.optimizer = optimizer
-        self._groups: list[dict[str, Any]] = []  # the thread's (changed there only)
-        # the loop's values as of the last queued step, and its group dicts then
-        self._baseline: list[dict[str, Any]] | None = None
-        self._layout: list[int] = []
-        # (group, key) -> newest value the optimizer's own step gave it
-        self._own: dict[tuple[int, str], Any] = {}
+        # loop: each of its group dicts with its values as of the last queued step
+        self._seen: list[tuple[Group, dict[str, Any]]] = []
+        # thread: each loop group dict with the thread's own dict for it
+        self._pairs: list[tuple[Group, Group]] = []
+        # (id of a loop group, key) -> (that group, key, newest value the
+        # optimizer's own step gave it)
+        self._own: dict[tuple[int, str], tuple[Group, str, Any]] = {}
         # the loop's changes queued with each step, in order, until a step runs
         # (one skipped for a non-finite gradient leaves its changes to the next)
-        self._pending: deque[tuple[int, Any, Any]] = deque()
+        self._pending: deque[tuple[int, list[tuple[Group, Any, dict[str, Any]]]]] = deque()
         self._queued = 0
         self._lock = threading.Lock()
 
@@ -62,49 +98,56 @@ class ThreadGroups:
         ``optimizer.step(**kwargs)`` on the thread's groups, brought up to
         the loop's values as they are now."""
         opt = self.optimizer
-        loop = opt.param_groups
-        values = [_values(g) for g in loop]
-        layout = [id(g) for g in loop]
-        reset: list[tuple[list[Any], dict[str, Any]]] | None = None
-        delta: list[dict[str, Any]] = []
-        if self._baseline is None or layout != self._layout:
-            # the first step, a loaded state dict or an added group: take them whole
-            reset = [(g["params"], dict(v)) for g, v in zip(loop, values, strict=True)]
-        else:
-            delta = [
-                {k: v for k, v in new.items() if old.get(k, _MISSING) is not v}
-                for new, old in zip(values, self._baseline, strict=True)
-            ]
-        self._baseline, self._layout = values, layout
+        entries: list[tuple[Group, Any, dict[str, Any]]] = []
+        seen = []
+        for group in opt.param_groups:
+            values = _values(group)
+            old = next((v for g, v in self._seen if g is group), None)
+            if old is None:  # a new group (the first step, a loaded state, an added group)
+                entries.append((group, group["params"], values))
+            else:
+                changed = {k: v for k, v in values.items() if not _same(old.get(k, _MISSING), v)}
+                entries.append((group, None, changed))
+            seen.append((group, values))
+        self._seen = seen
         with self._lock:
             self._queued += 1
             number = self._queued
-            self._pending.append((number, reset, delta))
+            self._pending.append((number, entries))
         # (a learning-rate scheduler warns when it steps before the optimizer did)
         opt._opt_called = True  # type: ignore[attr-defined]
-        step = type(opt).step  # (not an instance wrapper: a scheduler's refers to ``opt``)
+        step = type(opt).step
 
         def run() -> Any:
             self._catch_up(number)
-            # the optimizer with the thread's groups: every other attribute
-            # (state, defaults, hooks) is the optimizer's own
-            shadow = object.__new__(type(opt))
-            shadow.__dict__.update(opt.__dict__)
-            shadow.__dict__.pop("step", None)
-            shadow.param_groups = self._groups
-            before = [dict(g) for g in self._groups]
+            groups = [mine for _, mine in self._pairs]
+            shadow = _shadow(opt, groups)
+            # a wrapper sharing its base optimizer's groups (Lookahead): the base too
+            bases = {
+                k: v
+                for k, v in opt.__dict__.items()
+                if isinstance(v, Optimizer) and v.param_groups is opt.param_groups
+            }
+            for k, base in bases.items():
+                shadow.__dict__[k] = _shadow(base, groups)
+            before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
             attributes = dict(shadow.__dict__)
             try:
                 return step(shadow, **kwargs)
             finally:
                 with self._lock:
-                    for i, (group, old) in enumerate(zip(self._groups, before, strict=True)):
-                        for k, v in group.items():
-                            if old.get(k, _MISSING) is not v:
-                                self._own[(i, k)] = v
+                    for (loop, mine), old in zip(self._pairs, before, strict=True):
+                        for k, v in mine.items():
+                            if k != "params" and not _same(old.get(k, _MISSING), v):
+                                self._own[(id(loop), k)] = (loop, k, _copy(v))
                 for k, v in shadow.__dict__.items():
-                    if k != "param_groups" and attributes.get(k, _MISSING) is not v:
+                    if k != "param_groups" and k not in bases and attributes.get(k) is not v:
                         setattr(opt, k, v)  # (an optimizer's own counters)
+                for k, base in bases.items():
+                    inner = shadow.__dict__[k]
+                    for name, v in inner.__dict__.items():
+                        if name != "param_groups" and base.__dict__.get(name, _MISSING) is not v:
+                            setattr(base, name, v)
 
         return run
 
@@ -115,24 +158,26 @@ class ThreadGroups:
             with self._lock:
                 if not self._pending or self._pending[0][0] > number:
                     return
-                _, reset, delta = self._pending.popleft()
-                if reset is not None:
-                    self._own.clear()
-            if reset is not None:
-                self._groups = [{**v, "params": params} for params, v in reset]
-            else:
-                for group, changed in zip(self._groups, delta, strict=True):
-                    group.update(changed)
+                _, entries = self._pending.popleft()
+            pairs = []
+            for loop, params, values in entries:
+                mine = next((m for g, m in self._pairs if g is loop), None)
+                if params is not None or mine is None:  # (a new group)
+                    mine = {**values, "params": loop["params"]}
+                else:
+                    mine.update(values)
+                pairs.append((loop, mine))
+            self._pairs = pairs
 
     def merge(self) -> None:
         """Once the queued steps have run: the values the optimizer changed
-        itself go into the loop's groups (unless those were replaced since,
-        by a loaded state dict)."""
+        itself go into the loop's groups that are still there, unless the
+        loop has set them since it queued the last step."""
         with self._lock:
             own, self._own = self._own, {}
-        loop = self.optimizer.param_groups
-        if self._baseline is None or [id(g) for g in loop] != self._layout:
-            return
-        for (i, k), v in own.items():
-            loop[i][k] = v
-            self._baseline[i][k] = v
+        for loop, k, v in own.values():
+            seen = next((s for g, s in self._seen if g is loop), None)
+            if seen is None or not _same(loop.get(k, _MISSING), seen.get(k, _MISSING)):
+                continue  # (replaced, or set by the loop: the loop's value wins)
+            loop[k] = v
+            seen[k] = _copy(v)

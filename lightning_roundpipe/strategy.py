@@ -899,7 +899,8 @@ class RoundPipeStrategy(ParallelStrategy):
         """Validation, test and predict see the weights a checkpoint saved now
         would hold (with the asynchronous optimizer: after the queued step)."""
         if self.engine is not None:
-            self.engine.use_newest_weights()
+            self.engine.use_newest_weights()  # (drained: the groups too)
+            self.precision_plugin.merge_groups()
 
     @override
     def on_validation_start(self) -> None:

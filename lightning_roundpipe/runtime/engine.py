@@ -1326,8 +1326,10 @@ class RoundPipeEngine:
 
     def call(self, fn: Callable[[], Any]) -> StepHandle:
         """Run ``fn`` on the host in order with the optimizer steps (after the
-        step queued last): for ``zero_grad`` and learning-rate scheduler steps,
-        which must not race an asynchronous update. Synchronous mode: at once."""
+        step queued last): for ``zero_grad``, or anything else that must not
+        race an asynchronous update (the strategy's schedulers step on the
+        loop's thread instead, see :mod:`lightning_roundpipe.groups`).
+        Synchronous mode: at once."""
         self._check()
         handle = StepHandle(-1, _store=self._rt.store)
         if not self.async_optimizer:
@@ -1336,7 +1338,7 @@ class RoundPipeEngine:
                 handle.result = fn()
             except BaseException as exc:
                 raise OptimizerStepError(
-                    f"a queued call (zero_grad or scheduler step) failed: "
+                    f"a queued call (engine.call, e.g. zero_grad) failed: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             finally:

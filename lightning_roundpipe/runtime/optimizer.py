@@ -482,7 +482,7 @@ class OptimizerWorker:
         # new job and for a pending weight copy becoming possible alike
         self._queue: deque[_Job | None] = deque()
         self.applied = 0  # updates whose fn has run (or was skipped)
-        self.calls_done = 0  # ordered calls (zero_grad, scheduler steps) that have run
+        self.calls_done = 0  # ordered calls (engine.call: zero_grad, ...) that have run
         self._pending: tuple[int, list[_Param]] | None = None  # P copies still to do
         self.thread: threading.Thread | None = None
         self._grads: dict[int, torch.Tensor] = {}
@@ -535,7 +535,7 @@ class OptimizerWorker:
                     job = self._queue.popleft()
                 if job is None or self.store.failure is not None:
                     return
-                if job.window < 0:  # an ordered call (zero_grad, scheduler step)
+                if job.window < 0:  # an ordered call (engine.call: zero_grad, ...)
                     self.protocol.chaos("call")
                     job.handle.result = job.fn()
                     with self.protocol.cond:
@@ -553,7 +553,7 @@ class OptimizerWorker:
             if isinstance(exc, HookError):
                 exc = exc.original
             step = (
-                "a queued call (zero_grad or scheduler step)"
+                "a queued call (engine.call, e.g. zero_grad)"
                 if job is None or job.window < 0
                 else f"step {job.window}"
             )

@@ -11,6 +11,7 @@ the non-finite policies are defined here and nowhere else.
 
 from __future__ import annotations
 
+import numbers
 import os
 import types
 import typing
@@ -44,15 +45,15 @@ def _accepts(value: Any, hint: Any) -> bool:
     if hint is Any:
         return True
     if origin is Literal:  # (of the right type: which values, the option's own check says)
-        return any(type(value) is type(a) for a in get_args(hint))
+        return any(isinstance(value, type(a)) for a in get_args(hint))
     if origin in (Union, types.UnionType):
         return any(_accepts(value, h) for h in get_args(hint))
     if hint is type(None):
         return value is None
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is int:  # (NumPy's integers too)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if isinstance(origin, type):  # (list[int] and the like: the container only)
         return isinstance(value, origin)
     return isinstance(hint, type) and isinstance(value, hint)

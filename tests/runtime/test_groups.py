@@ -3,6 +3,7 @@ queued steps use the loop's values as of when they were queued, the loop's
 values are its own, and what an optimizer changes in its groups (or on
 itself) while stepping persists and comes back to the loop at a drain."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -107,3 +108,83 @@ def test_a_skipped_step_leaves_its_changes_to_the_next():
     groups.queued_step()  # (skipped: never called)
     groups.queued_step()()
     assert opt.used == [0.1, 0.7]
+
+
+def test_a_tensor_rate_changed_in_place_is_the_loops_alone():
+    """Schedulers change a tensor learning rate in place (fill_): the queued
+    step still uses the rate it was queued with."""
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = torch.optim.SGD([p], lr=torch.tensor(1.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    groups = ThreadGroups(opt)
+    run = groups.queued_step()
+    sched.step()  # in place: 0.5
+    assert float(opt.param_groups[0]["lr"]) == 0.5
+    run()
+    torch.testing.assert_close(p.detach(), torch.zeros(2))  # 1 - 1.0 * 1
+    groups.queued_step()()
+    torch.testing.assert_close(p.detach(), torch.full((2,), -0.5))
+
+
+def test_the_optimizers_own_values_survive_an_added_group_and_yield_to_the_loops():
+    _, opt = _optimizer()
+    groups = ThreadGroups(opt)
+    for _ in range(3):
+        groups.queued_step()()
+    q = nn.Parameter(torch.zeros(2))
+    q.grad = torch.ones(2)
+    opt.add_param_group({"params": [q], "lr": 1.0})  # (BaseFinetuning's unfreezing)
+    groups.merge()
+    assert opt.param_groups[0]["d"] == 8.0
+    groups.queued_step()()
+    groups.merge()
+    assert opt.param_groups[0]["d"] == 16.0 and opt.param_groups[1]["d"] == 2.0
+    # a value the loop set after its last queued step wins over the optimizer's
+    groups.queued_step()()
+    opt.param_groups[0]["d"] = 0.25
+    groups.merge()
+    assert opt.param_groups[0]["d"] == 0.25
+    groups.queued_step()()
+    assert opt.used[-2:] == [0.1, 1.0]
+    groups.merge()
+    assert opt.param_groups[0]["d"] == 0.5  # (stepped from the loop's 0.25)
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper sharing its base optimizer's groups, as Lookahead does."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.base = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.state = base.state
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+
+def test_a_wrapper_sharing_its_bases_groups_has_the_base_step_with_the_threads():
+    _, base = _optimizer()
+    opt = _Lookahead(base)
+    groups = ThreadGroups(opt)
+    run = groups.queued_step()
+    opt.param_groups[0]["lr"] = 0.9  # the loop, after queuing
+    run()
+    assert base.used == [0.1] and base.steps == 1
+    assert opt.param_groups[0]["lr"] == 0.9
+
+
+def test_an_optimizer_with_param_groups_as_a_property_is_refused_naming_the_option():
+    class Wrapped(torch.optim.Optimizer):
+        def __init__(self, base):
+            self.base = base
+
+        @property
+        def param_groups(self):
+            return self.base.param_groups
+
+    with pytest.raises(ValueError, match="use strategy='roundpipe_sync'"):
+        ThreadGroups(Wrapped(_optimizer()[1]))

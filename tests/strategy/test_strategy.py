@@ -886,3 +886,11 @@ def test_a_step_that_never_calls_the_layer_stack_is_warned_of():
         warnings.simplefilter("always")
         fit(SeqModule(extra=False), data, sync(2), devices=2, max_steps=2)
     assert not [w for w in caught if "never called" in str(w.message)]
+
+
+def test_option_types_accept_numpy_numbers_and_refuse_flags_for_numbers():
+    import numpy as np
+
+    RoundPipeStrategy(seed=np.int64(3), watchdog_timeout=np.float32(5.0), workers_per_device=1)
+    with pytest.raises(ValueError, match="seed must be an integer or None, got True"):
+        RoundPipeStrategy(seed=True)
