@@ -18,7 +18,9 @@ keep an estimate in the group) go back into the loop's dicts whenever the
 steps have drained (checkpoints, evaluation, the end of a fit), unless the
 loop has set them since; attributes a step rebinds go back to the optimizer.
 A wrapper optimizer sharing its base's groups (Lookahead) has the base step
-with the thread's groups too. Written here because torch has no notion of an
+with the thread's groups too. The step runs on a shallow copy of the
+optimizer holding the thread's groups, so step hooks receive that copy (its
+state, defaults and hooks are the optimizer's own). Written here because torch has no notion of an
 optimizer stepping on another thread than its schedulers.
 """
 
