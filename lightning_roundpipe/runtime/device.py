@@ -26,6 +26,7 @@ __all__ = [
     "LayerRandomness",
     "as_device",
     "check_uniform",
+    "holding_generator",
     "host_to_device_bandwidth",
     "layer_seed",
     "pin",
@@ -58,17 +59,28 @@ def layer_seed(seed: int, iteration: int, layer: int, microbatch: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-_RNG_LOCKS: dict[tuple[str, int], threading.Lock] = {}
+_RNG_LOCKS: dict[tuple[str, int], Any] = {}
 _RNG_LOCKS_GUARD = threading.Lock()
 
 
-def _rng_lock(device: torch.device) -> threading.Lock:
+def _rng_lock(device: torch.device) -> threading.RLock:
+    """The lock of a device's default generator (reentrant: a checkpointed
+    layer's backward holds it while its recompute draws, see
+    :meth:`LayerRandomness.backward`)."""
     key = (device.type, device.index or 0)
     with _RNG_LOCKS_GUARD:
         lock = _RNG_LOCKS.get(key)
         if lock is None:
-            lock = _RNG_LOCKS[key] = threading.Lock()
+            lock = _RNG_LOCKS[key] = threading.RLock()
         return lock
+
+
+def holding_generator(device: torch.device) -> Any:
+    """Hold ``device``'s default generator for a backward that recomputes
+    checkpointed layers: ``torch.utils.checkpoint`` sets the generator's
+    state for the recompute, which must not interleave with another worker's
+    seeded layer (:func:`seeded`)."""
+    return _rng_lock(device)
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -159,8 +171,12 @@ class LayerRandomness:
         self.random: dict[bool, bool] = {}  # training flag -> draws random numbers
 
     @contextlib.contextmanager
-    def __call__(self, seed: int, training: bool) -> Iterator[None]:
-        if self.device.type != "cpu":
+    def __call__(self, seed: int, training: bool, checkpointed: bool = False) -> Iterator[None]:
+        """``checkpointed``: the layer recomputes part of itself in its backward
+        (``torch.utils.checkpoint``, e.g. transformers' gradient checkpointing),
+        which restores the default generator's state for the recompute: such a
+        layer draws from the default generator, seeded, under the lock."""
+        if self.device.type != "cpu" or (checkpointed and training):
             with seeded(self.device, seed):
                 yield
             return

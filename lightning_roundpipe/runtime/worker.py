@@ -38,7 +38,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,13 @@ from torch import nn
 from ..plan.schedule import Task
 from .calls import Call, Gain, Job, Runtime
 from .courier import Courier
-from .device import DeviceContext, LayerRandomness, is_out_of_memory, layer_seed
+from .device import (
+    DeviceContext,
+    LayerRandomness,
+    holding_generator,
+    is_out_of_memory,
+    layer_seed,
+)
 from .host import LayerReplica, _Param
 from .nested import call_layer, flatten_tensors, map_tensors
 from .profiler import (
@@ -239,6 +245,7 @@ class Worker:
         self._cond = threading.Condition()
         self._replicas: dict[int, LayerReplica] = {}
         self._rng: dict[int, LayerRandomness] = {}
+        self._checkpointing = False  # a layer with gradient checkpointing ran here
         self._prefetch: _Prefetch | None = None
         self._ahead: dict[Key, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
@@ -764,7 +771,15 @@ class Worker:
             self._layer = layer
             self.protocol.chaos("forward")
             seed = layer_seed(call.seed, call.iteration, layer, j)
-            with self.ctx.on(self.ctx.compute), self._rng[layer](seed, rep.module.training):
+            checkpointed = rep.module.training and any(
+                getattr(m, "gradient_checkpointing", False) is True for m in rep.module.modules()
+            )
+            # (from then on its backwards hold the generator: see _backward_guard)
+            self._checkpointing = self._checkpointing or checkpointed
+            with (
+                self.ctx.on(self.ctx.compute),
+                self._rng[layer](seed, rep.module.training, checkpointed),
+            ):
                 counting = (
                     saved_bytes(rep.module, timer.saved, layer)
                     if timer is not None and torch.is_grad_enabled()
@@ -791,6 +806,17 @@ class Worker:
     def _guard(self) -> Any:
         """Inside a layer: fail on calls that wait for the device (if asked)."""
         return forbid_host_sync(self.device) if self.rt.forbid_host_sync else nullcontext()
+
+    def _backward_guard(self) -> Any:
+        """Around autograd's backward: :meth:`_guard`, and, once a layer with
+        gradient checkpointing ran here, the device's generator, which the
+        checkpoint's recompute sets to the state its forward drew from."""
+        if not self._checkpointing:
+            return self._guard()
+        stack = ExitStack()
+        stack.enter_context(holding_generator(self.device))
+        stack.enter_context(self._guard())
+        return stack
 
     def _mark(self) -> Any:
         trace = self.rt.trace
@@ -951,7 +977,7 @@ class Worker:
                 if timer is not None:
                     timer.boundary[boundary] = timer.watch.mark()
                 self.protocol.chaos("backward")
-                with self._guard():
+                with self._backward_guard():
                     backward_handing_over(outs, grads)
 
     def _descend(
@@ -1029,7 +1055,7 @@ class Worker:
                 if weighted.requires_grad:  # False only when nothing below is trainable
                     self.protocol.chaos("backward")
                     # in fp32: an fp16 loss times a 2^16 loss scale would overflow
-                    with self._guard():
+                    with self._backward_guard():
                         (weighted.float() * call.scale).backward()
             del loss, weighted
         if inputs:

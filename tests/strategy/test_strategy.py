@@ -894,3 +894,31 @@ def test_option_types_accept_numpy_numbers_and_refuse_flags_for_numbers():
     RoundPipeStrategy(seed=np.int64(3), watchdog_timeout=np.float32(5.0), workers_per_device=1)
     with pytest.raises(ValueError, match="seed must be an integer or None, got True"):
         RoundPipeStrategy(seed=True)
+
+
+class _CheckpointedDropoutLM(CausalLM):
+    def __init__(self, checkpointing: bool) -> None:
+        super().__init__("llama")
+        self.model.config.attention_dropout = 0.2
+        for layer in self.model.model.layers:  # (the config is read at init)
+            layer.self_attn.attention_dropout = 0.2
+        if checkpointing:
+            self.model.gradient_checkpointing_enable()
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True], ids=["sync", "async"])
+def test_gradient_checkpointing_with_dropout_trains_exactly_like_without(async_optimizer):
+    """transformers' gradient checkpointing recomputes a block in its backward
+    with the generator state its forward drew from: on CPU workers, which
+    otherwise give each layer a private generator, such a layer draws from the
+    seeded default generator, and backwards hold it, so the recompute draws the
+    forward's dropout masks whatever runs beside it."""
+    data = lm_data()
+    runs = []
+    for checkpointing in (False, True):
+        module = _CheckpointedDropoutLM(checkpointing)
+        strategy = RoundPipeStrategy(async_optimizer=async_optimizer, num_microbatches=4, seed=1)
+        fit(module, data, strategy, devices=2, max_steps=3)
+        runs.append(params(module))
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
