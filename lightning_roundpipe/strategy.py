@@ -1045,7 +1045,17 @@ class RoundPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._replicas is not None:  # the other servers' errors say why they stop
             self._replicas.report_failure(f"{type(exception).__name__}: {exception}"[:2000])
-        self._close()
+        try:
+            # the user's step, a callback or an interrupt failed, not the engine:
+            # the updates already queued (the asynchronous optimizer's last one)
+            # still go into the weights, so the module matches global_step
+            if self.engine is not None and self.engine.healthy and self._replicas is None:
+                try:
+                    self._drain()
+                except Exception as exc:  # (the engine failed meanwhile: nothing to keep)
+                    log.warning("RoundPipe: queued optimizer steps not applied: %s", exc)
+        finally:
+            self._close()
 
     @override
     def teardown(self) -> None:

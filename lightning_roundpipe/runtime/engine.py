@@ -956,6 +956,12 @@ class RoundPipeEngine:
         out["step_grads"] = attached
         return out
 
+    @property
+    def healthy(self) -> bool:
+        """Open, and no worker or optimizer step has failed: waiting for its
+        outstanding work (:meth:`synchronize`) can succeed."""
+        return not self._rt.closed and self._rt.store.failure is None
+
     # ------------------------------------------------------------------ work
     def _check(self) -> None:
         if self._rt.closed:

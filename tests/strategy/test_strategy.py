@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -922,3 +923,26 @@ def test_gradient_checkpointing_with_dropout_trains_exactly_like_without(async_o
         runs.append(params(module))
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _FailsAtStep(SeqModule):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 3:
+            raise RuntimeError("the user's step failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_asynchronous_run_stopped_by_the_users_error_keeps_its_queued_update():
+    """An exception from the user's step (or a callback, or an interrupt)
+    stops the fit after three steps: the third update, still queued on the
+    optimizer thread, goes into the weights first, so the module holds the
+    weights of a three-step run, as global_step says."""
+    data = seq_data(64)
+    straight = SeqModule(extra=False)
+    fit(straight, data, RoundPipeStrategy(num_microbatches=2), devices=2, max_steps=3)
+    failed = _FailsAtStep(extra=False)
+    with pytest.raises(RuntimeError, match="the user's step failed"):
+        fit(failed, data, RoundPipeStrategy(num_microbatches=2), devices=2, max_steps=6)
+    assert failed.trainer.global_step == 3
+    assert_same(params(failed), params(straight))
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
