@@ -782,24 +782,23 @@ class RoundPipeStrategy(ParallelStrategy):
         every = self.log_every_n_steps
         if every is None:
             every = trainer.log_every_n_steps
-        if last is None or not every or trainer.logger is None:
+        if last is None or not every or not trainer.loggers:
             return
         if (trainer.global_step + 1) % every:
             return
         step_time = now - last[0]
-        trainer.logger.log_metrics(
-            {
-                "roundpipe/step_time": step_time,
-                "roundpipe/wait_fraction": (waited - last[1]) / step_time if step_time else 0.0,
-                "roundpipe/simulated_bubble": self._bubble or 0.0,
-                "roundpipe/slots": float(self.engine.plan.num_slots),
-                # host <-> device bytes per second of step time, all workers together
-                "roundpipe/transfer_gb_per_s": (moved - last[2]) / step_time / 1e9
-                if step_time
-                else 0.0,
-            },
-            step=trainer.global_step,
-        )
+        metrics = {
+            "roundpipe/step_time": step_time,
+            "roundpipe/wait_fraction": (waited - last[1]) / step_time if step_time else 0.0,
+            "roundpipe/simulated_bubble": self._bubble or 0.0,
+            "roundpipe/slots": float(self.engine.plan.num_slots),
+            # host <-> device bytes per second of step time, all workers together
+            "roundpipe/transfer_gb_per_s": (moved - last[2]) / step_time / 1e9
+            if step_time
+            else 0.0,
+        }
+        for logger in trainer.loggers:  # (every one of them, as self.log does)
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def backward(

@@ -397,7 +397,8 @@ class CausalLMAdapter(_Adapter):
                 raise TypeError(
                     f"{name}: {arg} is not supported by the RoundPipe pipeline (it keeps no "
                     f"key-value cache, so e.g. prefix tuning cannot work); call the model without "
-                    f"{arg}"
+                    f"{arg}, e.g. generate(..., use_cache=False) during a fit (after it, the "
+                    "model is plain again and generates with its cache)"
                 )
         if attention_mask is not None and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2

@@ -459,7 +459,7 @@ def test_callbacks_loggers_and_metrics_work(tmp_path):
         accelerator="cpu",
         devices=2,
         max_epochs=3,
-        logger=CSVLogger(tmp_path, name="csv"),
+        logger=[CSVLogger(tmp_path, name="csv"), CSVLogger(tmp_path, name="second")],
         log_every_n_steps=1,
         callbacks=[
             ckpt,
@@ -479,6 +479,9 @@ def test_callbacks_loggers_and_metrics_work(tmp_path):
     assert sum(p.numel() for p in loaded.parameters()) == sum(
         p.numel() for p in module.parameters()
     )
+    # (the strategy's own metrics reach every logger, as self.log's do)
+    second = (Path(trainer.loggers[1].log_dir) / "metrics.csv").read_text()
+    assert "roundpipe/step_time" in second.splitlines()[0]
     metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
     for column in (
         "train_loss",
