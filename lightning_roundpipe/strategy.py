@@ -986,8 +986,22 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        engine = self.engine
+        # a checkpoint restored into an asynchronous fit that has trained (the
+        # Tuner's lr_find and scale_batch_size go back to where they started):
+        # the queued work finishes, then a new engine starts from the restored
+        # weights, as a resumed fit would (a running one cannot go back)
+        restart = engine is not None and self.async_optimizer and engine.iteration > 0
+        if restart:
+            self._drain()
         super().load_model_state_dict(checkpoint, strict=strict)
         self._stale = checkpoint.get(self._STALE_KEY)
+        if restart:
+            # (the checkpoint's counters come with the precision plugin's state)
+            self.precision_plugin.carried = None
+            self._close()
+            self._rebuild(self._stale)
+            return
         if self.engine is not None:
             self.engine.reload_weights()
             self._resume_stale()

@@ -949,3 +949,40 @@ def test_an_asynchronous_run_stopped_by_the_users_error_keeps_its_queued_update(
     assert failed.trainer.global_step == 3
     assert_same(params(failed), params(straight))
     assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+def test_the_tuners_lr_find_goes_back_to_where_it_started_under_the_asynchronous_optimizer(
+    monkeypatch, tmp_path
+):
+    """lr_find trains a few steps, then restores the checkpoint it started
+    from into the running fit: a new engine starts from the restored
+    weights, so the fit that follows equals a fit without lr_find."""
+    import tqdm
+    from lightning.pytorch.tuner import Tuner
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # (lr_find's bar: no thread)
+
+    data = seq_data(64)
+
+    def trainer():
+        return L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatches=2),
+            accelerator="cpu",
+            devices=2,
+            max_steps=4,
+            default_root_dir=tmp_path,  # (lr_find's checkpoint)
+            **QUIET,
+        )
+
+    straight = SeqModule(extra=False)
+    L.seed_everything(0)
+    trainer().fit(straight, loader(data))
+    tuned = SeqModule(extra=False)
+    L.seed_everything(0)
+    t = trainer()
+    finder = Tuner(t).lr_find(
+        tuned, train_dataloaders=loader(data), num_training=5, update_attr=False
+    )
+    assert finder is not None and len(finder.results["lr"]) > 0
+    t.fit(tuned, loader(data))
+    assert_same(params(tuned), params(straight))
