@@ -148,6 +148,30 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
     names = args.schedule or list(SCHEDULES)
     if "all" in names:
         names = list(SCHEDULES)
+    # options of schedules that are not simulated would be ignored: refused
+    baselines = [n for n in names if n != "roundpipe"]
+    for flag, given, wanted in (
+        ("--plan", args.plan, "roundpipe" in names),
+        ("--round-size", args.round_size, "roundpipe" in names),
+        ("--async", args.async_optimizer or None, "roundpipe" in names),
+        ("--memory-limit", args.memory_limit, "roundpipe" in names),
+        ("--stages", args.stages, bool(baselines)),
+        (
+            "--stages-per-device",
+            args.stages_per_device,
+            any(n not in ("gpipe", "1f1b") for n in baselines),
+        ),
+    ):
+        if given is not None and not wanted:
+            raise PlanError(
+                f"{flag} applies to none of the schedules simulated ({', '.join(names)}); drop "
+                "it, or add a schedule it applies to with --schedule"
+            )
+    if args.round_size is not None and args.round_size > args.microbatches:
+        raise PlanError(
+            f"--round-size {args.round_size} is more than the {args.microbatches} micro-batches "
+            "of an iteration (-M); a round holds at most all of them"
+        )
     results = []
     for name in names:
         rp = name == "roundpipe"

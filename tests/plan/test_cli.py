@@ -166,3 +166,23 @@ def test_the_estimate_names_the_model_by_its_config_file_or_folder(tmp_path):
     assert _model_name(str(folder / "config.json")) == "Llama-3.1-8B"
     assert _model_name(str(tmp_path / "mistral.json")) == "mistral"
     assert _model_name("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"  # a cached name
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--schedule", "roundpipe", "--stages", "4,4"], "--stages applies to none of the"),
+        (["--schedule", "gpipe", "--round-size", "2"], "--round-size applies to none of the"),
+        (["--schedule", "gpipe", "--async"], "--async applies to none of the"),
+        (["--schedule", "1f1b", "--stages-per-device", "2"], "--stages-per-device applies to"),
+        (["--schedule", "gpipe", "--plan", "4|1|3"], "--plan applies to none of the"),
+        (["--round-size", "9"], "--round-size 9 is more than the 8 micro-batches"),
+    ],
+)
+def test_simulate_refuses_options_no_simulated_schedule_uses(extra, message, capsys):
+    """An option of a schedule that is not simulated would be ignored: it is
+    refused, naming the flag."""
+    args = ["simulate", "--forward", "1x8", "--backward", "2x8", "-N", "2", "-M", "8"]
+    code, _ = run(args + extra)
+    assert code == 2
+    assert message in capsys.readouterr().err
