@@ -20,8 +20,9 @@ loop has set them since; attributes a step rebinds go back to the optimizer.
 A wrapper optimizer sharing its base's groups (Lookahead) has the base step
 with the thread's groups too. The step runs on a shallow copy of the
 optimizer holding the thread's groups, so step hooks receive that copy (its
-state, defaults and hooks are the optimizer's own). Written here because torch has no notion of an
-optimizer stepping on another thread than its schedulers.
+state, defaults and hooks are the optimizer's own). Written here because
+torch has no notion of an optimizer stepping on another thread than its
+schedulers.
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ class ThreadGroups:
                 for k, v in opt.__dict__.items()
                 if isinstance(v, Optimizer) and v.param_groups is opt.param_groups
             }
+            shadows = [(opt, shadow)]
             for k, base in bases.items():
                 shadow.__dict__[k] = _shadow(base, groups)
+                shadows.append((base, shadow.__dict__[k]))
             before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
-            attributes = dict(shadow.__dict__)
+            attributes = [dict(s.__dict__) for _, s in shadows]
             try:
                 return step(shadow, **kwargs)
             finally:
@@ -142,14 +145,12 @@ class ThreadGroups:
                         for k, v in mine.items():
                             if k != "params" and not _same(old.get(k, _MISSING), v):
                                 self._own[(id(loop), k)] = (loop, k, _copy(v))
-                for k, v in shadow.__dict__.items():
-                    if k != "param_groups" and k not in bases and attributes.get(k) is not v:
-                        setattr(opt, k, v)  # (an optimizer's own counters)
-                for k, base in bases.items():
-                    inner = shadow.__dict__[k]
-                    for name, v in inner.__dict__.items():
-                        if name != "param_groups" and base.__dict__.get(name, _MISSING) is not v:
-                            setattr(base, name, v)
+                # attributes a step rebound (an optimizer's own counters) are the
+                # optimizer's (not the groups, nor the base shadows themselves)
+                for (original, copy), had in zip(shadows, attributes, strict=True):
+                    for k, v in copy.__dict__.items():
+                        if k != "param_groups" and k not in bases and had.get(k) is not v:
+                            setattr(original, k, v)
 
         return run
 

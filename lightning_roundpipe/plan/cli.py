@@ -57,12 +57,11 @@ def _positive(kind: type) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value > 0 or value != value:
+        if value is None or not value > 0:  # (NaN is not > 0 either)
             what = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}")
         return value
 
-    parse.__name__ = kind.__name__  # (argparse's "invalid int value" wording)
     return parse
 
 

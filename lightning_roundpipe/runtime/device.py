@@ -64,9 +64,9 @@ _RNG_LOCKS_GUARD = threading.Lock()
 
 
 def _rng_lock(device: torch.device) -> threading.RLock:
-    """The lock of a device's default generator (reentrant: a checkpointed
-    layer's backward holds it while its recompute draws, see
-    :meth:`LayerRandomness.backward`)."""
+    """The lock of a device's default generator (reentrant: a backward holds
+    it while a checkpointed layer's recompute draws, see
+    :func:`holding_generator`)."""
     key = (device.type, device.index or 0)
     with _RNG_LOCKS_GUARD:
         lock = _RNG_LOCKS.get(key)

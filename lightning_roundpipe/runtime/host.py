@@ -351,6 +351,11 @@ class LayerReplica:
         ]
         self._placeholders = [(m, a, m._parameters[a]) for m, a, _ in self._param_owners]
         self._modules = list(self.module.modules())
+        #: recomputes part of itself in its backward when training (transformers'
+        #: gradient checkpointing), which restores the generator's state for it
+        self.checkpointed = any(
+            getattr(m, "gradient_checkpointing", False) is True for m in self._modules
+        )
 
     def bind(
         self,

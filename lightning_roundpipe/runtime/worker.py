@@ -771,9 +771,7 @@ class Worker:
             self._layer = layer
             self.protocol.chaos("forward")
             seed = layer_seed(call.seed, call.iteration, layer, j)
-            checkpointed = rep.module.training and any(
-                getattr(m, "gradient_checkpointing", False) is True for m in rep.module.modules()
-            )
+            checkpointed = rep.checkpointed and rep.module.training
             # (from then on its backwards hold the generator: see _backward_guard)
             self._checkpointing = self._checkpointing or checkpointed
             with (
