@@ -13,7 +13,13 @@ training steps, every thread's ranges) and reports, over the traced window:
 - ``waits``: the seconds each kind of RoundPipe wait range took
   (``RP wait weights (rule 2)``: a device thread waiting for the optimizer's
   weight copies, the optimizer time the pipeline did not hide);
-- ``gpu_idle_seconds``: the window less the kernel time.
+- ``gpu_idle_seconds``: the window less the kernel time;
+- ``gpu_gaps``: the stretches of at least 0.1 s with no kernel running
+  (start in seconds from the window's start, length);
+- ``host_stalls``: CUDA runtime calls other than waits (allocations, page
+  registration) that blocked a host thread for 50 ms or more, by thread role:
+  on the first GPU profile a pinned allocation of the gradients' download
+  buffer held the device thread for 3.6 s while the GPU idled.
 
 With ``--picture`` it draws the timeline: kernels per CUDA stream, the copies
 each way, and the RoundPipe ranges per host thread. The trace format is
@@ -92,7 +98,49 @@ def summary(events: list[dict[str, Any]]) -> dict[str, Any]:
     out["optimizer_step_seconds"] = round(ranges.pop("RP optimizer step", 0.0), 6)
     out["weight_copy_seconds"] = round(ranges.pop("RP optimizer weight copies", 0.0), 6)
     out["waits"] = {k: round(v, 6) for k, v in sorted(ranges.items()) if k.startswith("RP wait")}
+    out["gpu_gaps"] = [
+        [round((a - start) / 1e6, 3), round((b - a) / 1e6, 3)]
+        for a, b in _gaps(kernels)
+        if b - a >= GAP_US
+    ]
+    roles = _roles(events)
+    out["host_stalls"] = [
+        {
+            "call": e["name"],
+            "thread": f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}",
+            "start": round((e["ts"] - start) / 1e6, 3),
+            "seconds": round(e["dur"] / 1e6, 3),
+        }
+        for e in sorted(_stalls(events), key=lambda e: e["ts"])
+    ]
     return out
+
+
+#: a stretch without kernels, and a blocking runtime call, worth naming (µs)
+GAP_US = 100_000
+STALL_US = 50_000
+#: runtime calls that wait for the device by design (the RP wait ranges say why)
+_WAITS = ("Synchronize", "EventQuery", "StreamQuery")
+
+
+def _stalls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in events
+        if e.get("cat") == "cuda_runtime"
+        and e["dur"] >= STALL_US
+        and not any(w in e.get("name", "") for w in _WAITS)
+    ]
+
+
+def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The stretches between the union of ``(start, end)`` intervals."""
+    gaps, end = [], None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    return gaps
 
 
 def _roles(events: list[dict[str, Any]]) -> dict[Any, str]:
@@ -129,10 +177,21 @@ def picture(events: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         elif e.get("name", "").startswith("RP "):
             what = "waits" if e["name"].startswith("RP wait") else "work"
             lanes[f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}: {what}"].append(span)
+    for e in _stalls(events):
+        span = ((e["ts"] - start) / 1e6, e["dur"] / 1e6)
+        lanes[f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}: blocking CUDA calls"].append(span)
     names = sorted(lanes, key=lambda n: (not n.startswith("kernels"), n))
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(names) + 1.2))
     for i, name in enumerate(names):
-        color = "C3" if "waits" in name else "C0" if name.startswith("kernels") else "C2"
+        color = (
+            "C3"
+            if "waits" in name
+            else "C1"
+            if "blocking" in name
+            else "C0"
+            if name.startswith("kernels")
+            else "C2"
+        )
         ax.broken_barh(lanes[name], (i - 0.4, 0.8), color=color, linewidth=0)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=7)

@@ -323,6 +323,34 @@ def test_the_trace_summary_counts_overlapping_work_once(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
+def test_the_trace_summary_names_gpu_gaps_and_blocking_host_calls(tmp_path):
+    """A stretch without kernels of 0.1 s or more is listed, and so is a
+    runtime call that blocked a thread (a pinned allocation), by the thread's
+    role; waits for the device (synchronize) are not stalls."""
+    summary = load("trace_summary")
+
+    def x(name, cat, ts, dur, tid=0, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    events = [
+        x("gemm", "kernel", 0, 1000),
+        x("gemm", "kernel", 500_000, 1000),  # 0.499 s after the first ended
+        x("gemm", "kernel", 550_000, 1000),  # 0.049 s: too short to list
+        x("RP 2:0.B1@0:0-15", "user_annotation", 400_000, 200_000, tid=5),
+        x("cudaHostAlloc", "cuda_runtime", 1000, 399_000, tid=5),
+        x("cudaEventSynchronize", "cuda_runtime", 1000, 300_000, tid=6),
+        x("cudaMalloc", "cuda_runtime", 1000, 40_000, tid=6),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = summary.summary(summary.load(path))
+    assert got["gpu_gaps"] == [[0.001, 0.499]]
+    assert got["host_stalls"] == [
+        {"call": "cudaHostAlloc", "thread": "device worker 5", "start": 0.001, "seconds": 0.399}
+    ]
+    summary.picture(summary.load(path), tmp_path / "t.png")
+
+
 def test_protocol_delays_reports_both_optimizers(capsys):
     load("protocol_delays").main(
         ["--compute", "0.04", "--step", "0.02", "--weight-copy", "0.01", "--grad-copy", "0.01",
