@@ -179,7 +179,8 @@ def picture(events: list[dict[str, Any]], path: Path, title: str = "") -> Path:
             lanes[f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}: {what}"].append(span)
     for e in _stalls(events):
         span = ((e["ts"] - start) / 1e6, e["dur"] / 1e6)
-        lanes[f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}: blocking CUDA calls"].append(span)
+        who = f"{roles.get(e.get('tid'), 'thread')} {e.get('tid')}"
+        lanes[f"{who}: blocking CUDA calls"].append(span)
     names = sorted(lanes, key=lambda n: (not n.startswith("kernels"), n))
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(names) + 1.2))
     for i, name in enumerate(names):
