@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_wheels.sh              # first, here: the wheels to carry (.whl)
 #   bash benchmarks/gpu_session.sh tests       # the tests marked gpu             (~1 min)
 #   bash benchmarks/gpu_session.sh throughput  # link bandwidth; 1.7B, sequence 2048,
-#                                              # 4 strategies (~5 min; STRATEGIES="a b" picks;
+#                                              # 4 strategies (~7 min; STRATEGIES="a b" picks;
 #                                              # "roundpipe roundpipe_one_copy": the two
 #                                              # master copies against one, ~2.5 min)
 #   bash benchmarks/gpu_session.sh profile     # a torch.profiler trace of two steady 1.7B
@@ -21,15 +21,20 @@
 #                                                      # 10 GiB for boundary values, stages of
 #                                                      # 71 GiB: 2|2|2|rewalk (~5 min)
 #
-# Done on an H200 on 2026-11-26 (docs/benchmarks.md): tests, throughput
-# (DeepSpeed not installed then), three long-sequence probes.
+# Done on H200s on 2026-11-26 (docs/benchmarks.md): tests, throughput
+# (DeepSpeed not installed then), three long-sequence probes; later that day
+# tests, throughput of roundpipe / roundpipe_one_copy / auto, the profile
+# (twice) and longctx-memory at 64K and 256K tokens.
 #
 # Next session (15 device-minutes), after `bash benchmarks/gpu_wheels.sh` here:
-#   call 1 (~8 min): tests; STRATEGIES="roundpipe roundpipe_one_copy auto" throughput;
-#                    profile
-#   call 2 (~9 min): lora (RoundPipe, FSDP, DeepSpeed at Llama-3.1-8B LoRA r=32)
-# then, with what is left: seqlen, engine, longctx-memory, longctx-rewalk,
-# longctx-throughput.
+#   call 1 (~9 min): tests (the rewritten sliding-window test, and the courier
+#                    fix); profile (the second gradient staging block and its
+#                    3.6 s stall should be gone); STRATEGIES="roundpipe auto"
+#                    throughput
+#   call 2 (~5 min, same warm machine): lora with --strategies roundpipe
+#                    fsdp_offload deepspeed_offload, or longctx-rewalk
+# then, with what is left: seqlen, engine, longctx-memory at 1M,
+# longctx-throughput. The profile's trace comes back in 15 MB pieces.
 #
 # Markdown tables (ready for docs/benchmarks.md), raw JSON and logs go to $OUT
 # (set by the device tool) or runs/gpu. Every trial runs in its own process
@@ -90,9 +95,10 @@ throughput)
         args=(--sizes tiny --seq 64 --batch 8 --micro 2 --steps 3)
         export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
     else
-        # tokens/s from the median step after the first: 5 steps
-        args=(--sizes 1.7b --seq 2048 --batch 64 --micro 4 --steps 5)
-        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-170}"
+        # tokens/s from the median step after the first: 8 steps, so that the
+        # median of 7 is a steady step (with 5, a warm-up step counted)
+        args=(--sizes 1.7b --seq 2048 --batch 64 --micro 4 --steps 8)
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-200}"
     fi
     if [ -n "${STRATEGIES:-}" ]; then
         read -r -a names <<<"$STRATEGIES"
@@ -110,6 +116,12 @@ profile)
     fi
     timeout 300 python benchmarks/lm_runner.py --strategy roundpipe "${args[@]}" --steps 6 \
         --profile "$out/profile" | tee "$out/profile.json"
+    # the device tool brings back files of up to 16 MiB (the 1.7B trace is
+    # about 30 MB): pieces, joined with `cat trace.json.gz.* > trace.json.gz`
+    trace="$out/profile/trace.json.gz"
+    if [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -gt 15000000 ]; then
+        split -b 15M "$trace" "$trace." && rm "$trace"
+    fi
     ;;
 lora)
     if [ "$smoke" = 1 ]; then

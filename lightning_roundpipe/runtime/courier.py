@@ -58,6 +58,7 @@ class Courier:
         self._grads: list[_Held] = []  # held by rule 4 or for their call's gain
         self._stop = False
         self._poke = False  # a buffer was released: look at the held gradients again
+        self._adding: Job | None = None  # whose gradient is being added (a failure names it)
         worker.rt.protocol.on_release.append(self.wake)
         self.store.on_fail.append(self.wake)
         self.thread = threading.Thread(
@@ -140,7 +141,6 @@ class Courier:
 
     def _main(self) -> None:
         job: Job | None = None
-        rt = self.worker.rt
         try:
             while True:
                 with self._cond:
@@ -154,34 +154,53 @@ class Courier:
                     item = self._items.popleft() if self._items else None
                     if item is None and not poke and self._stop:
                         return
-                for h in self._ready_grads() if poke else ():
-                    job, window, p = h.job, h.job.call.window, h.param
-                    gain = job.call.gain
-                    factor = 1.0 if gain is None else gain.value
-                    rt.protocol.before_add(window, p)
-                    # dropped: autograd never reached the call's loss (an explicit
-                    # factor of 0 adds zeros, as autograd would)
-                    if gain is None or not gain.dropped:
-                        rt.host.accumulate(p, h.grad, factor)
-                    rt.protocol.after_grad(window, p)  # rule 3 producer
-                    with self.store.lock:
-                        if h.parked:
-                            gain.parked -= 1
-                            last = False
-                            self.store.lock.notify_all()
-                        else:
-                            job.outstanding -= 1
-                            last = job.finished and job.outstanding == 0
-                    if last:
-                        rt.job_done(job)
+                if poke:
+                    self._add_ready()
                 if item is not None:
-                    event, fn, job = item
-                    if event is not None:
-                        event.synchronize()  # the copy is complete (this thread only)
-                    if fn is not None:
-                        fn()
-                job = None
+                    job = item[2]
+                    self._complete(item)
+                # (in methods, and dropped here: a finished item or gradient must
+                # not stay referenced from this frame while the courier sleeps, or
+                # the page-locked buffer its gradients came down into outlives
+                # their add, and the next download pins a second one)
+                item = job = None
         except EngineFailure:
             pass
         except BaseException as exc:  # every failure must reach the caller
+            job = job or self._adding
             self.store.fail(self.worker.wrap_failure(exc, job, None, courier=True))
+
+    def _add_ready(self) -> None:
+        """Add the held gradients that may be added now."""
+        rt = self.worker.rt
+        for h in self._ready_grads():
+            job, window, p = h.job, h.job.call.window, h.param
+            self._adding = job
+            gain = job.call.gain
+            factor = 1.0 if gain is None else gain.value
+            rt.protocol.before_add(window, p)
+            # dropped: autograd never reached the call's loss (an explicit
+            # factor of 0 adds zeros, as autograd would)
+            if gain is None or not gain.dropped:
+                rt.host.accumulate(p, h.grad, factor)
+            rt.protocol.after_grad(window, p)  # rule 3 producer
+            with self.store.lock:
+                if h.parked:
+                    gain.parked -= 1
+                    last = False
+                    self.store.lock.notify_all()
+                else:
+                    job.outstanding -= 1
+                    last = job.finished and job.outstanding == 0
+            if last:
+                rt.job_done(job)
+        self._adding = None
+
+    @staticmethod
+    def _complete(item: tuple[Any, Callable[[], None] | None, Job | None]) -> None:
+        """Wait for the item's copy, then run its function."""
+        event, fn, _ = item
+        if event is not None:
+            event.synchronize()  # the copy is complete (this thread only)
+        if fn is not None:
+            fn()

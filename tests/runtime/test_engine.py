@@ -520,6 +520,39 @@ def test_a_closed_engine_kept_alive_holds_no_copy_of_the_model():
     assert all(p.numel() > 0 for layer in layers for p in layer.parameters())
 
 
+@pytest.mark.parametrize("async_optimizer", [False, True])
+@pytest.mark.parametrize("plan", ["|7|", "4,2|1|3,3"])
+def test_a_stages_gradients_are_not_kept_once_added(monkeypatch, plan, async_optimizer):
+    """Each stage's fp32 gradients come down in one buffer (on CUDA a
+    page-locked one); once the courier has added them into the host buffers,
+    nothing may keep it. A courier that kept its last gradient referenced made
+    every CUDA download pin a second buffer while the first lived on: on an
+    H200, 3.6 s of cudaHostAlloc in a warm-up step and 8.6 GB of page-locked
+    memory more for Qwen3-1.7B."""
+    from lightning_roundpipe.runtime import worker
+
+    made = []
+    original = worker.Worker._accumulators
+
+    def spy(self, params, weights):
+        acc, hooks = original(self, params, weights)
+        if acc is not None:
+            made.append(weakref.ref(acc))
+        return acc, hooks
+
+    monkeypatch.setattr(worker.Worker, "_accumulators", spy)
+    layers = mlp()
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with engine(layers, 2, 4, plan, async_optimizer=async_optimizer) as eng:
+        for _ in range(3):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.step(opt.step)
+        eng.synchronize()
+        gc.collect()
+        assert made and [r for r in made if r() is not None] == []
+
+
 def test_memory_guard_names_the_layer_that_cannot_fit():
     from lightning_roundpipe.runtime import estimate_costs
     from lightning_roundpipe.runtime.device import stage_memory_limit
