@@ -794,6 +794,41 @@ def test_the_host_state_counts_the_asynchronous_optimizers_second_master_copy(tm
     assert two / one == pytest.approx(20 / 18, rel=1e-9)
 
 
+def test_gradient_staging_is_one_power_of_two_block_per_size_class_and_gpu():
+    """Each download of a stage's fp32 gradients takes a block of torch's
+    caching host allocator, rounded up to a power of two and kept: on an
+    H200 the fused Qwen3-1.7B stage's 8,126,959,616 bytes took an 8 GiB
+    block. A GPU's worker holds about one block of each class its stages
+    use, never more than there are such stages."""
+    from lightning_roundpipe.runtime.host import staging_bytes
+
+    assert staging_bytes([8_126_959_616], 1) == 2**33
+    assert staging_bytes([8_126_959_616], 4) == 2**33  # one stage: one download at a time
+    mib = 2**20
+    assert staging_bytes([300 * mib, 290 * mib, 100 * mib, 0], 2) == 2 * 512 * mib + 128 * mib
+    assert staging_bytes([300 * mib, 290 * mib, 100 * mib], 1) == 512 * mib + 128 * mib
+    assert staging_bytes([], 8) == 0
+
+
+def test_the_estimates_host_memory_counts_the_gradient_staging(tmp_path):
+    """Full fine-tuning whose weights fit one GPU: one fused stage, whose fp32
+    gradients come down into one page-locked block, the next power of two
+    of 4 bytes per trainable parameter; part of the host total and of the
+    report. LoRA's few trainable weights take a small block."""
+    from lightning_roundpipe.models.estimate import estimate, load_config
+
+    config = load_config(str(config_file(tmp_path)))
+    full = estimate(config, gpu_memory=8 * 2**30, seq=64)
+    assert full.plan.startswith("|") and full.plan.count("|") == 2  # fused only
+    assert full.host["staging"] == 1 << (4 * full.trainable - 1).bit_length()
+    assert full.host["total"] == pytest.approx(
+        full.host["state"] + full.host["activations"] + full.host["staging"]
+    )
+    assert "page-locked gradient staging" in full.report()
+    lora = estimate(config, gpu_memory=8 * 2**30, seq=64, lora_rank=4)
+    assert 0 < lora.host["staging"] < full.host["staging"] / 10
+
+
 def test_the_estimated_step_is_no_shorter_than_each_links_weight_traffic(tmp_path):
     """Each round every stage's weights go up and its fp32 gradients come
     down, the stages spread over the GPUs' links: where that takes longer

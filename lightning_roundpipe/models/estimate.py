@@ -46,7 +46,7 @@ from ..plan import (
 )
 from ..plan.decide import Predicted, initial_plan, plan_for_activations
 from ..plan.policy import choose_round
-from ..runtime.host import HOST_ACTIVATION_SHARE, state_bytes
+from ..runtime.host import HOST_ACTIVATION_SHARE, staging_bytes, state_bytes
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .attention import attention_heads
@@ -289,7 +289,8 @@ class Estimate:
             "device memory per stage (predicted peak): "
             + ", ".join(gib(p) for p in self.stage_peaks),
             f"host memory: {gib(self.host['total'])} (model state {gib(self.host['state'])}, "
-            f"boundary activations {gib(self.host['activations'])})"
+            f"boundary activations {gib(self.host['activations'])}, page-locked gradient "
+            f"staging {gib(self.host.get('staging', 0.0))})"
             + ("" if self.host_memory is None else f" of {gib(self.host_memory)}"),
             f"fits: {'yes' if self.fits else 'NO'}",
             f"longest sequence at micro-batch 1: {self.longest_seq} tokens "
@@ -584,7 +585,18 @@ def estimate(
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
     rounds = choose_round(m, boundary_bytes=per_mb, budget=round_budget)
     acts = per_mb * rounds.round_size
-    host = {"state": float(state), "activations": float(acts), "total": float(state + acts)}
+    # page-locked buffers the gradient downloads of the stages that compute
+    # gradients keep (the caching host allocator's blocks)
+    grads = _gradient_bytes(layers)
+    staging = staging_bytes(
+        [sum(grads[st.start : st.stop]) for st in plan.stages if st.kind != "forward"], gpus
+    )
+    host = {
+        "state": float(state),
+        "activations": float(acts),
+        "staging": float(staging),
+        "total": float(state + acts + staging),
+    }
     fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
     timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
     # copies devices wait for: with nothing prefetched, and a rewalked
@@ -607,7 +619,7 @@ def estimate(
     step = sim.work / (gpus * (1 - (bubble or 0.0)))
     # every stage's weights go up and its fp32 gradients down once per round,
     # each round's stages spread over the GPUs' links (up and down at once)
-    per_round = max(sum(sizes.weight_bytes or []), sum(_gradient_bytes(layers)))
+    per_round = max(sum(sizes.weight_bytes or []), sum(grads))
     upload = (
         -(-m // rounds.round_size) * per_round / (min(gpus, len(plan.stages)) * link_gbps * 1e9)
     )
@@ -694,7 +706,7 @@ def estimate(
     if servers > 1:
         reduction = estimate_reduction(
             sim,
-            _gradient_bytes(layers),
+            grads,
             servers,
             network_gbps,
             optimizer_seconds=optimizer,

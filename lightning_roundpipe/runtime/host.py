@@ -39,7 +39,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["HostState", "LayerReplica", "host_available", "pinned_bytes", "state_bytes"]
+__all__ = [
+    "HostState",
+    "LayerReplica",
+    "host_available",
+    "pinned_bytes",
+    "staging_bytes",
+    "state_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -653,6 +660,20 @@ def state_bytes(
             per += size
         total += numel * per
     return total
+
+
+def staging_bytes(stage_grad_bytes: Sequence[int], devices: int) -> int:
+    """Page-locked host bytes that CUDA gradient downloads keep, for stages
+    whose fp32 gradients take ``stage_grad_bytes`` (those with none left out)
+    on ``devices`` GPUs. Each stage's gradients come down in one buffer from
+    torch's caching host allocator, which rounds it up to a power of two and
+    keeps it for the next download of that size class; the courier adds a
+    download into the host buffers and drops it soon after it lands, so each
+    GPU's worker holds about one block of each class its stages use (at most
+    one per such stage). An estimate: gradients held back by the ordering
+    rules (a slow update) can take more for a while."""
+    classes: Counter[int] = Counter(1 << (n - 1).bit_length() for n in stage_grad_bytes if n > 0)
+    return sum(size * min(devices, count) for size, count in classes.items())
 
 
 #: of the host memory available when an engine starts, less the training
