@@ -829,6 +829,35 @@ def test_the_estimates_host_memory_counts_the_gradient_staging(tmp_path):
     assert 0 < lora.host["staging"] < full.host["staging"] / 10
 
 
+def test_the_estimates_longest_sequence_leaves_room_for_the_gradient_staging(tmp_path):
+    """The longest sequence is searched with the host memory the model state
+    and the plan's gradient staging leave, as the report's total counts
+    them: whatever length it names fits; a host that holds the state but
+    not the staging fits nothing, and a note says why."""
+    from lightning_roundpipe.models.estimate import estimate, load_config
+
+    config = load_config(str(config_file(tmp_path)))
+    kw = dict(gpu_memory=8 * 2**30)
+    full = estimate(config, seq=64, **kw)
+    state, staged = full.host["state"], full.host["staging"]
+    assert staged > 0
+    short = estimate(config, host_memory=state + staged / 2, **kw)
+    assert short.longest_seq == 0 and not short.fits
+    assert "and the page-locked staging of the gradient downloads" in short.notes[0]
+    assert "no sequence fits" in short.notes[0]
+    # and with room to spare, every length named fits at that length
+    small = load_config(str(config_file(tmp_path, vocab_size=64000, hidden_size=512)))
+    base = estimate(small, seq=64, **kw)
+    for extra in (1.05, 1.5, 4.0):
+        host_memory = base.host["state"] + extra * base.host["staging"]
+        named = estimate(small, host_memory=host_memory, **kw)
+        assert named.longest_seq > 0
+        at = estimate(small, host_memory=host_memory, seq=named.longest_seq, **kw)
+        assert at.fits, (extra, at.host, host_memory)
+        if named.longest_bound == "host memory":
+            assert named.device_longest_host >= at.host["state"] + at.host["staging"]
+
+
 def test_the_estimated_step_is_no_shorter_than_each_links_weight_traffic(tmp_path):
     """Each round every stage's weights go up and its fp32 gradients come
     down, the stages spread over the GPUs' links: where that takes longer

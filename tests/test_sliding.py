@@ -258,7 +258,8 @@ def test_on_a_gpu_the_tiles_give_the_dense_masks_attention_with_less_memory():
 
     The saving is the dense mask, sequence x sequence (4 GiB of booleans at
     64K, twice that once SDPA makes it a bf16 bias), against the tiles' two
-    masks of about 12 x window^2 bytes and keys and values expanded per tile.
+    masks of 20 x window^2 bytes in bf16 (a query tile of twice the window
+    by its padded span) and keys and values expanded per tile.
     It needs a sequence well past the window: on an H200 (2026-11-26), 16K
     tokens with a 4096 window peaked at 1.35 GB tiled against 1.61 GB dense,
     the tiles' masks (320 MiB) then outweighing the dense one (256 MiB)."""

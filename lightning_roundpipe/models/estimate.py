@@ -41,12 +41,18 @@ from ..plan import (
     LayerCosts,
     PlanError,
     ReductionEstimate,
+    StagePlan,
     estimate_reduction,
     simulate,
 )
 from ..plan.decide import Predicted, initial_plan, plan_for_activations
 from ..plan.policy import choose_round
-from ..runtime.host import HOST_ACTIVATION_SHARE, staging_bytes, state_bytes
+from ..runtime.host import (
+    HOST_ACTIVATION_SHARE,
+    gradient_bytes,
+    plan_staging_bytes,
+    state_bytes,
+)
 from ..runtime.options import PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .attention import attention_heads
@@ -368,22 +374,6 @@ def _times(
     return fwd, [2 * f for f in fwd]
 
 
-def _gradient_bytes(layers: list[nn.Module]) -> list[int]:
-    """fp32 gradient bytes of each layer's trainable parameters, a parameter
-    shared by several layers (tied weights) counted in the first that uses it,
-    as the host keeps one gradient buffer for it."""
-    seen: set[int] = set()
-    out = []
-    for layer in layers:
-        n = 0
-        for p in layer.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                n += p.numel() * 4 if p.requires_grad else 0
-        out.append(n)
-    return out
-
-
 def boundary_bytes(plan: Any, tokens: int, hidden: int, element: int) -> int:
     """Host bytes one micro-batch of ``tokens`` tokens keeps between stages
     under ``plan`` at most: the hidden states (``element`` bytes each) and
@@ -507,12 +497,27 @@ def estimate(
 
     state = host_state_bytes(model, precision, frozen_dtype, double_buffer=async_optimizer)
     hidden = int(config.hidden_size)
-    # what one micro-batch's boundary values may take on the host before the
-    # plan changes, as the engine decides it (80% of what the model state
-    # leaves), and a round's, as it sizes rounds (a quarter); None: unchecked
+    grads = gradient_bytes(layers)
+
+    def staging(plan: StagePlan) -> int:
+        """Page-locked buffers the gradient downloads of the plan's stages
+        that compute gradients keep (the caching host allocator's blocks)."""
+        return plan_staging_bytes(plan, grads, gpus)
+
+    def left(plan: StagePlan) -> float | None:
+        """Host bytes the model state and the plan's gradient staging leave
+        (None: unchecked)."""
+        return None if host_memory is None else host_memory - state - staging(plan)
+
+    # what the host leaves before any activation is known, as the engine
+    # decides it: from its first plan; what one micro-batch's boundary values
+    # may take on the host before the plan changes is 80% of that
     spare = None if host_memory is None else host_memory - state
-    host_room = None if spare is None else HOST_ACTIVATION_SHARE * max(0.0, spare)
-    round_budget = None if spare is None else max(1, int(spare // 4))
+    start_plan = initial_plan(
+        sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
+    )
+    start_left = left(start_plan)
+    host_room = None if start_left is None else HOST_ACTIVATION_SHARE * max(0.0, start_left)
 
     def plan_at(s: int, b: int, host: bool = True) -> Predicted:
         """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
@@ -521,11 +526,8 @@ def estimate(
         with ``host``, a plan whose boundary values fit the host (layered or
         rewalked if need be)."""
         act = activations(s * b)
-        start = initial_plan(
-            sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
-        )
         decision = plan_for_activations(
-            start,
+            start_plan,
             sizes,
             act.saved_bytes(s, b),
             act.transient_bytes(s, b, cuda=True),
@@ -550,9 +552,10 @@ def estimate(
         plan = decision.plan
         if max(decision.peaks) > decision.memory_limit:
             return False
-        if not host or spare is None:
+        room = left(plan)
+        if not host or room is None:
             return True
-        return spare > 0 and boundary_bytes(plan, s, hidden, size) <= host_room
+        return room > 0 and boundary_bytes(plan, s, hidden, size) <= HOST_ACTIVATION_SHARE * room
 
     ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
     search = max(ceiling, 1 << 22)
@@ -572,7 +575,7 @@ def estimate(
         if device_longest:
             alone = plan_at(device_longest, 1, host=False).plan
             values = boundary_bytes(alone, device_longest, hidden, size)
-            device_host = state + values / HOST_ACTIVATION_SHARE
+            device_host = state + staging(alone) + values / HOST_ACTIVATION_SHARE
     notes = []
     shown_at = None  # nothing fits: the sequence the plan is shown at instead
     if seq is None:
@@ -583,19 +586,18 @@ def estimate(
     decision = plan_at(seq, micro_batch, host=shown_at is None)
     plan, peaks, room = decision.plan, decision.peaks, decision.memory_limit
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
+    # a round's boundary values: a quarter of what the host leaves, as the
+    # engine sizes rounds
+    room_left = left(plan)
+    round_budget = None if room_left is None else max(1, int(room_left // 4))
     rounds = choose_round(m, boundary_bytes=per_mb, budget=round_budget)
     acts = per_mb * rounds.round_size
-    # page-locked buffers the gradient downloads of the stages that compute
-    # gradients keep (the caching host allocator's blocks)
-    grads = _gradient_bytes(layers)
-    staging = staging_bytes(
-        [sum(grads[st.start : st.stop]) for st in plan.stages if st.kind != "forward"], gpus
-    )
+    staged = staging(plan)
     host = {
         "state": float(state),
         "activations": float(acts),
-        "staging": float(staging),
-        "total": float(state + acts + staging),
+        "staging": float(staged),
+        "total": float(state + acts + staged),
     }
     fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
     timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
@@ -650,6 +652,14 @@ def estimate(
                 else ""
             ),
         )
+    elif start_left is not None and start_left <= 0 and not longest:
+        notes.insert(
+            0,
+            f"the model state ({gib(state)}) and the page-locked staging of the gradient "
+            f"downloads of the first plan ({gib(staging(start_plan))}) need more than the host "
+            f"memory ({gib(host_memory)}): no sequence fits; fewer trainable weights (LoRA, "
+            "--lora-rank) download fewer gradients",
+        )
     if shown_at is not None:
         notes.insert(
             1 if notes else 0,
@@ -661,7 +671,7 @@ def estimate(
         notes.append(
             f"rounds of {rounds.round_size} micro-batches: a whole batch's boundary "
             f"activations ({gib(per_mb * m)}) exceed a quarter of the host memory the model "
-            "state leaves, so each stage's weights go up once per round"
+            "state and the gradient staging leave, so each stage's weights go up once per round"
         )
     if plan.layered:
         extra = sum(st.extra_forward(timed) for st in plan.stages)

@@ -173,7 +173,11 @@ class Courier:
     def _add_ready(self) -> None:
         """Add the held gradients that may be added now."""
         rt = self.worker.rt
-        for h in self._ready_grads():
+        ready = self._ready_grads()
+        ready.reverse()
+        while ready:
+            # popped, so each gradient is released as soon as it is added
+            h = ready.pop()
             job, window, p = h.job, h.job.call.window, h.param
             self._adding = job
             gain = job.call.gain
@@ -192,6 +196,7 @@ class Courier:
                 else:
                     job.outstanding -= 1
                     last = job.finished and job.outstanding == 0
+            h = None
             if last:
                 rt.job_done(job)
         self._adding = None

@@ -44,7 +44,15 @@ from ..plan.schedule import Placement
 from ..plan.stages import Stage
 from .device import as_device, check_uniform, host_to_device_bandwidth, pin, stage_memory_limit
 from .gradients import CallerGradients
-from .host import HOST_ACTIVATION_SHARE, HostState, _Param, host_available, state_bytes
+from .host import (
+    HOST_ACTIVATION_SHARE,
+    HostState,
+    _Param,
+    gradient_bytes,
+    host_available,
+    plan_staging_bytes,
+    state_bytes,
+)
 from .nested import (
     batch_size_of,
     map_tensors,
@@ -423,13 +431,16 @@ class RoundPipeEngine:
         if room is not None:
             copies = 2 if self.double_buffer else 1
             state = _state_to_come(layers, compute_dtype, copies, optimizer_state)
+            if any(d.type == "cuda" for d in devs):
+                # and the page-locked blocks the gradient downloads take
+                state += plan_staging_bytes(plan, gradient_bytes(layers), len(devs))
             if state < room:
                 room -= state
             else:  # no room then: budgets from what is there, and a warning
                 log.warning(
                     "RoundPipe: the training state needs about %.2f GiB of host memory beyond "
                     "the parameters (master copies, gradient buffers, the optimizer's "
-                    "state) and %.2f GiB are available: the process may run "
+                    "state, page-locked staging of gradient downloads) and %.2f GiB are available: the process may run "
                     "out of host memory. Train fewer weights (LoRA, frozen layers), load "
                     "frozen weights in the compute dtype, or use a machine with more memory",
                     state / 2**30,

@@ -35,15 +35,21 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..plan import StagePlan
 
 __all__ = [
     "HostState",
     "LayerReplica",
     "host_available",
+    "gradient_bytes",
     "pinned_bytes",
+    "plan_staging_bytes",
     "staging_bytes",
     "state_bytes",
 ]
@@ -674,6 +680,35 @@ def staging_bytes(stage_grad_bytes: Sequence[int], devices: int) -> int:
     rules (a slow update) can take more for a while."""
     classes: Counter[int] = Counter(1 << (n - 1).bit_length() for n in stage_grad_bytes if n > 0)
     return sum(size * min(devices, count) for size, count in classes.items())
+
+
+def gradient_bytes(layers: Sequence[nn.Module]) -> list[int]:
+    """fp32 gradient bytes of each layer's trainable parameters, a parameter
+    shared by several layers (tied weights) counted in the first that uses it,
+    as the host keeps one gradient buffer for it."""
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        n = 0
+        for p in layer.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * 4 if p.requires_grad else 0
+        out.append(n)
+    return out
+
+
+def plan_staging_bytes(plan: StagePlan, layer_grad_bytes: Sequence[int], devices: int) -> int:
+    """:func:`staging_bytes` of a plan's stages that compute gradients, from
+    each layer's fp32 gradient bytes (:func:`gradient_bytes`)."""
+    return staging_bytes(
+        [
+            sum(layer_grad_bytes[st.start : st.stop])
+            for st in plan.stages
+            if st.kind != "forward"
+        ],
+        devices,
+    )
 
 
 #: of the host memory available when an engine starts, less the training

@@ -152,3 +152,21 @@ def test_a_partly_frozen_model_trains_on_cuda_like_the_reference(devices, double
         atol=1e-4,
         rtol=1e-3,
     )
+
+
+def test_the_hosts_activation_budget_leaves_room_for_gradient_staging(monkeypatch):
+    """On CUDA each download of a stage's gradients takes a page-locked block
+    of the caching host allocator that stays: the host memory left for
+    boundary activations is what the state and those blocks leave (on CPU
+    there is no staging: the same engine's budget is larger by exactly it)."""
+    from lightning_roundpipe.runtime import engine as engine_module
+    from lightning_roundpipe.runtime.host import gradient_bytes, plan_staging_bytes
+
+    layers = transformer(num_blocks=2)
+    monkeypatch.setattr(engine_module, "host_available", lambda: 10**9)
+    with RoundPipeEngine(copy.deepcopy(layers), [torch.device("cpu")], 2) as cpu:
+        cpu_limit = cpu._host_limit
+    with RoundPipeEngine(copy.deepcopy(layers), [0], 2) as eng:
+        staged = plan_staging_bytes(eng._initial[0], gradient_bytes(layers), 1)
+        assert staged > 0
+        assert cpu_limit - eng._host_limit == pytest.approx(0.8 * staged, abs=2)
