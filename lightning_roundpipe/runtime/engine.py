@@ -440,9 +440,10 @@ class RoundPipeEngine:
                 log.warning(
                     "RoundPipe: the training state needs about %.2f GiB of host memory beyond "
                     "the parameters (master copies, gradient buffers, the optimizer's "
-                    "state, page-locked staging of gradient downloads) and %.2f GiB are available: the process may run "
-                    "out of host memory. Train fewer weights (LoRA, frozen layers), load "
-                    "frozen weights in the compute dtype, or use a machine with more memory",
+                    "state, page-locked staging of gradient downloads) and %.2f GiB are "
+                    "available: the process may run out of host memory. Train fewer "
+                    "weights (LoRA, frozen layers), load frozen weights in the compute "
+                    "dtype, or use a machine with more memory",
                     state / 2**30,
                     available / 2**30,
                 )

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 __all__ = [
     "HostState",
     "LayerReplica",
-    "host_available",
     "gradient_bytes",
+    "host_available",
     "pinned_bytes",
     "plan_staging_bytes",
     "staging_bytes",
@@ -702,11 +702,7 @@ def plan_staging_bytes(plan: StagePlan, layer_grad_bytes: Sequence[int], devices
     """:func:`staging_bytes` of a plan's stages that compute gradients, from
     each layer's fp32 gradient bytes (:func:`gradient_bytes`)."""
     return staging_bytes(
-        [
-            sum(layer_grad_bytes[st.start : st.stop])
-            for st in plan.stages
-            if st.kind != "forward"
-        ],
+        [sum(layer_grad_bytes[st.start : st.stop]) for st in plan.stages if st.kind != "forward"],
         devices,
     )
 
