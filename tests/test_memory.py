@@ -561,6 +561,26 @@ def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     assert code == 0 and "trainable)" in text
 
 
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(model_type="phimoe", num_local_experts=4, num_experts_per_tok=2),
+        dict(model_type="llama4_text", num_local_experts=4, intermediate_size_mlp=128),
+    ],
+    ids=["phimoe", "llama4"],
+)
+def test_the_lora_estimate_leaves_routers_that_return_tuples_alone(tmp_path, family):
+    """PhiMoE's and Llama 4's routers subclass nn.Linear but return routing
+    tuples, which a LoRA wrapper cannot add its update to: --lora-rank puts
+    adapters on every other linear layer (the estimate used to fail there)."""
+    pytest.importorskip("peft")
+    path = config_file(tmp_path, **family)
+    code, text = run_cli(path, "--gpu-memory", 1.25, "--lora-rank", 4, "--seq", 256)
+    assert code == 0 and "fits: yes" in text, text
+    trainable = float(text.split("B parameters (")[1].split("B trainable")[0])
+    assert 0 < trainable < 0.01
+
+
 def gib_in(text: str, label: str) -> float:
     return float(text.split(label)[1].split(" GiB")[0])
 

@@ -149,7 +149,20 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+        # every linear layer but the head, and but the routers that subclass
+        # nn.Linear with a forward of their own (PhiMoE, Llama 4: they return
+        # routing tuples, which a LoRA wrapper cannot add to)
+        routers = [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+        ]
+        lora = LoraConfig(
+            r=lora_rank,
+            lora_alpha=2 * lora_rank,
+            target_modules="all-linear",
+            exclude_modules=routers or None,
+        )
         with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = get_peft_model(model, lora).get_base_model()  # adapters injected
