@@ -566,15 +566,22 @@ def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     [
         dict(model_type="phimoe", num_local_experts=4, num_experts_per_tok=2),
         dict(model_type="llama4_text", num_local_experts=4, intermediate_size_mlp=128),
+        dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2),
     ],
-    ids=["phimoe", "llama4"],
+    ids=["phimoe", "llama4", "falcon"],
 )
 def test_the_lora_estimate_leaves_routers_that_return_tuples_alone(tmp_path, family):
     """PhiMoE's and Llama 4's routers subclass nn.Linear but return routing
     tuples, which a LoRA wrapper cannot add its update to: --lora-rank puts
-    adapters on every other linear layer (the estimate used to fail there)."""
+    adapters on every other linear layer (the estimate used to fail there).
+    Falcon's linear layers subclass nn.Linear too, returning tensors: they
+    get adapters."""
     pytest.importorskip("peft")
     path = config_file(tmp_path, **family)
+    if family["model_type"] == "falcon":  # (its head_dim is derived)
+        data = json.loads(path.read_text())
+        del data["head_dim"]
+        path.write_text(json.dumps(data))
     code, text = run_cli(path, "--gpu-memory", 1.25, "--lora-rank", 4, "--seq", 256)
     assert code == 0 and "fits: yes" in text, text
     trainable = float(text.split("B parameters (")[1].split("B trainable")[0])

@@ -149,13 +149,13 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        # every linear layer but the head, and but the routers that subclass
-        # nn.Linear with a forward of their own (PhiMoE, Llama 4: they return
-        # routing tuples, which a LoRA wrapper cannot add to)
+        # every linear layer but the head, and but those whose forward does not
+        # return a tensor (the routers of PhiMoE and Llama 4 subclass nn.Linear
+        # and return routing tuples, which a LoRA wrapper cannot add to)
         routers = [
             name
             for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+            if isinstance(m, nn.Linear) and not _returns_a_tensor(m)
         ]
         lora = LoraConfig(
             r=lora_rank,
@@ -171,6 +171,20 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         for w in caught:
             _log.debug("peft, injecting LoRA for the estimate: %s", w.message)
     return model
+
+
+def _returns_a_tensor(linear: nn.Linear) -> bool:
+    """Whether a linear layer (on the meta device) maps a tensor to a tensor,
+    as LoRA's wrapper needs: nn.Linear's own forward does; a subclass's is
+    tried on a meta input (a forward that fails there counts as not)."""
+    if type(linear).forward is nn.Linear.forward:
+        return True
+    x = torch.empty(1, linear.in_features, device="meta", dtype=linear.weight.dtype)
+    try:
+        with torch.no_grad():
+            return isinstance(linear(x), torch.Tensor)
+    except Exception:  # (any failure: leave the layer without an adapter)
+        return False
 
 
 def _materialise(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
