@@ -877,6 +877,30 @@ def test_lora_on_attention_and_experts_trains_like_the_default_strategy():
     assert mod.grads_down and set(mod.grads_down) == {4 * trainable}
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "solar_open"])
+def test_lora_on_experts_with_stages_on_two_threads_trains_like_the_default_strategy(kind):
+    """PEFT's LoRA on the experts' parameters (chosen by "all-linear" for
+    Mixture-of-Experts models) opens torch's parametrization cache in every
+    forward; with two micro-batches both workers run adapted layers at once.
+    With torch's process-wide cache a worker's next forward sometimes found
+    the weights and freed graph of the one before (about one fit in six
+    under load: "Trying to backward through the graph a second time", or
+    other weights); the cache is per thread now (runtime/parametrize.py)."""
+    peft = pytest.importorskip("peft")
+    model = tiny(kind)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    assert any("experts" in n and "lora_" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    for _ in range(3):
+        trains_like_the_default_strategy(LM(copy.deepcopy(model)), sync(microbatches=2))
+
+
 def test_the_pipeline_runs_the_models_experts_implementation(monkeypatch):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 

@@ -71,6 +71,7 @@ from .optimizer import (
     _Job,
 )
 from .options import EngineOptions, NonFinite, Precision
+from .parametrize import install as install_parametrize_cache
 from .profiler import (
     TRAFFIC_KINDS,
     Profiler,
@@ -357,6 +358,9 @@ class RoundPipeEngine:
             double_buffer=double_buffer,
         )
         compute_dtype = self.options.compute_dtype
+        # stages run on several threads: torch's parametrization cache must
+        # be per thread (PEFT's LoRA on experts uses it in every forward)
+        install_parametrize_cache()
         user_plan = plan is not None
         if (
             isinstance(num_microbatches, bool)
