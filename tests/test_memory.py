@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from test_adapters import attached_engine, tiny
+from torch import nn
 
 from lightning_roundpipe.models import CausalLMAdapter
 from lightning_roundpipe.models.attention import backward_workspace
@@ -588,6 +589,27 @@ def test_the_lora_estimate_leaves_routers_that_return_tuples_alone(tmp_path, fam
     assert 0 < trainable < 0.01
 
 
+def test_only_linear_layers_returning_something_else_than_a_tensor_lose_their_adapter():
+    from lightning_roundpipe.models.estimate import _returns_a_tensor
+
+    class Router(nn.Linear):
+        def forward(self, x):
+            return super().forward(x), x
+
+    class Batched(nn.Linear):  # (wants batch x tokens x features)
+        def forward(self, x):
+            b, s, h = x.shape
+            return super().forward(x.view(b * s, h)).view(b, s, -1)
+
+    class Scaled(nn.Linear):  # (wants another argument: given the benefit of the doubt)
+        def forward(self, x, scale):
+            return super().forward(x) * scale
+
+    with torch.device("meta"):
+        layers = [nn.Linear(4, 3), Router(4, 3), Batched(4, 3), Scaled(4, 3)]
+    assert [_returns_a_tensor(m) for m in layers] == [True, False, True, True]
+
+
 def gib_in(text: str, label: str) -> float:
     return float(text.split(label)[1].split(" GiB")[0])
 
@@ -882,7 +904,9 @@ def test_the_estimates_longest_sequence_leaves_room_for_the_gradient_staging(tmp
         at = estimate(small, host_memory=host_memory, seq=named.longest_seq, **kw)
         assert at.fits, (extra, at.host, host_memory)
         if named.longest_bound == "host memory":
-            assert named.device_longest_host >= at.host["state"] + at.host["staging"]
+            # the host memory it names for what the GPUs alone allow is enough
+            enough = estimate(small, host_memory=named.device_longest_host, **kw)
+            assert enough.longest_seq >= named.device_longest_seq
 
 
 def test_the_estimated_step_is_no_shorter_than_each_links_weight_traffic(tmp_path):

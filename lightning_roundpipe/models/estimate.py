@@ -176,15 +176,17 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
 def _returns_a_tensor(linear: nn.Linear) -> bool:
     """Whether a linear layer (on the meta device) maps a tensor to a tensor,
     as LoRA's wrapper needs: nn.Linear's own forward does; a subclass's is
-    tried on a meta input (a forward that fails there counts as not)."""
+    tried on a meta input of one token (a forward that fails there is given
+    the benefit of the doubt, as PEFT's "all-linear" would)."""
     if type(linear).forward is nn.Linear.forward:
         return True
-    x = torch.empty(1, linear.in_features, device="meta", dtype=linear.weight.dtype)
+    x = torch.empty(1, 1, linear.in_features, device="meta", dtype=linear.weight.dtype)
     try:
         with torch.no_grad():
-            return isinstance(linear(x), torch.Tensor)
-    except Exception:  # (any failure: leave the layer without an adapter)
-        return False
+            out = linear(x)
+    except Exception:  # (it wants other inputs: PEFT adapts it, as it would the model)
+        return True
+    return isinstance(out, torch.Tensor)
 
 
 def _materialise(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -602,7 +604,10 @@ def estimate(
         if device_longest:
             alone = plan_at(device_longest, 1, host=False).plan
             values = boundary_bytes(alone, device_longest, hidden, size)
-            device_host = state + staging(alone) + values / HOST_ACTIVATION_SHARE
+            # (the staging of the first plan bounds what the plan may choose,
+            # as in the engine; the chosen one's what it then takes)
+            staged_most = max(staging(start_plan), staging(alone))
+            device_host = state + staged_most + values / HOST_ACTIVATION_SHARE
     notes = []
     shown_at = None  # nothing fits: the sequence the plan is shown at instead
     if seq is None:
@@ -613,10 +618,9 @@ def estimate(
     decision = plan_at(seq, micro_batch, host=shown_at is None)
     plan, peaks, room = decision.plan, decision.peaks, decision.memory_limit
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
-    # a round's boundary values: a quarter of what the host leaves, as the
-    # engine sizes rounds
-    room_left = left(plan)
-    round_budget = None if room_left is None else max(1, int(room_left // 4))
+    # a round's boundary values: a quarter of what the host leaves once the
+    # first plan's staging is counted, as the engine sizes rounds
+    round_budget = None if start_left is None else max(1, int(start_left // 4))
     rounds = choose_round(m, boundary_bytes=per_mb, budget=round_budget)
     acts = per_mb * rounds.round_size
     staged = staging(plan)

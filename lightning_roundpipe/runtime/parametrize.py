@@ -33,6 +33,14 @@ _lock = threading.Lock()
 _TORCH_CACHED = _parametrize.cached  # torch's own (tests restore it)
 
 
+class _ThreadState:
+    __slots__ = ("cache", "depth")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.cache: dict | None = None  # None: outside any context
+
+
 class _PerThreadCache(dict):
     """Stands in for torch's cache dict: each thread's entries live in its
     own dict while it is inside :func:`cached` (the outer dict stays empty);
@@ -42,8 +50,16 @@ class _PerThreadCache(dict):
         super().__init__()
         self.local = threading.local()
 
+    def state(self) -> _ThreadState:
+        """The calling thread's depth of contexts and its cache."""
+        st = getattr(self.local, "state", None)
+        if st is None:
+            st = self.local.state = _ThreadState()
+        return st
+
     def _own(self) -> dict | None:
-        return getattr(self.local, "cache", None)
+        st = getattr(self.local, "state", None)
+        return None if st is None else st.cache
 
     def get(self, key: Any, default: Any = None) -> Any:
         own = self._own()
@@ -71,11 +87,12 @@ _CACHE = _PerThreadCache()
 @contextlib.contextmanager
 def cached() -> Iterator[None]:
     """``torch.nn.utils.parametrize.cached`` for the calling thread only."""
-    local = _CACHE.local
-    depth = getattr(local, "depth", 0)
-    if depth == 0:
-        local.cache = {}
-    local.depth = depth + 1
+    # (the entering thread's own state: a context closed on another thread,
+    # as a generator may be, still ends this thread's)
+    st = _CACHE.state()
+    if st.depth == 0:
+        st.cache = {}
+    st.depth += 1
     with _lock:
         # torch's getter consults the cache only while its global count is
         # non-zero; what it then finds is this thread's alone
@@ -86,15 +103,18 @@ def cached() -> Iterator[None]:
     finally:
         with _lock:
             _parametrize._cache_enabled -= 1
-        local.depth -= 1
-        if local.depth == 0:
-            local.cache = None
+        st.depth -= 1
+        if st.depth == 0:
+            st.cache = None
 
 
 def install() -> None:
     """Use :func:`cached` for ``torch.nn.utils.parametrize.cached`` (once per
     process; idempotent). PEFT and others call it through the module, so
-    their contexts become per-thread."""
+    their contexts become per-thread. A reference to torch's own function
+    taken before (``from torch.nn.utils.parametrize import cached``; none of
+    torch's training code, transformers, PEFT or Lightning does) still opens
+    torch's process-wide cache."""
     with _lock:
         if _parametrize.cached is not cached:
             _parametrize.cached = cached

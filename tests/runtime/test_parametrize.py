@@ -102,3 +102,29 @@ def test_an_engine_installs_it(monkeypatch):
     with RoundPipeEngine([nn.Linear(2, 2)], ["cpu"], 1):
         assert parametrize.cached is cached
         assert parametrize._cache is ours._CACHE
+
+
+def test_a_context_closed_on_another_thread_still_ends_its_own():
+    """A context entered on one thread and closed on another (a generator
+    finished elsewhere) ends the entering thread's cache: its next context
+    computes afresh."""
+    install()
+    lin, plus = layer()
+    ctx = parametrize.cached()
+    ctx.__enter__()
+    first = lin.weight.detach().clone()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            ctx.__exit__(None, None, None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join(10)
+    assert not errors
+    plus.delta = torch.ones(())
+    with parametrize.cached():
+        torch.testing.assert_close(lin.weight.detach(), first + 1)
