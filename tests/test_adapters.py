@@ -511,10 +511,21 @@ class LM(L.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
 
 
-def fit(module: L.LightningModule, strategy, devices: int = 1, steps: int = 3) -> L.Trainer:
+def fit(
+    module: L.LightningModule,
+    strategy,
+    devices: int = 1,
+    steps: int = 3,
+    precision: str = "32-true",
+) -> L.Trainer:
     L.seed_everything(0)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, **QUIET
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        precision=precision,
+        **QUIET,
     )
     trainer.fit(module, DataLoader(lm_data(), batch_size=4))
     return trainer
@@ -554,19 +565,6 @@ def test_every_family_trains_like_the_default_strategy(kind):
     trains_like_the_default_strategy(LM(tiny(kind)))
 
 
-def fit_precision(module: L.LightningModule, strategy, devices: int, precision: str) -> None:
-    L.seed_everything(0)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=3,
-        precision=precision,
-        **QUIET,
-    )
-    trainer.fit(module, DataLoader(lm_data(), batch_size=4))
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
@@ -575,8 +573,8 @@ def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strat
     gradients rounds otherwise)."""
     model = tiny(kind)
     ref, mod = LM(copy.deepcopy(model)), LM(model)
-    fit_precision(ref, "auto", 1, "bf16-true")
-    fit_precision(mod, sync(microbatches=1), 2, "bf16-true")
+    fit(ref, "auto", precision="bf16-true")
+    fit(mod, sync(microbatches=1), devices=2, precision="bf16-true")
     assert torch.equal(torch.stack(mod.losses), torch.stack(ref.losses))
     for (name, x), y in zip(mod.named_parameters(), ref.parameters(), strict=True):
         assert x.dtype == torch.bfloat16 and torch.equal(x, y), name
