@@ -569,7 +569,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
     model does, in the same order: three steps give the same bits (all 57
-    families did on 2026-11-26; with two micro-batches the fp32 sum of their
+    tested model types did on 2026-11-26; with two micro-batches the fp32 sum of their
     gradients rounds otherwise)."""
     model = tiny(kind)
     ref, mod = LM(copy.deepcopy(model)), LM(model)
