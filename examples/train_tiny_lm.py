@@ -163,13 +163,19 @@ def main(argv: list[str] | None = None) -> dict:
         async_optimizer=not args.sync, num_microbatches=max(args.microbatches, devices)
     )
     speed = Throughput()
+    data = TinyTextData(seq_len=args.seq_len, batch_size=args.batch_size)
+    data.setup("fit")
+    # the epochs the steps take (else the progress bar shows "Epoch 0/-2")
+    epochs = -(-args.steps // max(1, len(data.train_dataloader())))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="gpu" if gpu else "cpu",
         devices=devices,
         precision="bf16-mixed" if gpu else "32-true",
         max_steps=args.steps,
-        val_check_interval=max(1, args.steps // 3),
+        max_epochs=epochs,
+        val_check_interval=max(1, args.steps // 3),  # (steps, across epochs)
+        check_val_every_n_epoch=None,
         limit_val_batches=4,
         log_every_n_steps=10,
         default_root_dir=args.out,
@@ -178,7 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
         logger=False,
     )
     module = TinyLM()
-    data = TinyTextData(seq_len=args.seq_len, batch_size=args.batch_size)
     trainer.fit(module, data)
 
     plan = strategy.stage_plan
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         png = None
     first, last = speed.losses[0], speed.losses[-1]
     report = {
+        "steps": trainer.global_step,
         "tokens_per_second": speed.tokens_per_second,
         "first_loss": first,
         "last_loss": last,
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         "timeline": str(png) if png else None,
     }
     print(
-        f"\ntrained {args.steps} steps on {devices} {'GPU' if gpu else 'CPU worker'}(s): "
+        f"\ntrained {trainer.global_step} steps on {devices} {'GPU' if gpu else 'CPU worker'}(s): "
         f"loss {first:.3f} -> {last:.3f}, validation loss {report['val_loss']:.3f}"
     )
     print(

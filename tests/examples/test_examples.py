@@ -47,6 +47,16 @@ def test_main_job_trains_and_reports(tmp_path):
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_main_job_runs_steps_past_an_epoch(tmp_path):
+    """A batch large enough that the steps take several epochs: it validates
+    every third of the steps (it was refused: a validation interval longer
+    than an epoch)."""
+    pytest.importorskip("transformers")
+    mod = load("train_tiny_lm")
+    report = mod.main(["--steps", "12", "--batch-size", "512", "--out", str(tmp_path)])
+    assert report["steps"] == 12
+
+
 @pytest.mark.parametrize("strategy", [None, "roundpipe_sync"])
 def test_lightning_cli_yaml_config_runs(strategy, tmp_path):
     pytest.importorskip("transformers")
