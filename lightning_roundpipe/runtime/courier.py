@@ -173,11 +173,10 @@ class Courier:
     def _add_ready(self) -> None:
         """Add the held gradients that may be added now."""
         rt = self.worker.rt
-        ready = self._ready_grads()
-        ready.reverse()
+        ready = deque(self._ready_grads())
         while ready:
-            # popped, so each gradient is released as soon as it is added
-            h = ready.pop()
+            # taken off the list, so each gradient is released once added
+            h = ready.popleft()
             job, window, p = h.job, h.job.call.window, h.param
             self._adding = job
             gain = job.call.gain
