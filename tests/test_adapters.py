@@ -58,6 +58,19 @@ HYBRID = dict(
 HYBRID_MOE = dict(
     num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
 )
+# multi-head latent attention (DeepSeek-V3's)
+MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=None)
+GPT_LIKE = dict(
+    vocab_size=VOCAB,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    n_positions=64,
+    embd_pdrop=0.0,
+    resid_pdrop=0.0,
+    attn_pdrop=0.0,
+)
 GRANITE = dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5)
 # model_type -> (config class, model class, settings): tiny, 2 decoder blocks,
 # no dropout, and each family's quirk switched on so that it matters
@@ -107,20 +120,7 @@ TINY = {
         "Phi3ForCausalLM",
         dict(LLAMA_LIKE, embd_pdrop=0.0, resid_pdrop=0.0, sliding_window=4, pad_token_id=0),
     ),
-    "gpt2": (
-        "GPT2Config",
-        "GPT2LMHeadModel",
-        dict(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            embd_pdrop=0.0,
-            resid_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),
-    ),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT_LIKE),
     "gpt_neox": (
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
@@ -424,6 +424,71 @@ TINY = {
         "SolarOpenForCausalLM",
         dict(LLAMA_LIKE, head_dim=8, n_routed_experts=4, moe_intermediate_size=16, **TOP2),
     ),
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", LLAMA_LIKE),
+    "jais2": ("Jais2Config", "Jais2ForCausalLM", LLAMA_LIKE),
+    "youtu": ("YoutuConfig", "YoutuForCausalLM", dict(LLAMA_LIKE, num_key_value_heads=4, **MLA)),
+    "cwm": (
+        "CwmConfig",
+        "CwmForCausalLM",
+        # its config needs token ids
+        dict(LLAMA_LIKE, head_dim=8, sliding_window=3, layer_types=SLIDE_FULL, **IDS),
+    ),
+    "persimmon": (
+        "PersimmonConfig",
+        "PersimmonForCausalLM",
+        dict(LLAMA_LIKE, hidden_dropout=0.0, partial_rotary_factor=0.5),
+    ),
+    "hyperclovax": (
+        "HyperCLOVAXConfig",
+        "HyperCLOVAXForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            embedding_multiplier=2.0,
+            logits_scaling=0.5,
+            residual_multiplier=0.5,
+            attention_multiplier=0.25,
+        ),
+    ),
+    "minicpm3": (
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        # logits_scaling = hidden_size / dim_model_base = 2
+        dict(LLAMA_LIKE, num_key_value_heads=4, scale_emb=3, dim_model_base=16, **MLA),
+    ),
+    "nanochat": (
+        "NanoChatConfig",
+        "NanoChatForCausalLM",
+        dict(LLAMA_LIKE, final_logit_softcapping=2.0, **IDS),
+    ),
+    "afmoe": (
+        "AfmoeConfig",
+        "AfmoeForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            num_dense_layers=1,  # block 0 dense, block 1 MoE with a shared expert
+            num_experts=4,
+            num_shared_experts=1,
+            moe_intermediate_size=16,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            mup_enabled=True,
+            **TOP2,
+        ),
+    ),
+    "doge": (
+        "DogeConfig",
+        "DogeForCausalLM",
+        dict(LLAMA_LIKE, sliding_window=4),
+    ),
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(LLAMA_LIKE, kv_channels=8, num_local_experts=4, **TOP2),
+    ),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(GPT_LIKE, rotary_dim=4)),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(GPT_LIKE, rotary_dim=4)),
 }
 # Mixture-of-Experts families whose model adds no router loss
 NO_ROUTER_LOSS = [
@@ -435,6 +500,7 @@ NO_ROUTER_LOSS = [
     "solar_open",
     "llama4_text",
     "glm4_moe_lite",
+    "afmoe",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -451,6 +517,7 @@ MOE_AUX = [
     "qwen3_5_moe_text",
     "qwen3_next",
     "minimax_m2",
+    "jetmoe",
 ]
 
 
@@ -459,7 +526,7 @@ def tiny(kind: str, **settings) -> nn.Module:
     where the family supports it, else eager."""
     config_cls, model_cls, base = TINY[kind]
     config = getattr(transformers, config_cls)(
-        **{**base, "bos_token_id": None, "eos_token_id": None, **settings}
+        **{"bos_token_id": None, "eos_token_id": None, **base, **settings}
     )
     cls = getattr(transformers, model_cls)
     torch.manual_seed(0)
@@ -568,9 +635,11 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 57
-    tested model types did on 2026-11-26; with two micro-batches the fp32 sum of their
-    gradients rounds otherwise)."""
+    model does, in the same order: three steps give the same bits (all 70
+    tested model types but Doge did on 2026-11-27: its attention mask needs a
+    gradient, so SDPA takes another kernel in a forward stage, without
+    gradients; with two micro-batches the fp32 sum of the gradients rounds
+    otherwise)."""
     model = tiny(kind)
     ref, mod = LM(copy.deepcopy(model)), LM(model)
     fit(ref, "auto", precision="bf16-true")
@@ -979,6 +1048,7 @@ def test_an_unimplemented_config_setting_is_refused_naming_it():
             for kind in NO_ROUTER_LOSS
         ),
         ("llama", dict(is_causal=False), r"config\.is_causal=False is not supported"),
+        ("doge", dict(is_moe=True), r"config\.is_moe=True is not supported.*whole batch"),
     ]
     for kind, settings, match in cases:
         with pytest.raises(ValueError, match=r"^model: " + match):

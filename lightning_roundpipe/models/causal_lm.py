@@ -116,12 +116,13 @@ def _has_submodule(module: nn.Module, path: str | None) -> bool:
     return True
 
 
-def _scalar(target: nn.Module, path: str | None) -> float | None:
-    """A number the model reads at ``path`` (``"config.logits_scaling"``)."""
+def _scalar(target: nn.Module, path: str | Callable[[Any], Any] | None) -> float | None:
+    """A number the model reads at ``path`` (``"config.logits_scaling"``), or
+    a family's function of the model giving it."""
     if path is None:
         return None
-    value: Any = target
-    for part in path.split("."):
+    value: Any = path(target) if callable(path) else target
+    for part in () if callable(path) else path.split("."):
         value = getattr(value, part)
     return None if value is None else float(value)
 
@@ -163,6 +164,7 @@ class CausalLMAdapter(_Adapter):
                 dropout=layout.dropout,
                 experts=self._experts,
                 dropout_rate=_scalar(layout.base, family.embed_dropout_rate) or 0.0,
+                norm=layout.embed_norm,
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
@@ -194,6 +196,7 @@ class CausalLMAdapter(_Adapter):
                 scale=_scalar(target, family.logit_scale),
                 divisor=_scalar(target, family.logit_divisor),
                 softcap=_scalar(target, family.logit_softcap),
+                hidden_divisor=_scalar(target, family.hidden_divisor),
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute

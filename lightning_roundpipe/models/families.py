@@ -15,6 +15,7 @@ it to the parametrized test in ``tests/test_adapters.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,12 +77,16 @@ class Family:
     rotary_per_layer_type: bool = False
     # learned absolute position embedding added to the token embeddings (GPT-2)
     positions: str | None = None
-    # factor the embeddings are multiplied by (Granite)
-    embed_multiplier: str | None = None
+    # factor the embeddings are multiplied by (Granite), or a function of the
+    # *ForCausalLM giving it (None: no factor; AFMoE's depends on a setting)
+    embed_multiplier: str | Callable[[Any], float | None] | None = None
     # dropout applied to the embeddings, the given inputs_embeds too
     embed_dropout: str | None = None
     # the same as a rate: an attribute of the *Model (Starcoder2's embedding_dropout)
     embed_dropout_rate: str | None = None
+    # a norm the *Model applies to the embeddings before the first block (NanoChat's
+    # parameter-free final norm, applied twice)
+    embed_norm: str | None = None
     mask_rule: str = FULL
     # the attention types its *Model builds masks for (LAYER_TYPES)
     layer_kinds: tuple[str, ...] = LAYER_KINDS
@@ -95,6 +100,8 @@ class Family:
     slices_layers: bool = True
     # constant keyword arguments the model gives every block
     block_kwargs: tuple[tuple[str, Any], ...] = ()
+    # the final hidden states divided by this before the LM head (MiniCPM3)
+    hidden_divisor: str | None = None
     # the logits times this (Cohere's logit_scale)
     logit_scale: str | None = None
     # the logits divided by this (Granite's logits_scaling)
@@ -114,11 +121,26 @@ class Family:
     def module_paths(self) -> list[str]:
         """The module attributes, from the ``*ForCausalLM``, this family's layout needs."""
         inner = [self.embed, self.layers, self.norm, self.rotary, self.positions]
-        inner.append(self.embed_dropout)
+        inner += [self.embed_dropout, self.embed_norm]
         return [self.base, *(f"{self.base}.{p}" for p in inner if p), self.lm_head]
 
 
 _MOE = RouterAux()
+# GPT-2's layout (transformer.wte/h/ln_f, embedding dropout), with a rotary module
+_GPT_LAYOUT: dict[str, Any] = dict(
+    base="transformer",
+    embed="wte",
+    layers="h",
+    norm="ln_f",
+    embed_dropout="drop",
+    slices_layers=False,
+)
+
+
+def _mup_multiplier(model: Any) -> float | None:
+    """AFMoE multiplies the embeddings by sqrt(hidden_size) when ``mup_enabled``."""
+    config = model.config
+    return config.hidden_size**0.5 if getattr(config, "mup_enabled", False) else None
 
 
 def _no_router_loss(cls: str) -> Setting:
@@ -333,6 +355,52 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
     ),
     Family("Solar Open", ("solar_open",), refused=(_no_router_loss("SolarOpenForCausalLM"),)),
+    Family("DiffLlama", ("diffllama",)),
+    Family("Jais 2", ("jais2",)),
+    Family("Youtu", ("youtu",)),
+    Family("CWM", ("cwm",), mask_rule=LAYER_TYPES),
+    Family("Persimmon", ("persimmon",), norm="final_layernorm", slices_layers=False),
+    Family(
+        "HyperCLOVA X",
+        ("hyperclovax",),
+        embed_multiplier="model.embedding_multiplier",
+        logit_scale="config.logits_scaling",
+    ),
+    # MiniCPM3's embedding module scales by config.scale_emb itself
+    Family("MiniCPM3", ("minicpm3",), hidden_divisor="config.logits_scaling"),
+    Family(
+        "NanoChat",
+        ("nanochat",),
+        embed_norm="norm",
+        logit_softcap="config.final_logit_softcapping",
+    ),
+    Family(
+        "AFMoE",
+        ("afmoe",),
+        mask_rule=LAYER_TYPES,
+        slices_layers=False,
+        embed_multiplier=_mup_multiplier,
+        refused=(_no_router_loss("AfmoeForCausalLM"),),
+    ),
+    Family(
+        "Doge",
+        ("doge",),
+        mask_rule=SLIDING_IF_WINDOW,
+        always_mask=True,  # DogeModel builds its mask with allow_is_causal_skip=False
+        refused=(
+            Setting(
+                "is_moe",
+                False,
+                "DogeCDMoE routes each token by router logits mixed across all the tokens of "
+                "its input (a view over the whole batch), so micro-batches and sequence tiles "
+                "would route tokens differently from the whole batch",
+            ),
+        ),
+    ),
+    # JetMoE's attention experts are routed too: every router in a block counts
+    Family("JetMoE", ("jetmoe",), router_aux=RouterAux(coef="aux_loss_coef")),
+    Family("GPT-J", ("gptj",), **_GPT_LAYOUT),
+    Family("CodeGen", ("codegen",), **_GPT_LAYOUT),
 )
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

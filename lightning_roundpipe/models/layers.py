@@ -252,8 +252,8 @@ class _Embed(nn.Module):
     them, the model's own rule), then what the family's ``*Model`` does before
     its first block, in its order: an embedding multiplier, learned absolute
     positions, dropout (a module, or a rate applied in the embedding's
-    train/eval mode, which is the model's). With ``router=True`` the router
-    statistics start at zero."""
+    train/eval mode, which is the model's), a norm (NanoChat). With
+    ``router=True`` the router statistics start at zero."""
 
     def __init__(
         self,
@@ -263,9 +263,11 @@ class _Embed(nn.Module):
         dropout: nn.Module | None = None,
         experts: int = 0,
         dropout_rate: float = 0.0,
+        norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.embed = embed
+        self.norm = norm
         self.positions = positions
         self.multiplier = multiplier
         self.dropout = dropout
@@ -293,6 +295,8 @@ class _Embed(nn.Module):
             h = self.dropout(h)
         if self.dropout_rate:
             h = nn.functional.dropout(h, self.dropout_rate, training=self.embed.training)
+        if self.norm is not None:
+            h = self.norm(h)
         stats: dict[str, torch.Tensor] = {}
         if router:
             stats = {
@@ -614,10 +618,11 @@ class _Decoder(nn.Module):
 
 
 class _Head(nn.Module):
-    """Final norm and LM head, then what the ``*ForCausalLM`` does to the
-    logits: a scale (Cohere), a divisor (Granite), tanh soft-capping (Gemma
-    2/3). Returns the logits, or with router statistics a dict of the logits
-    and the statistics (the loss function adds the load-balancing term)."""
+    """Final norm and LM head (its input divided by ``hidden_divisor``,
+    MiniCPM3), then what the ``*ForCausalLM`` does to the logits: a scale
+    (Cohere), a divisor (Granite), tanh soft-capping (Gemma 2/3). Returns
+    the logits, or with router statistics a dict of the logits and the
+    statistics (the loss function adds the load-balancing term)."""
 
     input_intact = True  # (as _Decoder's)
 
@@ -628,17 +633,22 @@ class _Head(nn.Module):
         scale: float | None = None,
         divisor: float | None = None,
         softcap: float | None = None,
+        hidden_divisor: float | None = None,
     ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.hidden_divisor = hidden_divisor
         self.scale = scale
         self.divisor = divisor
         self.softcap = softcap
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The logits of ``hidden_states`` (each position alone)."""
-        logits = self.lm_head(self.norm(hidden_states))
+        hidden_states = self.norm(hidden_states)
+        if self.hidden_divisor is not None:
+            hidden_states = hidden_states / self.hidden_divisor
+        logits = self.lm_head(hidden_states)
         if self.scale is not None:
             logits = logits * self.scale
         if self.divisor is not None:

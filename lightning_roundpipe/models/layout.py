@@ -44,6 +44,7 @@ class Layout:
     rotary: nn.Module | None
     positions: nn.Module | None
     dropout: nn.Module | None
+    embed_norm: nn.Module | None = None
 
     @property
     def packs_sequences(self) -> bool:
@@ -183,6 +184,7 @@ def layout_of(module: nn.Module) -> Layout | None:
         _child(base, family.rotary),
         _child(base, family.positions),
         _child(base, family.embed_dropout),
+        _child(base, family.embed_norm),
     )
 
 
