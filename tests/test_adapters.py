@@ -489,6 +489,89 @@ TINY = {
     ),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(GPT_LIKE, rotary_dim=4)),
     "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(GPT_LIKE, rotary_dim=4)),
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            attention_types=[[["global", "local"], 1]],  # block 1: local attention
+            window_size=4,
+            max_position_embeddings=64,
+            embed_dropout=0.0,
+            resid_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+    ),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", GPT_LIKE),  # multi-query
+    "mellum": (
+        "MellumConfig",
+        "MellumForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            mlp_layer_types=["dense", "sparse"],
+            num_local_experts=4,
+            moe_intermediate_size=16,
+            **TOP2,
+        ),
+    ),
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            v_head_dim=4,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            n_routed_experts=4,
+            moe_intermediate_size=16,
+            **TOP2,
+        ),
+    ),
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            num_experts=4,
+            moe_intermediate_size=16,
+            logit_scale=0.5,
+            **TOP2,
+        ),
+    ),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            index_topk=4,  # each query attends to 4 keys the indexer picks
+            index_n_heads=2,
+            index_head_dim=8,
+            **MLA,
+            **TOP2,
+        ),
+    ),
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(LLAMA_LIKE, pad_token_id=None, **HYBRID),
+    ),
 }
 # Mixture-of-Experts families whose model adds no router loss
 NO_ROUTER_LOSS = [
@@ -501,6 +584,9 @@ NO_ROUTER_LOSS = [
     "llama4_text",
     "glm4_moe_lite",
     "afmoe",
+    "mimo_v2_flash",
+    "cohere2_moe",
+    "deepseek_v32",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -518,6 +604,7 @@ MOE_AUX = [
     "qwen3_next",
     "minimax_m2",
     "jetmoe",
+    "mellum",
 ]
 
 
@@ -635,7 +722,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 70
+    model does, in the same order: three steps give the same bits (all 77
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds

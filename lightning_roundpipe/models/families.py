@@ -126,6 +126,11 @@ class Family:
 
 
 _MOE = RouterAux()
+_NO_CROSS_ATTENTION = Setting(
+    "add_cross_attention",
+    False,
+    "its cross-attention blocks need encoder states the pipeline does not carry",
+)
 # GPT-2's layout (transformer.wte/h/ln_f, embedding dropout), with a rotary module
 _GPT_LAYOUT: dict[str, Any] = dict(
     base="transformer",
@@ -194,13 +199,7 @@ FAMILIES: tuple[Family, ...] = (
         positions="wpe",
         embed_dropout="drop",
         slices_layers=False,
-        refused=(
-            Setting(
-                "add_cross_attention",
-                False,
-                "its cross-attention blocks need encoder states the pipeline does not carry",
-            ),
-        ),
+        refused=(_NO_CROSS_ATTENTION,),
     ),
     Family(
         "GPT-NeoX",
@@ -401,6 +400,49 @@ FAMILIES: tuple[Family, ...] = (
     Family("JetMoE", ("jetmoe",), router_aux=RouterAux(coef="aux_loss_coef")),
     Family("GPT-J", ("gptj",), **_GPT_LAYOUT),
     Family("CodeGen", ("codegen",), **_GPT_LAYOUT),
+    # GPT-Neo's local attention is inside its blocks: one causal mask for all
+    Family("GPT-Neo", ("gpt_neo",), **_GPT_LAYOUT, rotary=None, positions="wpe"),
+    Family(
+        "GPT-BigCode",
+        ("gpt_bigcode",),
+        **_GPT_LAYOUT,
+        rotary=None,
+        positions="wpe",
+        refused=(_NO_CROSS_ATTENTION,),
+    ),
+    Family(
+        "Mellum", ("mellum",), mask_rule=LAYER_TYPES, rotary_per_layer_type=True, router_aux=_MOE
+    ),
+    Family(
+        "MiMo-V2-Flash",
+        ("mimo_v2_flash",),
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        refused=(_no_router_loss("MiMoV2FlashForCausalLM"),),
+    ),
+    Family(
+        "Cohere 2 MoE",
+        ("cohere2_moe",),
+        mask_rule=LAYER_TYPES,
+        slices_layers=False,
+        logit_scale="logit_scale",
+        refused=(_no_router_loss("Cohere2MoeForCausalLM"),),
+    ),
+    # its sparse-attention indexer needs the causal mask itself: always built
+    Family(
+        "DeepSeek-V3.2",
+        ("deepseek_v32",),
+        always_mask=True,
+        refused=(_no_router_loss("DeepseekV32ForCausalLM"),),
+    ),
+    # Gated DeltaNet blocks between attention blocks (the rotary table is unused by the former)
+    Family(
+        "OLMo Hybrid",
+        ("olmo_hybrid",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        slices_layers=False,
+    ),
 )
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
