@@ -191,3 +191,22 @@ def test_on_a_gpu_the_split_backward_gives_the_fused_gradients_with_less_memory(
     assert 0.85 * predicted <= split <= 1.15 * predicted, (split, predicted, fused)
     unsplit = backward_workspace(seq, heads, kv_heads, 128, 2, split=False)
     assert 0.85 * unsplit <= fused <= 1.15 * unsplit, (fused, unsplit)
+
+
+def test_head_sizes_of_a_config_whose_layers_differ_are_the_largest():
+    """Gemma 4's config sets head_dim per layer and refuses a global read."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma4TextConfig(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        head_dim=16,
+        per_layer_config={"2": {"head_dim": 64}},
+    )
+    if not getattr(config, "is_heterogeneous", False):
+        pytest.skip("this transformers has no per-layer configs")
+    assert attention.attention_heads(config) == (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        64,
+    )
+    assert attention.largest_setting(config, "hidden_size") == config.hidden_size

@@ -53,14 +53,26 @@ ROWS_PER_CALL = 1 << 17
 SPLIT_DEVICES: frozenset[str] = frozenset({"cuda"})
 
 
+def largest_setting(config: Any, name: str) -> Any:
+    """``config.<name>``, or for a setting that layers set otherwise (a
+    heterogeneous config, as Gemma 4's, refuses the global read) the largest
+    of the layers' values; None when unset."""
+    if getattr(config, "is_heterogeneous", False) and name in (
+        getattr(config, "per_layer_attributes", None) or ()
+    ):
+        values = [getattr(layer, name, None) for layer in config.per_layer_config]
+        return max((v for v in values if v is not None), default=None)
+    return getattr(config, name, None)
+
+
 def attention_heads(config: Any) -> tuple[int, int, int] | None:
-    """A transformers config's query heads, key/value heads and head size
-    (None: no ``num_attention_heads``)."""
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    """A transformers config's query heads, key/value heads and head size, the
+    largest of the layers' where they differ (None: no ``num_attention_heads``)."""
+    heads = int(largest_setting(config, "num_attention_heads") or 0)
     if not heads:
         return None
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_heads = int(largest_setting(config, "num_key_value_heads") or heads)
+    head_dim = int(largest_setting(config, "head_dim") or config.hidden_size // heads)
     return heads, kv_heads, head_dim
 
 

@@ -182,6 +182,7 @@ class CausalLMAdapter(_Adapter):
                     rotary_per_kind=family.rotary_per_layer_type,
                     always_mask=family.always_mask,
                     block_kwargs=dict(family.block_kwargs),
+                    scratch_kwargs=family.scratch_kwargs,
                     routers=routers,
                     router_index=recorder[1] if recorder else 0,
                     top_k=top_k,
@@ -430,7 +431,8 @@ class CausalLMAdapter(_Adapter):
         if (
             a.get("output_router_logits")
             and self.layout.family.router_aux is None
-            and hasattr(self.target.config, "output_router_logits")
+            # (a MoE model records router logits even where its config has no such setting)
+            and (hasattr(self.target.config, "output_router_logits") or self._moe_output)
         ):
             raise TypeError(
                 f"{name}: output_router_logits=True is not supported by the RoundPipe pipeline: "

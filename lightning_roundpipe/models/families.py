@@ -100,6 +100,10 @@ class Family:
     slices_layers: bool = True
     # constant keyword arguments the model gives every block
     block_kwargs: tuple[tuple[str, Any], ...] = ()
+    # keyword arguments the model gives every block as a dict the blocks write
+    # to: each call gets a fresh empty one (Gemma 4's shared_kv_states, which
+    # no block reads without key-value sharing, refused otherwise)
+    scratch_kwargs: tuple[str, ...] = ()
     # the final hidden states divided by this before the LM head (MiniCPM3)
     hidden_divisor: str | None = None
     # the logits times this (Cohere's logit_scale)
@@ -434,6 +438,35 @@ FAMILIES: tuple[Family, ...] = (
         ("deepseek_v32",),
         always_mask=True,
         refused=(_no_router_loss("DeepseekV32ForCausalLM"),),
+    ),
+    Family(
+        "Gemma 4 (text)",
+        ("gemma4_text",),
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        logit_softcap="config.final_logit_softcapping",
+        scratch_kwargs=("shared_kv_states",),
+        refused=(
+            Setting(
+                "hidden_size_per_layer_input",
+                0,
+                "per-layer embeddings feed every decoder layer a slice of a tensor the "
+                "embedding computes, which the pipeline does not carry between stages",
+            ),
+            Setting(
+                "num_kv_shared_layers",
+                0,
+                "the last layers then reuse the keys and values of earlier layers, which the "
+                "pipeline does not carry between stages",
+            ),
+            Setting(
+                "use_bidirectional_attention",
+                None,
+                "Gemma4ForCausalLM is text only: 'vision' changes nothing there, 'all' makes "
+                "its attention bidirectional",
+            ),
+            _no_router_loss("Gemma4ForCausalLM"),
+        ),
     ),
     # Gated DeltaNet blocks between attention blocks (the rotary table is unused by the former)
     Family(

@@ -368,6 +368,7 @@ class _Decoder(nn.Module):
         rotary_per_kind: bool = False,
         always_mask: bool = False,
         block_kwargs: dict[str, Any] | None = None,
+        scratch_kwargs: tuple[str, ...] = (),
         routers: tuple[str, ...] = (),
         router_index: int = 0,
         top_k: int = 0,
@@ -388,6 +389,7 @@ class _Decoder(nn.Module):
         self.rotary_per_kind = rotary_per_kind
         self.always_mask = always_mask
         self.block_kwargs = dict(block_kwargs or {})
+        self.scratch_kwargs = tuple(scratch_kwargs)
         # submodule paths of the block's routers, and where their logits are
         # in the router's output
         self.routers = routers
@@ -476,6 +478,7 @@ class _Decoder(nn.Module):
                 lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
             )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
+        kwargs.update({name: {} for name in self.scratch_kwargs})
         if self.rotary is not None:
             key = ("rotary", self.rotary_key, self.kind if self.rotary_per_kind else None)
             kwargs["position_embeddings"] = stage_cached(
