@@ -585,6 +585,27 @@ TINY = {
             pad_token_id=None,
         ),
     ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            **GRANITE,
+            layer_types=["linear_attention", "full_attention"],  # Mamba 2, then attention
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=4,
+            num_local_experts=4,
+            shared_intermediate_size=16,
+            **TOP2,
+        ),  # no rotary positions (position_embedding_type=None)
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(LLAMA_LIKE, layer_types=["conv", "full_attention"], pad_token_id=None),
+    ),
     "olmo_hybrid": (
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",
@@ -624,6 +645,7 @@ MOE_AUX = [
     "minimax_m2",
     "jetmoe",
     "mellum",
+    "granitemoehybrid",
 ]
 
 
@@ -749,7 +771,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 78
+    model does, in the same order: three steps give the same bits (all 80
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds
@@ -771,6 +793,15 @@ def test_every_family_trains_asynchronously(kind):
     fit(mod, strategy, devices=2)
     assert len(mod.losses) == 3 and all(math.isfinite(float(x)) for x in mod.losses)
     assert any(not torch.equal(a, b) for a, b in zip(before, mod.parameters(), strict=True))
+
+
+def test_a_hybrid_granite_with_rotary_positions_trains_like_the_default_strategy():
+    """GraniteMoeHybrid builds its rotary module for position_embedding_type="rope"
+    only (the tiny config has none)."""
+    assert tiny("granitemoehybrid").model.rotary_emb is None
+    model = tiny("granitemoehybrid", position_embedding_type="rope")
+    assert model.model.rotary_emb is not None
+    trains_like_the_default_strategy(LM(model))
 
 
 def test_inputs_embeds_under_the_strategy_train_like_the_default_strategy():

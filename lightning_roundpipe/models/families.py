@@ -19,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "RouterAux", "Setting", "family_for", "supported_families"]
+__all__ = [
+    "FAMILIES",
+    "RECURRENT_KINDS",
+    "Family",
+    "RouterAux",
+    "Setting",
+    "family_for",
+    "supported_families",
+]
 
 # how a family's *Model picks each decoder layer's mask
 FULL = "full"  # one causal mask for every layer (LlamaModel)
@@ -30,6 +38,9 @@ MASK_RULES = (FULL, SLIDING_IF_WINDOW, LAYER_TYPES)
 LAYER_KINDS = ("full_attention", "sliding_attention")
 # a linear-attention block gets the 2-D padding mask (create_recurrent_attention_mask)
 HYBRID_KINDS = ("full_attention", "linear_attention")
+# the layer types that get that padding mask: linear attention and Mamba
+# blocks, short convolutions (LFM2)
+RECURRENT_KINDS = ("linear_attention", "conv")
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,9 @@ class Family:
     lm_head: str = "lm_head"
     # rotary embedding module, None: the family has none
     rotary: str | None = "rotary_emb"
+    # the *Model builds the rotary module only when its config asks for rotary
+    # positions (GraniteMoeHybrid): a missing one means none
+    rotary_optional: bool = False
     # rotary(hidden, positions, layer_type): one table per attention type (Gemma 3)
     rotary_per_layer_type: bool = False
     # learned absolute position embedding added to the token embeddings (GPT-2)
@@ -124,7 +138,8 @@ class Family:
 
     def module_paths(self) -> list[str]:
         """The module attributes, from the ``*ForCausalLM``, this family's layout needs."""
-        inner = [self.embed, self.layers, self.norm, self.rotary, self.positions]
+        rotary = None if self.rotary_optional else self.rotary
+        inner = [self.embed, self.layers, self.norm, rotary, self.positions]
         inner += [self.embed_dropout, self.embed_norm]
         return [self.base, *(f"{self.base}.{p}" for p in inner if p), self.lm_head]
 
@@ -467,6 +482,30 @@ FAMILIES: tuple[Family, ...] = (
             ),
             _no_router_loss("Gemma4ForCausalLM"),
         ),
+    ),
+    # Mamba 2 blocks (which get the padding mask) between attention blocks; no
+    # rotary module unless position_embedding_type="rope"
+    Family(
+        "Granite 4 (GraniteMoeHybrid)",
+        ("granitemoehybrid",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        slices_layers=False,
+        rotary_optional=True,
+        embed_multiplier="model.embedding_multiplier",
+        logit_divisor="config.logits_scaling",
+        router_aux=_MOE,
+        mlp="block_sparse_moe",  # (the shared MLP beside it runs whole)
+    ),
+    # short-convolution blocks (which get the padding mask) and attention
+    # blocks; its final norm is called embedding_norm
+    Family(
+        "LFM2",
+        ("lfm2",),
+        norm="embedding_norm",
+        mask_rule=LAYER_TYPES,
+        layer_kinds=("full_attention", "conv"),
+        mlp="feed_forward",
     ),
     # Gated DeltaNet blocks between attention blocks (the rotary table is unused by the former)
     Family(

@@ -26,6 +26,7 @@ from torch import nn
 from ..runtime.scope import stage_cached
 from . import attention
 from .attention import GroupedAttention
+from .families import RECURRENT_KINDS
 from .sliding import SlidingWindow, scaled
 from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
@@ -427,7 +428,7 @@ class _Decoder(nn.Module):
         are kept apart from ``position_ids``."""
         from transformers import masking_utils
 
-        if self.kind == "linear_attention":
+        if self.kind in RECURRENT_KINDS:
             # create_recurrent_attention_mask's result, without its device check
             # for an all-ones mask (a mask is given only with padding)
             return None if attention_mask is None else attention_mask.contiguous()
