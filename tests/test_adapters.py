@@ -58,6 +58,7 @@ HYBRID = dict(
 HYBRID_MOE = dict(
     num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
 )
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4)
 # multi-head latent attention (DeepSeek-V3's)
 MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
 IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=None)
@@ -592,14 +593,52 @@ TINY = {
             LLAMA_LIKE,
             **GRANITE,
             layer_types=["linear_attention", "full_attention"],  # Mamba 2, then attention
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=8,
-            mamba_chunk_size=4,
+            **MAMBA2,
             num_local_experts=4,
             shared_intermediate_size=16,
             **TOP2,
         ),  # no rotary positions (position_embedding_type=None)
+    ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(LLAMA_LIKE, attn_layer_indices=[1], pad_token_id=None, **MAMBA2),
+    ),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            attn_layer_period=2,  # block 0: Mamba and an MLP, block 1: attention and experts
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            layers_block_type=["linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=4,
+            max_position_embeddings=64,
+            pad_token_id=None,
+        ),
     ),
     "lfm2": (
         "Lfm2Config",
@@ -627,6 +666,7 @@ NO_ROUTER_LOSS = [
     "cohere2_moe",
     "deepseek_v32",
     "gemma4_text",
+    "nemotron_h",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -646,6 +686,7 @@ MOE_AUX = [
     "jetmoe",
     "mellum",
     "granitemoehybrid",
+    "jamba",
 ]
 
 
@@ -771,7 +812,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 80
+    model does, in the same order: three steps give the same bits (all 83
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds
@@ -802,6 +843,20 @@ def test_a_hybrid_granite_with_rotary_positions_trains_like_the_default_strategy
     model = tiny("granitemoehybrid", position_embedding_type="rope")
     assert model.model.rotary_emb is not None
     trains_like_the_default_strategy(LM(model))
+
+
+def test_nemotron_h_mlp_and_moe_blocks_train_like_the_default_strategy():
+    """Nemotron-H's four block types (Mamba 2, MoE, attention, MLP), the ones
+    without attention given no mask, in three stages."""
+    model = tiny(
+        "nemotron_h",
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        n_routed_experts=4,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+        num_experts_per_tok=2,
+    )
+    trains_like_the_default_strategy(LM(model), sync(plan="3|3|3"))
 
 
 def test_inputs_embeds_under_the_strategy_train_like_the_default_strategy():

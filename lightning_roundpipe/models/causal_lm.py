@@ -198,6 +198,7 @@ class CausalLMAdapter(_Adapter):
                 divisor=_scalar(target, family.logit_divisor),
                 softcap=_scalar(target, family.logit_softcap),
                 hidden_divisor=_scalar(target, family.hidden_divisor),
+                float_logits=family.float_logits,
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute

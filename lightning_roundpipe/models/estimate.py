@@ -152,17 +152,15 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         # every linear layer but the head, and but those whose forward does not
         # return a tensor (the routers of PhiMoE and Llama 4 subclass nn.Linear
         # and return routing tuples, which a LoRA wrapper cannot add to)
-        routers = [
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+        # (and but those PEFT refuses LoRA on in this model: Mamba projections)
+        left_out = [
             name
             for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and not _returns_a_tensor(m)
+            if isinstance(m, nn.Linear)
+            and (not _returns_a_tensor(m) or _peft_refuses(lora, model, name))
         ]
-        lora = LoraConfig(
-            r=lora_rank,
-            lora_alpha=2 * lora_rank,
-            target_modules="all-linear",
-            exclude_modules=routers or None,
-        )
+        lora.exclude_modules = left_out or None
         with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = get_peft_model(model, lora).get_base_model()  # adapters injected
@@ -171,6 +169,24 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         for w in caught:
             _log.debug("peft, injecting LoRA for the estimate: %s", w.message)
     return model
+
+
+def _peft_refuses(lora: Any, model: nn.Module, name: str) -> bool:
+    """Whether PEFT refuses a LoRA adapter on the module ``name`` of ``model``
+    (its rule for Mamba models' ``out_proj`` and ``conv1d``), asked of PEFT's
+    own check where this PEFT has it."""
+    try:
+        from peft.tuners import tuners_utils
+    except ImportError:
+        return False
+    check = getattr(tuners_utils, "_check_lora_target_modules_mamba", None)
+    if check is None:
+        return False
+    try:
+        check(lora, model, name.rsplit(".", 1)[-1])
+    except ValueError:
+        return True
+    return False
 
 
 def _returns_a_tensor(linear: nn.Linear) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "FAMILIES",
+    "MASKLESS_KINDS",
     "RECURRENT_KINDS",
     "Family",
     "RouterAux",
@@ -41,6 +42,8 @@ HYBRID_KINDS = ("full_attention", "linear_attention")
 # the layer types that get that padding mask: linear attention and Mamba
 # blocks, short convolutions (LFM2)
 RECURRENT_KINDS = ("linear_attention", "conv")
+# layer types without attention, which get no mask (NemotronH's MLP and MoE blocks)
+MASKLESS_KINDS = ("mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class Family:
     mask_rule: str = FULL
     # the attention types its *Model builds masks for (LAYER_TYPES)
     layer_kinds: tuple[str, ...] = LAYER_KINDS
+    # the config list naming each layer's type (LAYER_TYPES)
+    layer_types_key: str = "layer_types"
     # the model gives position_ids to its mask functions, which then keep
     # packed sequences apart (False: it never detects packing); where the
     # model's forward can be read, what it does decides (Layout.packs_sequences)
@@ -120,6 +125,8 @@ class Family:
     scratch_kwargs: tuple[str, ...] = ()
     # the final hidden states divided by this before the LM head (MiniCPM3)
     hidden_divisor: str | None = None
+    # the LM head's output cast to fp32 before anything else (NemotronH)
+    float_logits: bool = False
     # the logits times this (Cohere's logit_scale)
     logit_scale: str | None = None
     # the logits divided by this (Granite's logits_scaling)
@@ -496,6 +503,53 @@ FAMILIES: tuple[Family, ...] = (
         logit_divisor="config.logits_scaling",
         router_aux=_MOE,
         mlp="block_sparse_moe",  # (the shared MLP beside it runs whole)
+    ),
+    # Mamba 2 blocks (which get the padding mask) and attention blocks
+    Family(
+        "Bamba",
+        ("bamba",),
+        norm="final_layernorm",
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        layer_types_key="layers_block_type",
+        slices_layers=False,
+        mlp="feed_forward",
+        refused=(
+            Setting(
+                "z_loss_coefficient",
+                0.0,
+                "the z-loss averages over every position of the whole batch, which the "
+                "pipeline's per-micro-batch loss does not reproduce",
+            ),
+        ),
+    ),
+    # Mamba blocks and attention blocks, MoE feed-forwards, no rotary positions
+    Family(
+        "Jamba",
+        ("jamba",),
+        norm="final_layernorm",
+        rotary=None,
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        slices_layers=False,
+        router_aux=_MOE,
+        mlp="feed_forward",
+    ),
+    # one mixer per block: Mamba 2 (the padding mask), attention, MLP or MoE
+    # (no mask); no rotary positions; fp32 logits
+    Family(
+        "Nemotron-H",
+        ("nemotron_h",),
+        embed="embeddings",
+        norm="norm_f",
+        rotary=None,
+        mask_rule=LAYER_TYPES,
+        layer_kinds=(*HYBRID_KINDS, *MASKLESS_KINDS),
+        layer_types_key="layers_block_type",
+        slices_layers=False,
+        float_logits=True,
+        mlp=None,  # (the mixer is the attention in attention blocks)
+        refused=(_no_router_loss("NemotronHForCausalLM"),),
     ),
     # short-convolution blocks (which get the padding mask) and attention
     # blocks; its final norm is called embedding_norm

@@ -26,7 +26,7 @@ from torch import nn
 from ..runtime.scope import stage_cached
 from . import attention
 from .attention import GroupedAttention
-from .families import RECURRENT_KINDS
+from .families import MASKLESS_KINDS, RECURRENT_KINDS
 from .sliding import SlidingWindow, scaled
 from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
@@ -428,6 +428,8 @@ class _Decoder(nn.Module):
         are kept apart from ``position_ids``."""
         from transformers import masking_utils
 
+        if self.kind in MASKLESS_KINDS:
+            return None
         if self.kind in RECURRENT_KINDS:
             # create_recurrent_attention_mask's result, without its device check
             # for an all-ones mask (a mask is given only with padding)
@@ -623,8 +625,9 @@ class _Decoder(nn.Module):
 
 class _Head(nn.Module):
     """Final norm and LM head (its input divided by ``hidden_divisor``,
-    MiniCPM3), then what the ``*ForCausalLM`` does to the logits: a scale
-    (Cohere), a divisor (Granite), tanh soft-capping (Gemma 2/3). Returns
+    MiniCPM3; its output in fp32 with ``float_logits``, Nemotron-H), then
+    what the ``*ForCausalLM`` does to the logits: a scale (Cohere), a divisor
+    (Granite), tanh soft-capping (Gemma 2/3). Returns
     the logits, or with router statistics a dict of the logits and the
     statistics (the loss function adds the load-balancing term)."""
 
@@ -638,11 +641,13 @@ class _Head(nn.Module):
         divisor: float | None = None,
         softcap: float | None = None,
         hidden_divisor: float | None = None,
+        float_logits: bool = False,
     ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.hidden_divisor = hidden_divisor
+        self.float_logits = float_logits
         self.scale = scale
         self.divisor = divisor
         self.softcap = softcap
@@ -653,6 +658,8 @@ class _Head(nn.Module):
         if self.hidden_divisor is not None:
             hidden_states = hidden_states / self.hidden_divisor
         logits = self.lm_head(hidden_states)
+        if self.float_logits:
+            logits = logits.float()
         if self.scale is not None:
             logits = logits * self.scale
         if self.divisor is not None:

@@ -229,7 +229,7 @@ def layout_problem(module: nn.Module) -> str | None:
 def layer_kinds(config: Any, family: Family, n: int) -> list[str]:
     """Each decoder layer's attention type, by its family's rule."""
     if family.mask_rule == LAYER_TYPES:
-        return list(config.layer_types[:n])
+        return list(getattr(config, family.layer_types_key)[:n])
     if (
         family.mask_rule == SLIDING_IF_WINDOW
         and getattr(config, "sliding_window", None) is not None
@@ -276,16 +276,17 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
             f"config.num_hidden_layers={n}"
         )
     if family.mask_rule == LAYER_TYPES:
-        types = list(getattr(config, "layer_types", None) or [])
+        key = family.layer_types_key
+        types = list(getattr(config, key, None) or [])
         if len(types) < n:
             raise ValueError(
-                f"{name}: config.layer_types has {len(types)} entries for {n} decoder layers; "
+                f"{name}: config.{key} has {len(types)} entries for {n} decoder layers; "
                 "give one attention type per layer"
             )
         for i, kind in enumerate(types[:n]):
             if kind not in family.layer_kinds:
                 raise ValueError(
-                    f"{name}: config.layer_types[{i}]={kind!r} is not supported by the RoundPipe "
+                    f"{name}: config.{key}[{i}]={kind!r} is not supported by the RoundPipe "
                     f"pipeline: {type(layout.base).__name__} builds "
                     f"{' and '.join(map(repr, family.layer_kinds))} masks only; use one of those "
                     "layer types"
