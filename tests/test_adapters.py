@@ -46,15 +46,15 @@ LLAMA_LIKE = dict(
 )
 TOP2 = dict(num_experts_per_tok=2)
 SLIDE_FULL = ["sliding_attention", "full_attention"]
-# Gated DeltaNet blocks, then attention
-HYBRID = dict(
-    head_dim=8,
-    layer_types=["linear_attention", "full_attention"],
+# Gated DeltaNet blocks' sizes
+HYBRID_LINEAR = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
 )
+# Gated DeltaNet blocks, then attention
+HYBRID = dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **HYBRID_LINEAR)
 HYBRID_MOE = dict(
     num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
 )
@@ -645,6 +645,73 @@ TINY = {
         "Lfm2ForCausalLM",
         dict(LLAMA_LIKE, layer_types=["conv", "full_attention"], pad_token_id=None),
     ),
+    "flint": (
+        "FlintConfig",
+        "FlintForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            mlp_only_layers=[0],  # block 0 dense, block 1 MoE with a shared expert
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
+    "kolibri1": (
+        "Kolibri1Config",
+        "Kolibri1ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            num_local_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
+    "lara_mini": (
+        "LaraMiniConfig",
+        "LaraMiniForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,  # rotary positions in block 0 only
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
+    "aria_text": (
+        "AriaTextConfig",
+        "AriaTextForCausalLM",
+        dict(
+            LLAMA_LIKE, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, pad_token_id=None
+        ),
+    ),
+    "hy_v3": (
+        "HYV3Config",
+        "HYV3ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            mlp_layer_types=["dense", "sparse"],
+            num_experts=4,
+            num_shared_experts=1,
+            moe_intermediate_size=16,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
     "olmo_hybrid": (
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",
@@ -667,6 +734,9 @@ NO_ROUTER_LOSS = [
     "deepseek_v32",
     "gemma4_text",
     "nemotron_h",
+    "kolibri1",
+    "aria_text",
+    "hy_v3",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -687,6 +757,8 @@ MOE_AUX = [
     "mellum",
     "granitemoehybrid",
     "jamba",
+    "flint",
+    "lara_mini",
 ]
 
 
@@ -812,7 +884,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 83
+    model does, in the same order: three steps give the same bits (all 88
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds
@@ -843,6 +915,18 @@ def test_a_hybrid_granite_with_rotary_positions_trains_like_the_default_strategy
     model = tiny("granitemoehybrid", position_embedding_type="rope")
     assert model.model.rotary_emb is not None
     trains_like_the_default_strategy(LM(model))
+
+
+def test_laramini_linear_attention_and_rotary_only_where_the_model_gives_it():
+    """LaraMini's Gated DeltaNet, sliding-window and full-attention blocks,
+    the rotary table given to the sliding-window block only."""
+    model = tiny(
+        "lara_mini",
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "sliding_attention", "full_attention"],
+        **HYBRID_LINEAR,
+    )
+    trains_like_the_default_strategy(LM(model), sync(plan="3|2|3"))
 
 
 def test_nemotron_h_mlp_and_moe_blocks_train_like_the_default_strategy():

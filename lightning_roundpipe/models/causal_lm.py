@@ -180,6 +180,7 @@ class CausalLMAdapter(_Adapter):
                     config,
                     kind,
                     rotary_per_kind=family.rotary_per_layer_type,
+                    rotary_kinds=family.rotary_kinds,
                     always_mask=family.always_mask,
                     block_kwargs=dict(family.block_kwargs),
                     scratch_kwargs=family.scratch_kwargs,

@@ -92,6 +92,9 @@ class Family:
     rotary_optional: bool = False
     # rotary(hidden, positions, layer_type): one table per attention type (Gemma 3)
     rotary_per_layer_type: bool = False
+    # the layer types given the rotary table (None: all; the others get
+    # position_embeddings=None, as LaraMini's full-attention layers)
+    rotary_kinds: tuple[str, ...] | None = None
     # learned absolute position embedding added to the token embeddings (GPT-2)
     positions: str | None = None
     # factor the embeddings are multiplied by (Granite), or a function of the
@@ -567,8 +570,28 @@ FAMILIES: tuple[Family, ...] = (
         ("olmo_hybrid",),
         mask_rule=LAYER_TYPES,
         layer_kinds=HYBRID_KINDS,
+        rotary_kinds=("full_attention",),
         slices_layers=False,
     ),
+    Family("Flint", ("flint",), mask_rule=LAYER_TYPES, router_aux=_MOE),
+    Family(
+        "Kolibri 1",
+        ("kolibri1",),
+        mask_rule=LAYER_TYPES,
+        refused=(_no_router_loss("Kolibri1ForCausalLM"),),
+    ),
+    # Gated DeltaNet, sliding-window and full-attention blocks; rotary
+    # positions in the sliding-window ones only
+    Family(
+        "LaraMini",
+        ("lara_mini",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=(*LAYER_KINDS, "linear_attention"),
+        rotary_kinds=("sliding_attention",),
+        router_aux=_MOE,
+    ),
+    Family("Aria (text)", ("aria_text",), refused=(_no_router_loss("AriaTextForCausalLM"),)),
+    Family("HY-V3", ("hy_v3",), refused=(_no_router_loss("HYV3ForCausalLM"),)),
 )
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -367,6 +367,7 @@ class _Decoder(nn.Module):
         kind: str,
         *,
         rotary_per_kind: bool = False,
+        rotary_kinds: tuple[str, ...] | None = None,
         always_mask: bool = False,
         block_kwargs: dict[str, Any] | None = None,
         scratch_kwargs: tuple[str, ...] = (),
@@ -388,6 +389,7 @@ class _Decoder(nn.Module):
         # the model's attention type for this layer: which mask it gets
         self.kind = kind
         self.rotary_per_kind = rotary_per_kind
+        self.rotary_kinds = rotary_kinds
         self.always_mask = always_mask
         self.block_kwargs = dict(block_kwargs or {})
         self.scratch_kwargs = tuple(scratch_kwargs)
@@ -482,7 +484,13 @@ class _Decoder(nn.Module):
             )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
         kwargs.update({name: {} for name in self.scratch_kwargs})
-        if self.rotary is not None:
+        if (
+            self.rotary is not None
+            and self.rotary_kinds is not None
+            and self.kind not in self.rotary_kinds
+        ):
+            kwargs["position_embeddings"] = None
+        elif self.rotary is not None:
             key = ("rotary", self.rotary_key, self.kind if self.rotary_per_kind else None)
             kwargs["position_embeddings"] = stage_cached(
                 key, lambda: self._rotary(hidden_states, position_ids)
