@@ -712,6 +712,35 @@ TINY = {
             **TOP2,
         ),
     ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            word_embed_proj_dim=16,  # project_in / project_out (OPT-350m's layout)
+            pad_token_id=None,
+        ),
+    ),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            n_layer=2,
+            n_head=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=None,
+        ),
+    ),
     "olmo_hybrid": (
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",
@@ -884,7 +913,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 88
+    model does, in the same order: three steps give the same bits (all 90
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds
@@ -927,6 +956,15 @@ def test_laramini_linear_attention_and_rotary_only_where_the_model_gives_it():
         **HYBRID_LINEAR,
     )
     trains_like_the_default_strategy(LM(model), sync(plan="3|2|3"))
+
+
+def test_opt_with_its_norms_after_the_blocks_trains_like_the_default_strategy():
+    """OPT-350m's settings: layer norms after attention and MLP, so no final
+    norm (and no projections without word_embed_proj_dim)."""
+    model = tiny("opt", do_layer_norm_before=False, word_embed_proj_dim=32)
+    assert model.model.decoder.final_layer_norm is None
+    assert model.model.decoder.project_in is None
+    trains_like_the_default_strategy(LM(model))
 
 
 def test_nemotron_h_mlp_and_moe_blocks_train_like_the_default_strategy():
@@ -1333,6 +1371,7 @@ def test_an_unimplemented_config_setting_is_refused_naming_it():
         ),
         ("llama", dict(is_causal=False), r"config\.is_causal=False is not supported"),
         ("doge", dict(is_moe=True), r"config\.is_moe=True is not supported.*whole batch"),
+        ("opt", dict(layerdrop=0.1), r"config\.layerdrop=0\.1 is not supported.*at random"),
         (
             "gemma4_text",
             dict(hidden_size_per_layer_input=4),
@@ -1443,34 +1482,33 @@ class Holder(L.LightningModule):
             setattr(self, name, child)
 
 
-def opt() -> nn.Module:
+def xglm() -> nn.Module:
     """A decoder-only LM of a family RoundPipe does not support."""
-    cfg = transformers.OPTConfig(
+    cfg = transformers.XGLMConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
+        d_model=32,
         ffn_dim=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        num_layers=2,
+        attention_heads=4,
         max_position_embeddings=64,
-        word_embed_proj_dim=32,
     )
     torch.manual_seed(0)
-    return transformers.OPTForCausalLM(cfg)
+    return transformers.XGLMForCausalLM(cfg)
 
 
 def test_an_unknown_family_is_refused_listing_every_supported_one():
     with pytest.raises(LayerStackNotFound) as err:
-        find_adapter(Holder(lm=opt()))
+        find_adapter(Holder(lm=xglm()))
     message = str(err.value)
     assert message.startswith(
-        "no layer stack found in Holder: 'lm' is a Hugging Face model with model_type 'opt', "
+        "no layer stack found in Holder: 'lm' is a Hugging Face model with model_type 'xglm', "
         "which RoundPipe does not support (supported: Llama (llama), Qwen2 (qwen2),"
     )
     for family in FAMILIES:
         assert f"{family.name} ({'/'.join(family.model_types)})" in message
     assert "layers=" not in message  # naming it would not help
     with pytest.raises(LayerStackNotFound, match=r"^layers='lm' is a Hugging Face model with "):
-        find_adapter(Holder(lm=opt()), layers="lm")
+        find_adapter(Holder(lm=xglm()), layers="lm")
 
 
 def test_a_known_family_laid_out_otherwise_is_refused_naming_what_is_missing():
@@ -1503,12 +1541,12 @@ def mlp(width: int, depth: int = 2) -> nn.Sequential:
 
 
 def test_layers_is_suggested_only_for_a_sequential():
-    root = Holder(lm=opt(), head=nn.Sequential(nn.Linear(VOCAB, 2)))
+    root = Holder(lm=xglm(), head=nn.Sequential(nn.Linear(VOCAB, 2)))
     with pytest.raises(
         LayerStackNotFound,
         match=r"the largest candidate, 'head' \(Sequential, 204 parameters, 1%\), holds at most "
-        r"half of its 22,700 parameters; 'lm' \(OPTForCausalLM, 22,496 parameters, 99%\) would "
-        r"run outside the pipeline\. 'lm' is a Hugging Face model with model_type 'opt', which "
+        r"half of its 20,588 parameters; 'lm' \(XGLMForCausalLM, 20,384 parameters, 99%\) would "
+        r"run outside the pipeline\. 'lm' is a Hugging Face model with model_type 'xglm', which "
         r"RoundPipe does not support \(supported: .*\), so it cannot be pipelined; train it "
         r"with another strategy, or pass layers='head' to RoundPipeStrategy to pipeline only "
         r"'head'$",

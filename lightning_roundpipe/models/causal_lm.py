@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,13 @@ def _scalar(target: nn.Module, path: str | Callable[[Any], Any] | None) -> float
     return None if value is None else float(value)
 
 
+def _module_function(target: nn.Module, name: str | None) -> Any:
+    """A function of the modeling module the model's ``*Model`` comes from."""
+    if name is None:
+        return None
+    return getattr(sys.modules[type(target).__module__], name)
+
+
 class CausalLMAdapter(_Adapter):
     """A Hugging Face decoder-only causal LM of a supported family (optionally
     inside PEFT).
@@ -165,6 +173,8 @@ class CausalLMAdapter(_Adapter):
                 experts=self._experts,
                 dropout_rate=_scalar(layout.base, family.embed_dropout_rate) or 0.0,
                 norm=layout.embed_norm,
+                project_in=layout.project_in,
+                positions_from_mask=family.positions_from_mask,
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
@@ -184,6 +194,7 @@ class CausalLMAdapter(_Adapter):
                     always_mask=family.always_mask,
                     block_kwargs=dict(family.block_kwargs),
                     scratch_kwargs=family.scratch_kwargs,
+                    alibi=_module_function(target, family.alibi),
                     routers=routers,
                     router_index=recorder[1] if recorder else 0,
                     top_k=top_k,
@@ -200,6 +211,7 @@ class CausalLMAdapter(_Adapter):
                 softcap=_scalar(target, family.logit_softcap),
                 hidden_divisor=_scalar(target, family.hidden_divisor),
                 float_logits=family.float_logits,
+                project_out=layout.project_out,
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute

@@ -97,6 +97,16 @@ class Family:
     rotary_kinds: tuple[str, ...] | None = None
     # learned absolute position embedding added to the token embeddings (GPT-2)
     positions: str | None = None
+    # OPT's positions: by default they count the mask's ones (cumsum(mask) *
+    # mask - 1, padding at -1), and the module takes (mask, past, position_ids=)
+    positions_from_mask: bool = False
+    # linear maps the *Model applies where the embedding width differs from the
+    # hidden size: to the embeddings before positions are added, and to the
+    # final hidden states after the norm (OPT's; a model may have none)
+    project_in: str | None = None
+    project_out: str | None = None
+    # the *Model may have no final norm (OPT with do_layer_norm_before=False)
+    norm_optional: bool = False
     # factor the embeddings are multiplied by (Granite), or a function of the
     # *ForCausalLM giving it (None: no factor; AFMoE's depends on a setting)
     embed_multiplier: str | Callable[[Any], float | None] | None = None
@@ -120,6 +130,9 @@ class Family:
     always_mask: bool = False
     # the model runs layers[: config.num_hidden_layers] (else all of them)
     slices_layers: bool = True
+    # the function of the family's modeling module that builds the ALiBi biases
+    # every block gets (alibi=) from the 2-D padding mask (Bloom's build_alibi_tensor)
+    alibi: str | None = None
     # constant keyword arguments the model gives every block
     block_kwargs: tuple[tuple[str, Any], ...] = ()
     # keyword arguments the model gives every block as a dict the blocks write
@@ -149,7 +162,8 @@ class Family:
     def module_paths(self) -> list[str]:
         """The module attributes, from the ``*ForCausalLM``, this family's layout needs."""
         rotary = None if self.rotary_optional else self.rotary
-        inner = [self.embed, self.layers, self.norm, rotary, self.positions]
+        norm = None if self.norm_optional else self.norm
+        inner = [self.embed, self.layers, norm, rotary, self.positions]
         inner += [self.embed_dropout, self.embed_norm]
         return [self.base, *(f"{self.base}.{p}" for p in inner if p), self.lm_head]
 
@@ -574,6 +588,42 @@ FAMILIES: tuple[Family, ...] = (
         slices_layers=False,
     ),
     Family("Flint", ("flint",), mask_rule=LAYER_TYPES, router_aux=_MOE),
+    Family(
+        "OPT",
+        ("opt",),
+        base="model.decoder",
+        norm="final_layer_norm",
+        norm_optional=True,
+        rotary=None,
+        positions="embed_positions",
+        positions_from_mask=True,
+        project_in="project_in",
+        project_out="project_out",
+        slices_layers=False,
+        mlp=None,  # (its feed-forward is inline in the block)
+        refused=(
+            Setting(
+                "layerdrop",
+                0.0,
+                "OPTDecoder skips layers at random while training, which the pipeline's "
+                "fixed stages do not",
+            ),
+        ),
+    ),
+    # ALiBi biases built from the padding mask, no positions; a norm on the embeddings
+    Family(
+        "BLOOM",
+        ("bloom",),
+        base="transformer",
+        embed="word_embeddings",
+        layers="h",
+        norm="ln_f",
+        rotary=None,
+        embed_norm="word_embeddings_layernorm",
+        alibi="build_alibi_tensor",
+        slices_layers=False,
+        mlp=None,  # (its MLP takes the residual too)
+    ),
     Family(
         "Kolibri 1",
         ("kolibri1",),

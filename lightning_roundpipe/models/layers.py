@@ -265,10 +265,14 @@ class _Embed(nn.Module):
         experts: int = 0,
         dropout_rate: float = 0.0,
         norm: nn.Module | None = None,
+        project_in: nn.Module | None = None,
+        positions_from_mask: bool = False,
     ) -> None:
         super().__init__()
         self.embed = embed
         self.norm = norm
+        self.project_in = project_in
+        self.positions_from_mask = positions_from_mask
         self.positions = positions
         self.multiplier = multiplier
         self.dropout = dropout
@@ -288,9 +292,16 @@ class _Embed(nn.Module):
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.multiplier is not None:
             h = h * self.multiplier
+        if position_ids is None and self.positions_from_mask and attention_mask is not None:
+            mask = attention_mask.to(h.device).long()
+            position_ids = mask.cumsum(-1) * mask - 1  # (OPT's: padding at -1)
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        if self.positions is not None:
+        if self.project_in is not None:
+            h = self.project_in(h)
+        if self.positions is not None and self.positions_from_mask:
+            h = h + self.positions(attention_mask, 0, position_ids=position_ids).to(h.device)
+        elif self.positions is not None:
             h = h + self.positions(position_ids).to(h.device)
         if self.dropout is not None:
             h = self.dropout(h)
@@ -371,6 +382,7 @@ class _Decoder(nn.Module):
         always_mask: bool = False,
         block_kwargs: dict[str, Any] | None = None,
         scratch_kwargs: tuple[str, ...] = (),
+        alibi: Any = None,
         routers: tuple[str, ...] = (),
         router_index: int = 0,
         top_k: int = 0,
@@ -393,6 +405,8 @@ class _Decoder(nn.Module):
         self.always_mask = always_mask
         self.block_kwargs = dict(block_kwargs or {})
         self.scratch_kwargs = tuple(scratch_kwargs)
+        # the family's function building the ALiBi biases from the 2-D mask
+        self.alibi = alibi
         # submodule paths of the block's routers, and where their logits are
         # in the router's output
         self.routers = routers
@@ -466,6 +480,16 @@ class _Decoder(nn.Module):
             **kwargs,
         )
 
+    def _alibi(self, hidden_states, attention_mask):
+        """The ALiBi biases the model gives every block, from the padding mask
+        (all ones without padding, which gives the model's values)."""
+        if attention_mask is None:
+            attention_mask = torch.ones(
+                hidden_states.shape[:2], dtype=torch.long, device=hidden_states.device
+            )
+        heads = int(self.config.num_attention_heads)
+        return self.alibi(attention_mask, heads, dtype=hidden_states.dtype)
+
     def _rotary(self, hidden_states, position_ids):
         if self.rotary_per_kind:
             return self.rotary(hidden_states, position_ids, self.kind)
@@ -484,6 +508,10 @@ class _Decoder(nn.Module):
             )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
         kwargs.update({name: {} for name in self.scratch_kwargs})
+        if self.alibi is not None:
+            kwargs["alibi"] = stage_cached(
+                ("alibi",), lambda: self._alibi(hidden_states, attention_mask)
+            )
         if (
             self.rotary is not None
             and self.rotary_kinds is not None
@@ -643,16 +671,18 @@ class _Head(nn.Module):
 
     def __init__(
         self,
-        norm: nn.Module,
+        norm: nn.Module | None,
         lm_head: nn.Module,
         scale: float | None = None,
         divisor: float | None = None,
         softcap: float | None = None,
         hidden_divisor: float | None = None,
         float_logits: bool = False,
+        project_out: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.norm = norm
+        self.norm = norm if norm is not None else nn.Identity()
+        self.project_out = project_out
         self.lm_head = lm_head
         self.hidden_divisor = hidden_divisor
         self.float_logits = float_logits
@@ -663,6 +693,8 @@ class _Head(nn.Module):
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The logits of ``hidden_states`` (each position alone)."""
         hidden_states = self.norm(hidden_states)
+        if self.project_out is not None:
+            hidden_states = self.project_out(hidden_states)
         if self.hidden_divisor is not None:
             hidden_states = hidden_states / self.hidden_divisor
         logits = self.lm_head(hidden_states)

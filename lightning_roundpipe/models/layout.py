@@ -45,6 +45,8 @@ class Layout:
     positions: nn.Module | None
     dropout: nn.Module | None
     embed_norm: nn.Module | None = None
+    project_in: nn.Module | None = None
+    project_out: nn.Module | None = None
 
     @property
     def packs_sequences(self) -> bool:
@@ -185,6 +187,8 @@ def layout_of(module: nn.Module) -> Layout | None:
         _child(base, family.positions),
         _child(base, family.embed_dropout),
         _child(base, family.embed_norm),
+        _child(base, family.project_in),
+        _child(base, family.project_out),
     )
 
 
