@@ -594,23 +594,9 @@ def test_the_lora_estimate_leaves_out_what_peft_refuses_in_mamba_models():
     out_proj: the estimate asks PEFT's own check and leaves those out (it
     failed there); the attention's projections keep theirs."""
     peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
     from lightning_roundpipe.models.estimate import _meta_model
 
-    config = transformers.NemotronHConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        layers_block_type=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        ssm_state_size=8,
-        n_groups=1,
-    )
-    model = _meta_model(config, lora_rank=4)
+    model = _meta_model(tiny("nemotron_h").config, lora_rank=4)
     wrapped = {n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
     assert "model.layers.0.mixer.in_proj" in wrapped
     assert "model.layers.0.mixer.out_proj" not in wrapped
