@@ -599,6 +599,22 @@ TINY = {
             **TOP2,
         ),  # no rotary positions (position_embedding_type=None)
     ),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_chunk_size=4,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            pad_token_id=None,
+        ),
+    ),
     "bamba": (
         "BambaConfig",
         "BambaForCausalLM",
@@ -913,7 +929,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 90
+    model does, in the same order: three steps give the same bits (all 91
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds
@@ -981,8 +997,10 @@ def test_nemotron_h_mlp_and_moe_blocks_train_like_the_default_strategy():
     trains_like_the_default_strategy(LM(model), sync(plan="3|3|3"))
 
 
-def test_inputs_embeds_under_the_strategy_train_like_the_default_strategy():
-    ref = LM(tiny("granite"), embeds=True)  # the multiplier applies to them too
+@pytest.mark.parametrize("kind", ["granite", "falcon_h1"])
+def test_inputs_embeds_under_the_strategy_train_like_the_default_strategy(kind):
+    # Granite's multiplier applies to them too, Falcon-H1's to looked-up tokens only
+    ref = LM(tiny(kind), embeds=True)
     trains_like_the_default_strategy(ref, embeds=True)
 
 

@@ -175,6 +175,7 @@ class CausalLMAdapter(_Adapter):
                 norm=layout.embed_norm,
                 project_in=layout.project_in,
                 positions_from_mask=family.positions_from_mask,
+                multiply_given=family.multiply_given_embeds,
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
@@ -195,6 +196,7 @@ class CausalLMAdapter(_Adapter):
                     block_kwargs=dict(family.block_kwargs),
                     scratch_kwargs=family.scratch_kwargs,
                     alibi=_module_function(target, family.alibi),
+                    padding_mask_kwarg=family.padding_mask_kwarg,
                     routers=routers,
                     router_index=recorder[1] if recorder else 0,
                     top_k=top_k,

@@ -110,6 +110,9 @@ class Family:
     # factor the embeddings are multiplied by (Granite), or a function of the
     # *ForCausalLM giving it (None: no factor; AFMoE's depends on a setting)
     embed_multiplier: str | Callable[[Any], float | None] | None = None
+    # whether given inputs_embeds are multiplied too (Granite's are; Falcon-H1
+    # multiplies only the token embeddings it looks up)
+    multiply_given_embeds: bool = True
     # dropout applied to the embeddings, the given inputs_embeds too
     embed_dropout: str | None = None
     # the same as a rate: an attribute of the *Model (Starcoder2's embedding_dropout)
@@ -130,6 +133,9 @@ class Family:
     always_mask: bool = False
     # the model runs layers[: config.num_hidden_layers] (else all of them)
     slices_layers: bool = True
+    # a block keyword that gets the 2-D padding mask beside the attention mask
+    # (Falcon-H1's blocks run attention and Mamba side by side)
+    padding_mask_kwarg: str | None = None
     # the function of the family's modeling module that builds the ALiBi biases
     # every block gets (alibi=) from the 2-D padding mask (Bloom's build_alibi_tensor)
     alibi: str | None = None
@@ -520,6 +526,18 @@ FAMILIES: tuple[Family, ...] = (
         logit_divisor="config.logits_scaling",
         router_aux=_MOE,
         mlp="block_sparse_moe",  # (the shared MLP beside it runs whole)
+    ),
+    # attention and Mamba 2 side by side in every block
+    Family(
+        "Falcon-H1",
+        ("falcon_h1",),
+        norm="final_layernorm",
+        embed_multiplier="model.embedding_multiplier",
+        multiply_given_embeds=False,
+        logit_scale="model.lm_head_multiplier",
+        padding_mask_kwarg="mamba_attention_mask",
+        slices_layers=False,
+        mlp="feed_forward",
     ),
     # Mamba 2 blocks (which get the padding mask) and attention blocks
     Family(

@@ -267,8 +267,10 @@ class _Embed(nn.Module):
         norm: nn.Module | None = None,
         project_in: nn.Module | None = None,
         positions_from_mask: bool = False,
+        multiply_given: bool = True,
     ) -> None:
         super().__init__()
+        self.multiply_given = multiply_given
         self.embed = embed
         self.norm = norm
         self.project_in = project_in
@@ -290,7 +292,7 @@ class _Embed(nn.Module):
         **tiles,
     ):
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.multiplier is not None:
+        if self.multiplier is not None and (inputs_embeds is None or self.multiply_given):
             h = h * self.multiplier
         if position_ids is None and self.positions_from_mask and attention_mask is not None:
             mask = attention_mask.to(h.device).long()
@@ -383,6 +385,7 @@ class _Decoder(nn.Module):
         block_kwargs: dict[str, Any] | None = None,
         scratch_kwargs: tuple[str, ...] = (),
         alibi: Any = None,
+        padding_mask_kwarg: str | None = None,
         routers: tuple[str, ...] = (),
         router_index: int = 0,
         top_k: int = 0,
@@ -407,6 +410,7 @@ class _Decoder(nn.Module):
         self.scratch_kwargs = tuple(scratch_kwargs)
         # the family's function building the ALiBi biases from the 2-D mask
         self.alibi = alibi
+        self.padding_mask_kwarg = padding_mask_kwarg
         # submodule paths of the block's routers, and where their logits are
         # in the router's output
         self.routers = routers
@@ -508,6 +512,11 @@ class _Decoder(nn.Module):
             )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
         kwargs.update({name: {} for name in self.scratch_kwargs})
+        if self.padding_mask_kwarg is not None:
+            # (create_recurrent_attention_mask's: the 2-D mask, given only with padding)
+            kwargs[self.padding_mask_kwarg] = (
+                None if attention_mask is None else attention_mask.contiguous()
+            )
         if self.alibi is not None:
             kwargs["alibi"] = stage_cached(
                 ("alibi",), lambda: self._alibi(hidden_states, attention_mask)
