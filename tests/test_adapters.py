@@ -661,6 +661,20 @@ TINY = {
         "Lfm2ForCausalLM",
         dict(LLAMA_LIKE, layer_types=["conv", "full_attention"], pad_token_id=None),
     ),
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            sliding_window=3,  # the full-attention block's mask slides
+            block_size=4,
+            num_local_experts=4,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
     "flint": (
         "FlintConfig",
         "FlintForCausalLM",
@@ -804,6 +818,7 @@ MOE_AUX = [
     "jamba",
     "flint",
     "lara_mini",
+    "minimax",
 ]
 
 
@@ -929,7 +944,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 91
+    model does, in the same order: three steps give the same bits (all 92
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds

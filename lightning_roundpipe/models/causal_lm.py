@@ -42,7 +42,14 @@ from ..runtime.profiler import active_parameters
 from .attention import attention_heads
 from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
 from .layers import ROUTER_KEYS, TILE_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
-from .layout import check_config, layer_kinds, layout_of, layout_problem, router_recorder
+from .layout import (
+    check_config,
+    layer_kinds,
+    layout_of,
+    layout_problem,
+    recorded_routers,
+    router_recorder,
+)
 from .memory import ActivationModel, applied_tiles, probe_activations, value_bytes
 from .tiling import ChunkedLogits, shifted
 
@@ -183,7 +190,7 @@ class CausalLMAdapter(_Adapter):
         for layer, kind in zip(layout.layers, kinds, strict=True):
             routers: tuple[str, ...] = ()
             if recorder is not None:
-                routers = tuple(p for p, m in layer.named_modules() if isinstance(m, recorder[0]))
+                routers = recorded_routers(layout.base, layer, recorder)
             self._layers.append(
                 _Decoder(
                     layer,

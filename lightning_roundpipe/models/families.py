@@ -125,6 +125,9 @@ class Family:
     layer_kinds: tuple[str, ...] = LAYER_KINDS
     # the config list naming each layer's type (LAYER_TYPES)
     layer_types_key: str = "layer_types"
+    # its full-attention layers get the sliding-window mask when
+    # config.sliding_window is set (MiniMax's, LAYER_TYPES)
+    full_slides_if_window: bool = False
     # the model gives position_ids to its mask functions, which then keep
     # packed sequences apart (False: it never detects packing); where the
     # model's forward can be read, what it does decides (Layout.packs_sequences)
@@ -604,6 +607,17 @@ FAMILIES: tuple[Family, ...] = (
         layer_kinds=HYBRID_KINDS,
         rotary_kinds=("full_attention",),
         slices_layers=False,
+    ),
+    # lightning-attention blocks (the padding mask) and attention blocks, whose
+    # mask slides when config.sliding_window is set; MoE blocks, router loss
+    Family(
+        "MiniMax",
+        ("minimax",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        full_slides_if_window=True,
+        slices_layers=False,
+        router_aux=_MOE,
     ),
     Family("Flint", ("flint",), mask_rule=LAYER_TYPES, router_aux=_MOE),
     Family(

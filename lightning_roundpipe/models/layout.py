@@ -233,7 +233,10 @@ def layout_problem(module: nn.Module) -> str | None:
 def layer_kinds(config: Any, family: Family, n: int) -> list[str]:
     """Each decoder layer's attention type, by its family's rule."""
     if family.mask_rule == LAYER_TYPES:
-        return list(getattr(config, family.layer_types_key)[:n])
+        kinds = list(getattr(config, family.layer_types_key)[:n])
+        if family.full_slides_if_window and getattr(config, "sliding_window", None) is not None:
+            kinds = ["sliding_attention" if k == "full_attention" else k for k in kinds]
+        return kinds
     if (
         family.mask_rule == SLIDING_IF_WINDOW
         and getattr(config, "sliding_window", None) is not None
@@ -312,12 +315,30 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
         )
 
 
-def router_recorder(base: nn.Module) -> tuple[type, int] | None:
+def router_recorder(base: nn.Module) -> tuple[type, int, str | None] | None:
     """The router class whose output transformers records as ``router_logits``
-    (the model's ``_can_record_outputs``) and the index of the logits in its
-    output; None when the model names none."""
+    (the model's ``_can_record_outputs``), the index of the logits in its
+    output and the layer name a router's module name must hold (None: any;
+    MiniMax names ``mlp.gate``); None when the model names no class."""
     spec = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
     target = getattr(spec, "target_class", None)
-    if not isinstance(target, type) or getattr(spec, "layer_name", None) is not None:
+    if not isinstance(target, type):
         return None
-    return target, int(spec.index)
+    return target, int(spec.index), getattr(spec, "layer_name", None)
+
+
+def recorded_routers(
+    base: nn.Module, layer: nn.Module, recorder: tuple[type, int, str | None]
+) -> tuple[str, ...]:
+    """The submodule paths, within ``layer`` (a block of ``base``), of the
+    routers transformers records, matched as transformers matches them: by
+    class and, where the model names one, by layer name within the module's
+    name (from the model's ``*Model``)."""
+    cls, _, layer_name = recorder
+    names = {id(m): n for n, m in base.named_modules()}
+    wanted = None if layer_name is None else "." + layer_name.strip(".") + "."
+    return tuple(
+        p
+        for p, m in layer.named_modules()
+        if isinstance(m, cls) and (wanted is None or wanted in "." + names.get(id(m), p) + ".")
+    )
