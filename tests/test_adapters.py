@@ -58,6 +58,7 @@ HYBRID = dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **
 HYBRID_MOE = dict(
     num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
 )
+MAMBA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=None)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4)
 # multi-head latent attention (DeepSeek-V3's)
 MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
@@ -599,6 +600,13 @@ TINY = {
             **TOP2,
         ),  # no rotary positions (position_embedding_type=None)
     ),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(MAMBA_LIKE, state_size=8)),
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(MAMBA_LIKE, num_heads=4, head_dim=16, state_size=8, n_groups=1, chunk_size=4),
+    ),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(MAMBA_LIKE, state_size=8)),
     "falcon_h1": (
         "FalconH1Config",
         "FalconH1ForCausalLM",
@@ -944,7 +952,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 92
+    model does, in the same order: three steps give the same bits (all 95
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds

@@ -221,6 +221,7 @@ class CausalLMAdapter(_Adapter):
                 hidden_divisor=_scalar(target, family.hidden_divisor),
                 float_logits=family.float_logits,
                 project_out=layout.project_out,
+                cast_to_head=family.cast_to_head,
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute

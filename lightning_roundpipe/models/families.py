@@ -121,6 +121,9 @@ class Family:
     # parameter-free final norm, applied twice)
     embed_norm: str | None = None
     mask_rule: str = FULL
+    # every layer's type under FULL (the recurrent linear_attention for Mamba
+    # models, whose blocks all get the padding mask)
+    every_layer: str = "full_attention"
     # the attention types its *Model builds masks for (LAYER_TYPES)
     layer_kinds: tuple[str, ...] = LAYER_KINDS
     # the config list naming each layer's type (LAYER_TYPES)
@@ -150,8 +153,11 @@ class Family:
     scratch_kwargs: tuple[str, ...] = ()
     # the final hidden states divided by this before the LM head (MiniCPM3)
     hidden_divisor: str | None = None
-    # the LM head's output cast to fp32 before anything else (NemotronH)
+    # the LM head's output cast to fp32 before anything else (Nemotron-H, Mamba)
     float_logits: bool = False
+    # the final hidden states cast to the LM head's weight dtype (Mamba models,
+    # whose blocks keep an fp32 residual stream)
+    cast_to_head: bool = False
     # the logits times this (Cohere's logit_scale)
     logit_scale: str | None = None
     # the logits divided by this (Granite's logits_scaling)
@@ -191,6 +197,22 @@ _GPT_LAYOUT: dict[str, Any] = dict(
     norm="ln_f",
     embed_dropout="drop",
     slices_layers=False,
+)
+
+
+# Mamba language models: backbone.embeddings/layers/norm_f, every block a Mamba
+# mixer given the padding mask, no positions, the head's input in its dtype,
+# fp32 logits
+_MAMBA_LAYOUT: dict[str, Any] = dict(
+    base="backbone",
+    embed="embeddings",
+    norm="norm_f",
+    rotary=None,
+    every_layer="linear_attention",
+    float_logits=True,
+    cast_to_head=True,
+    slices_layers=False,
+    mlp=None,
 )
 
 
@@ -530,6 +552,9 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
         mlp="block_sparse_moe",  # (the shared MLP beside it runs whole)
     ),
+    Family("Mamba", ("mamba",), **_MAMBA_LAYOUT),
+    Family("Mamba 2", ("mamba2",), **_MAMBA_LAYOUT),
+    Family("Falcon Mamba", ("falcon_mamba",), **_MAMBA_LAYOUT),
     # attention and Mamba 2 side by side in every block
     Family(
         "Falcon-H1",

@@ -688,8 +688,10 @@ class _Head(nn.Module):
         hidden_divisor: float | None = None,
         float_logits: bool = False,
         project_out: nn.Module | None = None,
+        cast_to_head: bool = False,
     ) -> None:
         super().__init__()
+        self.cast_to_head = cast_to_head
         self.norm = norm if norm is not None else nn.Identity()
         self.project_out = project_out
         self.lm_head = lm_head
@@ -706,6 +708,8 @@ class _Head(nn.Module):
             hidden_states = self.project_out(hidden_states)
         if self.hidden_divisor is not None:
             hidden_states = hidden_states / self.hidden_divisor
+        if self.cast_to_head:
+            hidden_states = hidden_states.to(self.lm_head.weight.dtype)
         logits = self.lm_head(hidden_states)
         if self.float_logits:
             logits = logits.float()

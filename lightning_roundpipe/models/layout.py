@@ -242,7 +242,7 @@ def layer_kinds(config: Any, family: Family, n: int) -> list[str]:
         and getattr(config, "sliding_window", None) is not None
     ):
         return ["sliding_attention"] * n
-    return ["full_attention"] * n
+    return [family.every_layer] * n
 
 
 def _check_setting(name: str, config: Any, setting: Setting) -> None:
