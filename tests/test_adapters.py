@@ -600,6 +600,23 @@ TINY = {
             **TOP2,
         ),  # no rotary positions (position_embedding_type=None)
     ),
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            **dict(MLA, q_lora_rank=None),
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            linear_head_dim=8,
+            linear_num_heads=4,
+            num_experts=4,
+            moe_intermediate_size=16,
+            num_experts_per_token=2,
+            pad_token_id=None,
+        ),
+    ),
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(MAMBA_LIKE, state_size=8)),
     "mamba2": (
         "Mamba2Config",
@@ -804,6 +821,7 @@ NO_ROUTER_LOSS = [
     "kolibri1",
     "aria_text",
     "hy_v3",
+    "kimi_linear",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -952,7 +970,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 95
+    model does, in the same order: three steps give the same bits (all 96
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds

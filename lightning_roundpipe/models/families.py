@@ -552,6 +552,16 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
         mlp="block_sparse_moe",  # (the shared MLP beside it runs whole)
     ),
+    # Kimi Delta Attention blocks (the padding mask) and multi-head latent
+    # attention blocks without rotary positions, dense then MoE feed-forwards
+    Family(
+        "Kimi Linear",
+        ("kimi_linear",),
+        rotary=None,
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        refused=(_no_router_loss("KimiLinearForCausalLM"),),
+    ),
     Family("Mamba", ("mamba",), **_MAMBA_LAYOUT),
     Family("Mamba 2", ("mamba2",), **_MAMBA_LAYOUT),
     Family("Falcon Mamba", ("falcon_mamba",), **_MAMBA_LAYOUT),
