@@ -41,7 +41,16 @@ from ..runtime.optimizer import NonFiniteError
 from ..runtime.profiler import active_parameters
 from .attention import attention_heads
 from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
-from .layers import ROUTER_KEYS, TILE_KEYS, _Decoder, _Embed, _Head, balance_loss, is_packed
+from .layers import (
+    ROUTER_KEYS,
+    TILE_KEYS,
+    _Decoder,
+    _Embed,
+    _Head,
+    _PerLayerInputs,
+    balance_loss,
+    is_packed,
+)
 from .layout import (
     check_config,
     layer_kinds,
@@ -135,6 +144,14 @@ def _scalar(target: nn.Module, path: str | Callable[[Any], Any] | None) -> float
     return None if value is None else float(value)
 
 
+def _has_per_layer_inputs(target: nn.Module, family: Any) -> bool:
+    """Whether this model of a family with per-layer embeddings has them
+    (Gemma 4's ``hidden_size_per_layer_input``, 0: none)."""
+    return family.per_layer_inputs and bool(
+        getattr(target.config, "hidden_size_per_layer_input", 0)
+    )
+
+
 def _module_function(target: nn.Module, name: str | None) -> Any:
     """A function of the modeling module the model's ``*Model`` comes from."""
     if name is None:
@@ -183,11 +200,20 @@ class CausalLMAdapter(_Adapter):
                 project_in=layout.project_in,
                 positions_from_mask=family.positions_from_mask,
                 multiply_given=family.multiply_given_embeds,
+                per_layer=_PerLayerInputs(layout.base)
+                if _has_per_layer_inputs(target, family)
+                else None,
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
         self._chunked = "chunked_attention" in kinds
-        for layer, kind in zip(layout.layers, kinds, strict=True):
+        modes = list(getattr(config, family.kv_sharing) or []) if family.kv_sharing else []
+        # (a layer passes stored keys and values on while a later one reuses them)
+        reused_after = [
+            "reuse" in modes[i + 1 :] and any(m == "store" for m in modes[: i + 1])
+            for i in range(len(layout.layers))
+        ]
+        for i, (layer, kind) in enumerate(zip(layout.layers, kinds, strict=True)):
             routers: tuple[str, ...] = ()
             if recorder is not None:
                 routers = recorded_routers(layout.base, layer, recorder)
@@ -204,6 +230,8 @@ class CausalLMAdapter(_Adapter):
                     scratch_kwargs=family.scratch_kwargs,
                     alibi=_module_function(target, family.alibi),
                     padding_mask_kwarg=family.padding_mask_kwarg,
+                    carries_kv=bool(modes) and reused_after[i],
+                    kv_role=modes[i] if i < len(modes) else None,
                     routers=routers,
                     router_index=recorder[1] if recorder else 0,
                     top_k=top_k,
@@ -245,15 +273,27 @@ class CausalLMAdapter(_Adapter):
 
     def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int]:
         """Hidden states in the compute dtype plus the positions, mask and
-        router statistics that travel with them."""
+        router statistics that travel with them, and (Gemma 4) the per-layer
+        embeddings still to be used and the keys and values stored for later
+        layers, at most all of them (the first boundary's)."""
         size = torch.empty(0, dtype=dtype).element_size()
-        hidden = int(self.target.config.hidden_size)
+        config = self.target.config
+        hidden = int(config.hidden_size)
         router = self._experts * 16 + 8
+        per_token = 0
+        if self._layers[0].per_layer is not None:
+            per_token += int(config.hidden_size_per_layer_input) * len(self._layers[1:-1])
+        if any(d.carries_kv for d in self._layers[1:-1]):
+            heads = attention_heads(config)
+            if heads is not None:  # keys and values of each stored layer type
+                kinds = {d.kind for d in self._layers[1:-1]}
+                per_token += 2 * len(kinds) * heads[1] * heads[2]
 
         def estimate(inputs: Any) -> int:
             ids = inputs.get("input_ids")
             tokens = ids.numel() if ids is not None else inputs["inputs_embeds"].shape[:-1].numel()
             out = value_bytes(tokens, hidden, size)  # hidden states, positions
+            out += tokens * per_token * size
             mask = inputs.get("attention_mask")
             if mask is not None:
                 out += mask.numel() * mask.element_size()

@@ -147,9 +147,16 @@ class Family:
     alibi: str | None = None
     # constant keyword arguments the model gives every block
     block_kwargs: tuple[tuple[str, Any], ...] = ()
+    # per-layer embeddings (Gemma 4): the *Model's get_per_layer_inputs and
+    # project_per_layer_inputs give every block its slice (per_layer_input=)
+    per_layer_inputs: bool = False
+    # the config property naming each layer's part in key-value sharing
+    # (Gemma 4's kv_sharing_modes: "store" its keys and values, "reuse" an
+    # earlier layer's, None): the stored ones are carried to the later stages
+    kv_sharing: str | None = None
     # keyword arguments the model gives every block as a dict the blocks write
-    # to: each call gets a fresh empty one (Gemma 4's shared_kv_states, which
-    # no block reads without key-value sharing, refused otherwise)
+    # to: each call gets a fresh one (Gemma 4's shared_kv_states), holding
+    # what earlier stages stored for this block to read (kv_sharing)
     scratch_kwargs: tuple[str, ...] = ()
     # the final hidden states divided by this before the LM head (MiniCPM3)
     hidden_divisor: str | None = None
@@ -509,6 +516,8 @@ FAMILIES: tuple[Family, ...] = (
         always_mask=True,
         refused=(_no_router_loss("DeepseekV32ForCausalLM"),),
     ),
+    # as Gemma 3; per-layer embeddings and the keys and values layers store
+    # for later ones travel with the hidden states, with their gradients
     Family(
         "Gemma 4 (text)",
         ("gemma4_text",),
@@ -516,27 +525,9 @@ FAMILIES: tuple[Family, ...] = (
         rotary_per_layer_type=True,
         logit_softcap="config.final_logit_softcapping",
         scratch_kwargs=("shared_kv_states",),
-        refused=(
-            Setting(
-                "hidden_size_per_layer_input",
-                0,
-                "per-layer embeddings feed every decoder layer a slice of a tensor the "
-                "embedding computes, which the pipeline does not carry between stages",
-            ),
-            Setting(
-                "num_kv_shared_layers",
-                0,
-                "the last layers then reuse the keys and values of earlier layers, which the "
-                "pipeline does not carry between stages",
-            ),
-            Setting(
-                "use_bidirectional_attention",
-                None,
-                "Gemma4ForCausalLM is text only: 'vision' changes nothing there, 'all' makes "
-                "its attention bidirectional",
-            ),
-            _no_router_loss("Gemma4ForCausalLM"),
-        ),
+        per_layer_inputs=True,
+        kv_sharing="kv_sharing_modes",
+        refused=(_no_router_loss("Gemma4ForCausalLM"),),
     ),
     # Mamba 2 blocks (which get the padding mask) between attention blocks; no
     # rotary module unless position_embedding_type="rope"

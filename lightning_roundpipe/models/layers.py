@@ -248,6 +248,47 @@ def _tiles(values: dict[str, Any]) -> dict[str, int]:
     return {k: values[k] for k in TILE_KEYS if values.get(k)}
 
 
+# the per-layer inputs still to be consumed, carried from stage to stage
+PER_LAYER_KEY = "per_layer_inputs"
+# keys and values a layer stored for later layers to reuse, carried from stage
+# to stage as "<prefix><layer type>:key" and ":value"
+SHARED_KV_PREFIX = "shared_kv:"
+
+
+class _PerLayerInputs(nn.Module):
+    """What a Gemma 4 ``*Model`` computes from the tokens for every decoder
+    layer (its per-layer embeddings, ``[batch, sequence, layers, width]``),
+    by the model's own ``get_per_layer_inputs`` and
+    ``project_per_layer_inputs``, run on this module, which holds the
+    submodules and settings those read (not the whole model)."""
+
+    _ATTRIBUTES = (
+        "hidden_size_per_layer_input",
+        "per_layer_input_scale",
+        "per_layer_model_projection_scale",
+        "config",
+    )
+    _MODULES = (
+        "embed_tokens",
+        "embed_tokens_per_layer",
+        "per_layer_model_projection",
+        "per_layer_projection_norm",
+    )
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        for name in self._MODULES:
+            setattr(self, name, getattr(base, name))
+        for name in self._ATTRIBUTES:
+            setattr(self, name, getattr(base, name))
+        self._get = type(base).get_per_layer_inputs
+        self._project = type(base).project_per_layer_inputs
+
+    def forward(self, input_ids, inputs_embeds):
+        tokens = self._get(self, input_ids, inputs_embeds)
+        return self._project(self, inputs_embeds, tokens)
+
+
 class _Embed(nn.Module):
     """The token embeddings (or the given ``inputs_embeds``: exactly one of
     them, the model's own rule), then what the family's ``*Model`` does before
@@ -268,9 +309,11 @@ class _Embed(nn.Module):
         project_in: nn.Module | None = None,
         positions_from_mask: bool = False,
         multiply_given: bool = True,
+        per_layer: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.multiply_given = multiply_given
+        self.per_layer = per_layer
         self.embed = embed
         self.norm = norm
         self.project_in = project_in
@@ -292,6 +335,9 @@ class _Embed(nn.Module):
         **tiles,
     ):
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        carried: dict[str, torch.Tensor] = {}
+        if self.per_layer is not None:
+            carried[PER_LAYER_KEY] = self.per_layer(input_ids, h)
         if self.multiplier is not None and (inputs_embeds is None or self.multiply_given):
             h = h * self.multiplier
         if position_ids is None and self.positions_from_mask and attention_mask is not None:
@@ -318,7 +364,9 @@ class _Embed(nn.Module):
                 "router_probs": torch.zeros(1, self.experts, dtype=torch.float32, device=h.device),
                 "router_tokens": torch.zeros(1, dtype=torch.long, device=h.device),
             }
-        return _boundary(h, position_ids, attention_mask, packed, stats, _tiles(tiles))
+        return _boundary(
+            h, position_ids, attention_mask, packed, {**stats, **carried}, _tiles(tiles)
+        )
 
 
 def router_statistics(
@@ -386,6 +434,8 @@ class _Decoder(nn.Module):
         scratch_kwargs: tuple[str, ...] = (),
         alibi: Any = None,
         padding_mask_kwarg: str | None = None,
+        carries_kv: bool = False,
+        kv_role: str | None = None,
         routers: tuple[str, ...] = (),
         router_index: int = 0,
         top_k: int = 0,
@@ -411,6 +461,11 @@ class _Decoder(nn.Module):
         # the family's function building the ALiBi biases from the 2-D mask
         self.alibi = alibi
         self.padding_mask_kwarg = padding_mask_kwarg
+        # whether a later layer reuses keys and values stored here or before
+        self.carries_kv = carries_kv
+        # "store": its keys and values are kept for later layers, "reuse": it
+        # reads an earlier layer's (None: neither)
+        self.kv_role = kv_role
         # submodule paths of the block's routers, and where their logits are
         # in the router's output
         self.routers = routers
@@ -511,7 +566,14 @@ class _Decoder(nn.Module):
                 lambda: self._mask(hidden_states, position_ids, attention_mask, packed),
             )
         kwargs = dict(self.block_kwargs, attention_mask=mask, position_ids=position_ids)
+        shared = {
+            k[len(SHARED_KV_PREFIX) : -len(":key")]: (v, extra[k[: -len("key")] + "value"])
+            for k, v in extra.items()
+            if k.startswith(SHARED_KV_PREFIX) and k.endswith(":key")
+        }
         kwargs.update({name: {} for name in self.scratch_kwargs})
+        if self.scratch_kwargs:  # (what earlier layers stored, for this one to read)
+            kwargs[self.scratch_kwargs[0]].update(shared)
         if self.padding_mask_kwarg is not None:
             # (create_recurrent_attention_mask's: the 2-D mask, given only with padding)
             kwargs[self.padding_mask_kwarg] = (
@@ -533,6 +595,14 @@ class _Decoder(nn.Module):
                 key, lambda: self._rotary(hidden_states, position_ids)
             )
         stats, tiles = _router(extra), _tiles(extra)
+        carried: dict[str, torch.Tensor] = {}
+        per_layer = extra.get(PER_LAYER_KEY)
+        if per_layer is not None:
+            # this block's slice; the later blocks' go on (a view: it keeps a
+            # gradient path of its own, and the boundary copies only its part)
+            kwargs["per_layer_input"] = per_layer[:, :, 0, :]
+            if per_layer.shape[2] > 1:
+                carried[PER_LAYER_KEY] = per_layer[:, :, 1:, :]
         # a sliding-window layer without its dense mask: attention over tiles
         sliding = SlidingWindow(*scaled(window)) if window is not None else contextlib.nullcontext()
         if stats and self.routers:
@@ -544,7 +614,13 @@ class _Decoder(nn.Module):
                 h = self.layer(hidden_states, **kwargs)
         if isinstance(h, tuple):
             h = h[0]
-        return _boundary(h, position_ids, attention_mask, packed, stats, tiles)
+        if self.carries_kv and self.scratch_kwargs:
+            # stored here or before, read after: on to the next stage (views of
+            # their own, so the stage's backward reaches the stored ones)
+            for kind, (k, v) in kwargs[self.scratch_kwargs[0]].items():
+                carried[f"{SHARED_KV_PREFIX}{kind}:key"] = k.view_as(k)
+                carried[f"{SHARED_KV_PREFIX}{kind}:value"] = v.view_as(v)
+        return _boundary(h, position_ids, attention_mask, packed, {**stats, **carried}, tiles)
 
     @contextlib.contextmanager
     def _tiled_mlp(self, hidden_states: torch.Tensor, tile: int | None) -> Iterator[None]:

@@ -57,6 +57,7 @@ from ..runtime.profiler import saved_bytes
 from ..runtime.worker import backward_handing_over
 from . import sliding
 from .attention import backward_workspace
+from .layers import PER_LAYER_KEY, SHARED_KV_PREFIX
 from .sliding import mask_bytes
 from .tiling import watching_tiles
 
@@ -486,7 +487,9 @@ def _signature(layer: nn.Module) -> tuple:
     params = tuple(
         (n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()
     )
-    return (type(layer).__name__, getattr(layer, "kind", None), params)
+    # (a layer storing or reusing keys and values for others runs otherwise)
+    sharing = (getattr(layer, "kv_role", None), getattr(layer, "carries_kv", False))
+    return (type(layer).__name__, getattr(layer, "kind", None), sharing, params)
 
 
 def _probe_inputs(
@@ -517,7 +520,7 @@ def _probe_inputs(
         out = embed(**kwargs)
     return {
         k: v.to(dtype)
-        if torch.is_tensor(v) and v.is_floating_point() and k == "hidden_states"
+        if torch.is_tensor(v) and v.is_floating_point() and k in ("hidden_states", PER_LAYER_KEY)
         else v
         for k, v in out.items()
     }
@@ -692,7 +695,11 @@ def probe_activations(
                         del out
                     got, nxt, work = measured[key]
                     if nxt is not None:
-                        x = nxt  # (detached when kept; a layer's inputs are a new dict)
+                        # (detached when kept; a layer's inputs are a new dict;
+                        # keys and values stored for later layers stay, whichever
+                        # earlier probe's output this is)
+                        kept = {k: v for k, v in x.items() if k.startswith(SHARED_KV_PREFIX)}
+                        x = {**kept, **nxt}
                     if batch == 1:
                         works[i].append(work)
                 if batch == 1:
