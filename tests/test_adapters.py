@@ -116,6 +116,34 @@ TINY = {
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
+    # the multimodal model (a vision tower beside its language model), text only
+    "gemma3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        dict(
+            text_config=dict(
+                LLAMA_LIKE,
+                head_dim=8,
+                sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"],
+                bos_token_id=None,
+                eos_token_id=None,
+                pad_token_id=None,
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+            image_token_id=VOCAB - 1,
+            boi_token_index=VOCAB - 2,
+            eoi_token_index=VOCAB - 3,
+        ),
+    ),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(LLAMA_LIKE, embd_pdrop=0.0, resid_pdrop=0.0)),
     "phi3": (
         "Phi3Config",
@@ -859,10 +887,14 @@ def tiny(kind: str, **settings) -> nn.Module:
     cls = getattr(transformers, model_cls)
     torch.manual_seed(0)
     try:
-        return cls._from_config(config, attn_implementation="sdpa")
+        model = cls._from_config(config, attn_implementation="sdpa")
     except ValueError:  # e.g. Gemma 2, GPT-OSS: no sdpa
         torch.manual_seed(0)
-        return cls._from_config(config, attn_implementation="eager")
+        model = cls._from_config(config, attn_implementation="eager")
+    for name in ("vision_tower", "multi_modal_projector"):  # (trained on text: frozen)
+        if hasattr(getattr(model, "model", None), name):
+            getattr(model.model, name).requires_grad_(False)
+    return model
 
 
 def lm_data(n: int = 8) -> TensorDataset:
@@ -971,7 +1003,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 96
+    model does, in the same order: three steps give the same bits (all 97
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds
@@ -1511,6 +1543,9 @@ def test_config_settings_the_pipeline_does_not_implement_are_refused():
 
 def test_call_arguments_and_uses_the_pipeline_does_not_implement_are_refused():
     ids, mask, _ = lm_data(4).tensors
+    gemma3 = tiny("gemma3")  # the multimodal model trains on text only
+    with pytest.raises(TypeError, match=r"arguments \['pixel_values'\] are not supported"):
+        attached(gemma3, lambda: gemma3(ids, pixel_values=torch.zeros(4, 3, 28, 28)))
     gpt2 = tiny("gpt2")
     with pytest.raises(TypeError, match=r"arguments \['token_type_ids'\] are not supported"):
         attached(gpt2, lambda: gpt2(ids, token_type_ids=torch.zeros_like(ids)))

@@ -144,12 +144,10 @@ def _scalar(target: nn.Module, path: str | Callable[[Any], Any] | None) -> float
     return None if value is None else float(value)
 
 
-def _has_per_layer_inputs(target: nn.Module, family: Any) -> bool:
+def _has_per_layer_inputs(config: Any, family: Any) -> bool:
     """Whether this model of a family with per-layer embeddings has them
     (Gemma 4's ``hidden_size_per_layer_input``, 0: none)."""
-    return family.per_layer_inputs and bool(
-        getattr(target.config, "hidden_size_per_layer_input", 0)
-    )
+    return family.per_layer_inputs and bool(getattr(config, "hidden_size_per_layer_input", 0))
 
 
 def _module_function(target: nn.Module, name: str | None) -> Any:
@@ -180,7 +178,9 @@ class CausalLMAdapter(_Adapter):
         self.layout = layout
         self.engine = None
         family = layout.family
-        config = target.config
+        # the language model's settings: its *Model's config (the model's own,
+        # or a multimodal model's text config)
+        config = layout.base.config
         self._signature = inspect.signature(type(target).forward)
         aux = family.router_aux
         self._experts = int(getattr(target, aux.experts)) if aux else 0
@@ -201,7 +201,7 @@ class CausalLMAdapter(_Adapter):
                 positions_from_mask=family.positions_from_mask,
                 multiply_given=family.multiply_given_embeds,
                 per_layer=_PerLayerInputs(layout.base)
-                if _has_per_layer_inputs(target, family)
+                if _has_per_layer_inputs(config, family)
                 else None,
             )
         ]
@@ -277,7 +277,7 @@ class CausalLMAdapter(_Adapter):
         embeddings still to be used and the keys and values stored for later
         layers, at most all of them (the first boundary's)."""
         size = torch.empty(0, dtype=dtype).element_size()
-        config = self.target.config
+        config = self.layout.base.config
         hidden = int(config.hidden_size)
         router = self._experts * 16 + 8
         per_token = 0
@@ -323,7 +323,7 @@ class CausalLMAdapter(_Adapter):
         out = {}
         if loss:
             out["loss_chunk"] = max(1, int(budget // (self._vocab * (2 * size + 12))))
-        hidden = int(self.target.config.hidden_size)
+        hidden = int(self.layout.base.config.hidden_size)
         per_token = self._mlp_width * size or 16 * hidden
         out["mlp_tile"] = max(1, int(budget // per_token))
         return out
@@ -354,7 +354,7 @@ class CausalLMAdapter(_Adapter):
             cache[key] = probe_activations(
                 self._layers,
                 dtype,
-                hidden=int(self.target.config.hidden_size),
+                hidden=int(self.layout.base.config.hidden_size),
                 vocab=self._vocab,
                 tiles=tiles,
                 loss=_LMLoss(self._aux_coef, self._experts) if loss else None,
@@ -362,7 +362,7 @@ class CausalLMAdapter(_Adapter):
                 packed=packed,
                 router=router,
                 prepare=prepare,
-                attention=attention_heads(self.target.config),
+                attention=attention_heads(self.layout.base.config),
                 memo=memo,
             )
         return cache[key]
@@ -403,7 +403,7 @@ class CausalLMAdapter(_Adapter):
         if past_key_values is not None:
             return True
         if use_cache is None:
-            use_cache = bool(getattr(self.target.config, "use_cache", False))
+            use_cache = bool(getattr(self.layout.base.config, "use_cache", False))
         base = self.layout.base
         if use_cache and getattr(base, "gradient_checkpointing", False) and base.training:
             return False
@@ -496,7 +496,7 @@ class CausalLMAdapter(_Adapter):
             a.get("output_router_logits")
             and self.layout.family.router_aux is None
             # (a MoE model records router logits even where its config has no such setting)
-            and (hasattr(self.target.config, "output_router_logits") or self._moe_output)
+            and (hasattr(self.layout.base.config, "output_router_logits") or self._moe_output)
         ):
             raise TypeError(
                 f"{name}: output_router_logits=True is not supported by the RoundPipe pipeline: "
@@ -520,7 +520,7 @@ class CausalLMAdapter(_Adapter):
             return False
         on = a.get("output_router_logits")
         if on is None:
-            on = getattr(self.target.config, "output_router_logits", False)
+            on = getattr(self.layout.base.config, "output_router_logits", False)
         if on and self._recorder is None:
             raise ValueError(
                 f"{self.name}: cannot find the routers of {type(self.layout.base).__name__} (its "

@@ -518,6 +518,8 @@ def estimate(
     m = num_microbatches or gpus
     model = _meta_model(config, lora_rank)
     adapter = CausalLMAdapter(model, "model")
+    # the language model's settings (a multimodal model's text config)
+    settings = adapter.layout.base.config
     layers = adapter.layers()
     sizes = estimate_costs(layers, dtype)
     budget_all = gpu_memory - CUDA_CONTEXT  # a worker's device bytes
@@ -541,7 +543,7 @@ def estimate(
         return models[key]
 
     state = host_state_bytes(model, precision, frozen_dtype, double_buffer=async_optimizer)
-    hidden = int(config.hidden_size)
+    hidden = int(settings.hidden_size)
     grads = gradient_bytes(layers)
 
     def staging(plan: StagePlan) -> int:
@@ -602,7 +604,7 @@ def estimate(
             return True
         return room > 0 and boundary_bytes(plan, s, hidden, size) <= HOST_ACTIVATION_SHARE * room
 
-    ceiling = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
+    ceiling = int(getattr(settings, "max_position_embeddings", 0) or 0) or 1 << 20
     search = max(ceiling, 1 << 22)
     longest = longest_sequence(fits, 1, search)
     # which memory bounds it: the host, where the devices would take more
@@ -646,7 +648,7 @@ def estimate(
         "staging": float(staged),
         "total": float(state + acts + staged),
     }
-    fwd, bwd = _times(layers, config, seq, micro_batch, tflops)
+    fwd, bwd = _times(layers, settings, seq, micro_batch, tflops)
     timed = LayerCosts(fwd, bwd, memory=sizes.memory, weight_bytes=sizes.weight_bytes)
     # copies devices wait for: with nothing prefetched, and a rewalked
     # stage's uploads of its input again

@@ -191,6 +191,9 @@ class Family:
 
 
 _MOE = RouterAux()
+_GEMMA3_BIDIRECTIONAL = Setting(
+    "use_bidirectional_attention", False, "Gemma3TextModel then overlays bidirectional masks"
+)
 _NO_CROSS_ATTENTION = Setting(
     "add_cross_attention",
     False,
@@ -259,13 +262,18 @@ FAMILIES: tuple[Family, ...] = (
         mask_rule=LAYER_TYPES,
         rotary_per_layer_type=True,
         logit_softcap="config.final_logit_softcapping",
-        refused=(
-            Setting(
-                "use_bidirectional_attention",
-                False,
-                "Gemma3TextModel then overlays bidirectional masks",
-            ),
-        ),
+        refused=(_GEMMA3_BIDIRECTIONAL,),
+    ),
+    # the multimodal Gemma3ForConditionalGeneration, trained on text: its
+    # language model (images, token_type_ids are call arguments, refused);
+    # it does not soft-cap the logits
+    Family(
+        "Gemma 3 (multimodal, text)",
+        ("gemma3",),
+        base="model.language_model",
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        refused=(_GEMMA3_BIDIRECTIONAL,),
     ),
     Family("Phi", ("phi",), norm="final_layernorm", embed_dropout="embed_dropout"),
     Family("Phi-3", ("phi3",), mask_rule=SLIDING_IF_WINDOW),

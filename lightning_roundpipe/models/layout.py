@@ -262,8 +262,9 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
     ``output_hidden_states`` (refused), ``layers[: num_hidden_layers]``,
     ``logits_to_keep`` and the loss (checked per call), and the settings the
     family entry lists. Rotary settings are honoured (the model's own rotary
-    module runs), as are tied embeddings."""
-    config = target.config
+    module runs), as are tied embeddings. The settings are the language
+    model's (its *Model's config: a multimodal model's text config)."""
+    config = layout.base.config
     family = layout.family
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ATTENTION:
