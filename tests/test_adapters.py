@@ -58,6 +58,20 @@ HYBRID = dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **
 HYBRID_MOE = dict(
     num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
 )
+GEMMA4 = dict(
+    LLAMA_LIKE,
+    head_dim=8,
+    sliding_window=3,
+    layer_types=SLIDE_FULL,
+    final_logit_softcapping=2.0,
+    hidden_size_per_layer_input=4,  # per-layer embeddings, a slice for each block
+    vocab_size_per_layer_input=VOCAB,
+    attention_k_eq_v=True,  # the full-attention block's keys are its values
+    enable_moe_block=True,  # an MLP and experts beside it in every block
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=16,
+)
 MAMBA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=None)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4)
 # multi-head latent attention (DeepSeek-V3's)
@@ -597,23 +611,17 @@ TINY = {
             **TOP2,
         ),
     ),
-    "gemma4_text": (
-        "Gemma4TextConfig",
-        "Gemma4ForCausalLM",
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4, pad_token_id=None)),
+    # the multimodal model, text only (its text config needs a padding token)
+    "gemma4": (
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
         dict(
-            LLAMA_LIKE,
-            head_dim=8,
-            sliding_window=3,
-            layer_types=SLIDE_FULL,
-            final_logit_softcapping=2.0,
-            hidden_size_per_layer_input=4,  # per-layer embeddings, a slice for each block
-            vocab_size_per_layer_input=VOCAB,
-            attention_k_eq_v=True,  # the full-attention block's keys are its values
-            enable_moe_block=True,  # an MLP and experts beside it in every block
-            num_experts=4,
-            top_k_experts=2,
-            moe_intermediate_size=16,
-            pad_token_id=None,
+            text_config=dict(GEMMA4, bos_token_id=None, eos_token_id=None, pad_token_id=0),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+            ),
+            audio_config=None,
         ),
     ),
     "granitemoehybrid": (
@@ -891,7 +899,7 @@ def tiny(kind: str, **settings) -> nn.Module:
     except ValueError:  # e.g. Gemma 2, GPT-OSS: no sdpa
         torch.manual_seed(0)
         model = cls._from_config(config, attn_implementation="eager")
-    for name in ("vision_tower", "multi_modal_projector"):  # (trained on text: frozen)
+    for name in ("vision_tower", "multi_modal_projector", "embed_vision"):  # (text only: frozen)
         if hasattr(getattr(model, "model", None), name):
             getattr(model.model, name).requires_grad_(False)
     return model
@@ -909,7 +917,7 @@ def lm_data(n: int = 8) -> TensorDataset:
 # Tiny Gemma 4 trains chaotically at 0.5: plain PyTorch with each batch in two
 # halves ends 7e-3 from whole batches after three steps (1.5e-6 at 0.01), so
 # the pipeline's micro-batches are compared at a rate where rounding stays small
-LEARNING_RATE = {"gemma4_text": 0.01}
+LEARNING_RATE = {"gemma4_text": 0.01, "gemma4": 0.01}
 
 
 class LM(L.LightningModule):
@@ -1003,7 +1011,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 97
+    model does, in the same order: three steps give the same bits (all 98
     tested model types but Doge did on 2026-11-27: its attention mask needs a
     gradient, so SDPA takes another kernel in a forward stage, without
     gradients; with two micro-batches the fp32 sum of the gradients rounds

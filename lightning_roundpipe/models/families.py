@@ -191,6 +191,13 @@ class Family:
 
 
 _MOE = RouterAux()
+_GEMMA4: dict[str, Any] = dict(
+    mask_rule=LAYER_TYPES,
+    rotary_per_layer_type=True,
+    scratch_kwargs=("shared_kv_states",),
+    per_layer_inputs=True,
+    kv_sharing="kv_sharing_modes",
+)
 _GEMMA3_BIDIRECTIONAL = Setting(
     "use_bidirectional_attention", False, "Gemma3TextModel then overlays bidirectional masks"
 )
@@ -529,13 +536,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "Gemma 4 (text)",
         ("gemma4_text",),
-        mask_rule=LAYER_TYPES,
-        rotary_per_layer_type=True,
         logit_softcap="config.final_logit_softcapping",
-        scratch_kwargs=("shared_kv_states",),
-        per_layer_inputs=True,
-        kv_sharing="kv_sharing_modes",
         refused=(_no_router_loss("Gemma4ForCausalLM"),),
+        **_GEMMA4,
+    ),
+    # the multimodal Gemma4ForConditionalGeneration, trained on text: its
+    # language model (images, audio are call arguments, refused)
+    Family(
+        "Gemma 4 (multimodal, text)",
+        ("gemma4",),
+        base="model.language_model",
+        logit_softcap="model.language_model.config.final_logit_softcapping",
+        refused=(_no_router_loss("Gemma4ForConditionalGeneration"),),
+        **_GEMMA4,
     ),
     # Mamba 2 blocks (which get the padding mask) between attention blocks; no
     # rotary module unless position_embedding_type="rope"
