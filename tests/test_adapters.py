@@ -1088,6 +1088,20 @@ def test_gemma4_keys_and_values_reused_in_later_stages_train_like_the_default_st
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("kind", ["mamba", "nemotron_h"])
+def test_logits_in_fp32_where_the_model_returns_them_so(kind):
+    """Mamba's and Nemotron-H's heads cast the logits to fp32 (Mamba's also
+    casts its fp32 residual stream to the head's dtype first)."""
+    model = tiny(kind).to(torch.bfloat16).eval()
+    head = CausalLMAdapter(model, "model").layers()[-1]
+    hidden = torch.randn(2, 3, 32, dtype=torch.float32 if kind == "mamba" else torch.bfloat16)
+    with torch.no_grad():
+        logits = head.project(hidden)
+        expected = model.lm_head(model.get_decoder().norm_f(hidden).to(torch.bfloat16)).float()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected)
+
+
 def test_nemotron_h_mlp_and_moe_blocks_train_like_the_default_strategy():
     """Nemotron-H's four block types (Mamba 2, MoE, attention, MLP), the ones
     without attention given no mask, in three stages."""
