@@ -216,7 +216,7 @@ class CausalLMAdapter(_Adapter):
         for i, (layer, kind) in enumerate(zip(layout.layers, kinds, strict=True)):
             routers: tuple[str, ...] = ()
             if recorder is not None:
-                routers = recorded_routers(layout.base, layer, recorder)
+                routers = recorded_routers(layer, f"{family.layers}.{i}", recorder)
             self._layers.append(
                 _Decoder(
                     layer,

@@ -329,17 +329,16 @@ def router_recorder(base: nn.Module) -> tuple[type, int, str | None] | None:
 
 
 def recorded_routers(
-    base: nn.Module, layer: nn.Module, recorder: tuple[type, int, str | None]
+    layer: nn.Module, prefix: str, recorder: tuple[type, int, str | None]
 ) -> tuple[str, ...]:
-    """The submodule paths, within ``layer`` (a block of ``base``), of the
-    routers transformers records, matched as transformers matches them: by
-    class and, where the model names one, by layer name within the module's
-    name (from the model's ``*Model``)."""
+    """The submodule paths, within ``layer`` (the block at ``prefix`` in the
+    model's ``*Model``, ``"layers.3"``), of the routers transformers records,
+    matched as transformers matches them: by class and, where the model names
+    one, by layer name within the module's name."""
     cls, _, layer_name = recorder
-    names = {id(m): n for n, m in base.named_modules()}
     wanted = None if layer_name is None else "." + layer_name.strip(".") + "."
     return tuple(
         p
         for p, m in layer.named_modules()
-        if isinstance(m, cls) and (wanted is None or wanted in "." + names.get(id(m), p) + ".")
+        if isinstance(m, cls) and (wanted is None or wanted in f".{prefix}.{p}.")
     )
