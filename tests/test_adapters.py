@@ -58,6 +58,7 @@ HYBRID = dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **
 HYBRID_MOE = dict(
     num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **TOP2
 )
+GEMMA3 = dict(LLAMA_LIKE, head_dim=8, sliding_window=4, layer_types=SLIDE_FULL)
 GEMMA4 = dict(
     LLAMA_LIKE,
     head_dim=8,
@@ -122,28 +123,14 @@ TINY = {
     "gemma3_text": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        dict(
-            LLAMA_LIKE,
-            head_dim=8,
-            sliding_window=4,
-            final_logit_softcapping=2.0,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
+        dict(GEMMA3, final_logit_softcapping=2.0),
     ),
     # the multimodal model (a vision tower beside its language model), text only
     "gemma3": (
         "Gemma3Config",
         "Gemma3ForConditionalGeneration",
         dict(
-            text_config=dict(
-                LLAMA_LIKE,
-                head_dim=8,
-                sliding_window=4,
-                layer_types=["sliding_attention", "full_attention"],
-                bos_token_id=None,
-                eos_token_id=None,
-                pad_token_id=None,
-            ),
+            text_config=dict(GEMMA3, bos_token_id=None, eos_token_id=None, pad_token_id=None),
             vision_config=dict(
                 hidden_size=16,
                 intermediate_size=32,

@@ -178,9 +178,7 @@ class CausalLMAdapter(_Adapter):
         self.layout = layout
         self.engine = None
         family = layout.family
-        # the language model's settings: its *Model's config (the model's own,
-        # or a multimodal model's text config)
-        config = layout.base.config
+        config = layout.config  # (a multimodal model's text config)
         self._signature = inspect.signature(type(target).forward)
         aux = family.router_aux
         self._experts = int(getattr(target, aux.experts)) if aux else 0
@@ -277,7 +275,7 @@ class CausalLMAdapter(_Adapter):
         embeddings still to be used and the keys and values stored for later
         layers, at most all of them (the first boundary's)."""
         size = torch.empty(0, dtype=dtype).element_size()
-        config = self.layout.base.config
+        config = self.layout.config
         hidden = int(config.hidden_size)
         router = self._experts * 16 + 8
         per_token = 0
@@ -323,7 +321,7 @@ class CausalLMAdapter(_Adapter):
         out = {}
         if loss:
             out["loss_chunk"] = max(1, int(budget // (self._vocab * (2 * size + 12))))
-        hidden = int(self.layout.base.config.hidden_size)
+        hidden = int(self.layout.config.hidden_size)
         per_token = self._mlp_width * size or 16 * hidden
         out["mlp_tile"] = max(1, int(budget // per_token))
         return out
@@ -354,7 +352,7 @@ class CausalLMAdapter(_Adapter):
             cache[key] = probe_activations(
                 self._layers,
                 dtype,
-                hidden=int(self.layout.base.config.hidden_size),
+                hidden=int(self.layout.config.hidden_size),
                 vocab=self._vocab,
                 tiles=tiles,
                 loss=_LMLoss(self._aux_coef, self._experts) if loss else None,
@@ -362,7 +360,7 @@ class CausalLMAdapter(_Adapter):
                 packed=packed,
                 router=router,
                 prepare=prepare,
-                attention=attention_heads(self.layout.base.config),
+                attention=attention_heads(self.layout.config),
                 memo=memo,
             )
         return cache[key]
@@ -403,7 +401,7 @@ class CausalLMAdapter(_Adapter):
         if past_key_values is not None:
             return True
         if use_cache is None:
-            use_cache = bool(getattr(self.layout.base.config, "use_cache", False))
+            use_cache = bool(getattr(self.layout.config, "use_cache", False))
         base = self.layout.base
         if use_cache and getattr(base, "gradient_checkpointing", False) and base.training:
             return False
@@ -496,7 +494,7 @@ class CausalLMAdapter(_Adapter):
             a.get("output_router_logits")
             and self.layout.family.router_aux is None
             # (a MoE model records router logits even where its config has no such setting)
-            and (hasattr(self.layout.base.config, "output_router_logits") or self._moe_output)
+            and (hasattr(self.layout.config, "output_router_logits") or self._moe_output)
         ):
             raise TypeError(
                 f"{name}: output_router_logits=True is not supported by the RoundPipe pipeline: "
@@ -520,7 +518,7 @@ class CausalLMAdapter(_Adapter):
             return False
         on = a.get("output_router_logits")
         if on is None:
-            on = getattr(self.layout.base.config, "output_router_logits", False)
+            on = getattr(self.layout.config, "output_router_logits", False)
         if on and self._recorder is None:
             raise ValueError(
                 f"{self.name}: cannot find the routers of {type(self.layout.base).__name__} (its "

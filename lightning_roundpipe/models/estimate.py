@@ -518,8 +518,7 @@ def estimate(
     m = num_microbatches or gpus
     model = _meta_model(config, lora_rank)
     adapter = CausalLMAdapter(model, "model")
-    # the language model's settings (a multimodal model's text config)
-    settings = adapter.layout.base.config
+    settings = adapter.layout.config  # (a multimodal model's text config)
     layers = adapter.layers()
     sizes = estimate_costs(layers, dtype)
     budget_all = gpu_memory - CUDA_CONTEXT  # a worker's device bytes

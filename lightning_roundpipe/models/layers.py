@@ -225,16 +225,17 @@ def _boundary(
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     packed: bool,
-    router: dict[str, torch.Tensor],
+    carried: dict[str, torch.Tensor],
     tiles: dict[str, int],
 ) -> dict[str, Any]:
-    """What crosses a stage boundary (absent values stay absent)."""
+    """What crosses a stage boundary (absent values stay absent); ``carried``:
+    router statistics, per-layer inputs, stored keys and values."""
     out: dict[str, Any] = {"hidden_states": hidden_states, "position_ids": position_ids}
     if attention_mask is not None:
         out["attention_mask"] = attention_mask
     if packed:
         out["packed"] = True
-    out.update(router)
+    out.update(carried)
     out.update(tiles)
     return out
 
@@ -246,6 +247,13 @@ def _router(values: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _tiles(values: dict[str, Any]) -> dict[str, int]:
     """The tile sizes the adapter chose for the call (tokens), passed along."""
     return {k: values[k] for k in TILE_KEYS if values.get(k)}
+
+
+def _padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """What ``create_recurrent_attention_mask`` gives recurrent blocks (linear
+    attention, Mamba, convolutions), without its device check for an
+    all-ones mask: the 2-D mask, which the adapter gives only with padding."""
+    return None if attention_mask is None else attention_mask.contiguous()
 
 
 # the per-layer inputs still to be consumed, carried from stage to stage
@@ -506,9 +514,7 @@ class _Decoder(nn.Module):
         if self.kind in MASKLESS_KINDS:
             return None
         if self.kind in RECURRENT_KINDS:
-            # create_recurrent_attention_mask's result, without its device check
-            # for an all-ones mask (a mask is given only with padding)
-            return None if attention_mask is None else attention_mask.contiguous()
+            return _padding_mask(attention_mask)
         make = getattr(masking_utils, _MASK_FUNCTIONS[self.kind])
         kwargs: dict[str, Any] = {}
         if attention_mask is not None or self.always_mask:
@@ -575,10 +581,7 @@ class _Decoder(nn.Module):
         if self.scratch_kwargs:  # (what earlier layers stored, for this one to read)
             kwargs[self.scratch_kwargs[0]].update(shared)
         if self.padding_mask_kwarg is not None:
-            # (create_recurrent_attention_mask's: the 2-D mask, given only with padding)
-            kwargs[self.padding_mask_kwarg] = (
-                None if attention_mask is None else attention_mask.contiguous()
-            )
+            kwargs[self.padding_mask_kwarg] = _padding_mask(attention_mask)
         if self.alibi is not None:
             kwargs["alibi"] = stage_cached(
                 ("alibi",), lambda: self._alibi(hidden_states, attention_mask)

@@ -49,6 +49,12 @@ class Layout:
     project_out: nn.Module | None = None
 
     @property
+    def config(self) -> Any:
+        """The language model's settings: its ``*Model``'s config (the model's
+        own, or a multimodal model's text config)."""
+        return self.base.config
+
+    @property
     def packs_sequences(self) -> bool:
         """Whether the model keeps packed sequences apart (its mask functions
         get ``position_ids``): read from its forward's source, where models
@@ -263,8 +269,8 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
     ``logits_to_keep`` and the loss (checked per call), and the settings the
     family entry lists. Rotary settings are honoured (the model's own rotary
     module runs), as are tied embeddings. The settings are the language
-    model's (its *Model's config: a multimodal model's text config)."""
-    config = layout.base.config
+    model's (:attr:`Layout.config`)."""
+    config = layout.config
     family = layout.family
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ATTENTION:
