@@ -603,6 +603,19 @@ def test_the_lora_estimate_leaves_out_what_peft_refuses_in_mamba_models():
     assert {"model.layers.1.mixer.q_proj", "model.layers.1.mixer.o_proj"} <= wrapped
 
 
+def test_the_estimate_builds_a_text_config_the_auto_mapping_lists_under_no_model_type():
+    """Emu3's text config (``emu3_text_model``) is the config of the
+    ``Emu3ForCausalLM`` the auto mapping lists under the multimodal ``emu3``:
+    the estimate builds that class (it failed: AutoModelForCausalLM does not
+    know the text config); the auto mapping still builds everything it knows."""
+    from lightning_roundpipe.models.estimate import _causal_lm_class, _meta_model
+
+    text = tiny("emu3_text_model").config
+    model = _meta_model(text, lora_rank=None)
+    assert type(model).__name__ == "Emu3ForCausalLM"
+    assert _causal_lm_class(tiny("llama").config) is transformers.AutoModelForCausalLM
+
+
 def test_only_linear_layers_returning_something_else_than_a_tensor_lose_their_adapter():
     from lightning_roundpipe.models.estimate import _returns_a_tensor
 

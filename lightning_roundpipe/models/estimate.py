@@ -134,18 +134,34 @@ def load_config(source: str) -> Any:
         ) from exc
 
 
+def _causal_lm_class(config: Any) -> Any:
+    """What builds the causal LM of ``config``: ``AutoModelForCausalLM``, or,
+    for a config class its mapping lists under no model type, the mapped
+    ``*ForCausalLM`` class made for that config class (Emu3's text config,
+    whose class the mapping lists under the multimodal model type)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if type(config) in transformers.AutoModelForCausalLM._model_mapping:
+        return transformers.AutoModelForCausalLM
+    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        for name in (names,) if isinstance(names, str) else names:
+            cls = getattr(transformers, name, None)
+            if cls is not None and getattr(cls, "config_class", None) is type(config):
+                return cls
+    return transformers.AutoModelForCausalLM  # (which says what it does not know)
+
+
 def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
     import transformers
 
+    cls = _causal_lm_class(config)
+    build = cls.from_config if cls is transformers.AutoModelForCausalLM else cls._from_config
     with torch.device("meta"):
         try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa"
-            )
+            model = build(config, attn_implementation="sdpa")
         except ValueError:  # no sdpa for this family
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="eager"
-            )
+            model = build(config, attn_implementation="eager")
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 

@@ -721,6 +721,66 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("Aria (text)", ("aria_text",), refused=(_no_router_loss("AriaTextForCausalLM"),)),
     Family("HY-V3", ("hy_v3",), refused=(_no_router_loss("HYV3ForCausalLM"),)),
+    Family("Emu3 (text)", ("emu3_text_model",)),
+    Family("AX K1", ("axk1",), refused=(_no_router_loss("AXK1ForCausalLM"),)),
+    # its sparse-attention indexer needs the causal mask itself: always built
+    Family(
+        "AX K2",
+        ("axk2",),
+        always_mask=True,
+        refused=(_no_router_loss("AXK2ForCausalLM"),),
+    ),
+    Family("dots.llm1", ("dots1",), mask_rule=LAYER_TYPES, refused=(_no_router_loss("Dots1ForCausalLM"),)),
+    Family(
+        "DBRX",
+        ("dbrx",),
+        base="transformer",
+        embed="wte",
+        layers="blocks",
+        norm="norm_f",
+        router_aux=_MOE,
+        mlp="ffn",
+    ),
+    # LFM2's layout with MoE feed-forwards; its rotary module is called pos_emb
+    Family(
+        "LFM2-MoE",
+        ("lfm2_moe",),
+        norm="embedding_norm",
+        rotary="pos_emb",
+        mask_rule=LAYER_TYPES,
+        layer_kinds=("full_attention", "conv"),
+        mlp="feed_forward",
+        refused=(_no_router_loss("Lfm2MoeForCausalLM"),),
+    ),
+    # LFM2's layout with sliding-window blocks; one rotary table per attention
+    # type, none for the short convolutions
+    Family(
+        "LFM3",
+        ("lfm3",),
+        norm="embedding_norm",
+        mask_rule=LAYER_TYPES,
+        layer_kinds=(*LAYER_KINDS, "conv"),
+        rotary_per_layer_type=True,
+        rotary_kinds=LAYER_KINDS,
+        mlp="feed_forward",
+    ),
+    # linear-attention blocks (the padding mask) between multi-head latent
+    # attention blocks; MoE feed-forwards
+    Family(
+        "Bailing hybrid (Ring/Ling 2.5)",
+        ("bailing_hybrid",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=HYBRID_KINDS,
+        refused=(_no_router_loss("BailingHybridForCausalLM"),),
+    ),
+    Family(
+        "Laguna",
+        ("laguna",),
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        router_aux=_MOE,
+    ),
+    Family("MiniMax-M3 (text)", ("minimax_m3_vl_text",), router_aux=_MOE),
 )
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
