@@ -32,7 +32,9 @@ class _Held:
 
     job: Job
     param: _Param
-    grad: torch.Tensor
+    # None: no backward of the task reached the parameter (nothing is added,
+    # but the add is signalled, as the optimizer's protocol counts it)
+    grad: torch.Tensor | None
     parked: bool = False  # waiting for its call's gain; no longer counted by its job
 
 
@@ -77,9 +79,12 @@ class Courier:
             self._items.append((event, fn, job))
             self._cond.notify()
 
-    def grads(self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor]]) -> None:
-        """Add ``items`` (parameter, fp32 host gradient) once ``event`` is done;
-        the job's last item: it is done once they are all in."""
+    def grads(
+        self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor | None]]
+    ) -> None:
+        """Add ``items`` (parameter, fp32 host gradient or None where no
+        backward reached it) once ``event`` is done; the job's last item: it is
+        done once they are all in."""
 
         def hold() -> None:
             with self.store.lock:
@@ -184,7 +189,7 @@ class Courier:
             rt.protocol.before_add(window, p)
             # dropped: autograd never reached the call's loss (an explicit
             # factor of 0 adds zeros, as autograd would)
-            if gain is None or not gain.dropped:
+            if h.grad is not None and (gain is None or not gain.dropped):
                 rt.host.accumulate(p, h.grad, factor)
             rt.protocol.after_grad(window, p)  # rule 3 producer
             with self.store.lock:

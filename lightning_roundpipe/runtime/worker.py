@@ -39,7 +39,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -154,6 +154,15 @@ class WorkerError(RuntimeError):
         self.layers = layers
         self.microbatch = microbatch
         self.iteration = iteration
+
+
+@dataclass
+class _Accumulator:
+    """A task's fp32 gradients on the device (one flat buffer) and the
+    indices of the weights a backward reached."""
+
+    flat: torch.Tensor
+    reached: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -571,50 +580,61 @@ class Worker:
     # ---------------------------------------------------------- gradients
     def _accumulators(
         self, params: list[_Param], weights: dict[int, nn.Parameter]
-    ) -> tuple[torch.Tensor | None, list]:
+    ) -> tuple[_Accumulator | None, list]:
         """An fp32 accumulator on the device for the stage's trainable weights,
         one flat buffer (so it goes down in one copy). Each micro-batch's
         gradient is added into it as autograd produces it, so the sum does not
         depend on how micro-batches are grouped into rounds: fp32 weights get a
         view of it as ``.grad`` (autograd adds in place); lower-precision
-        weights a hook that adds their gradient in fp32 and drops it."""
+        weights a hook that adds their gradient in fp32 and drops it. The
+        weights a backward reached are noted: the others keep no gradient (as
+        under autograd, which leaves their ``.grad`` None, and optimizers skip
+        them, weight decay included)."""
         train = [p for p in params if p.trainable]
         if not train:
             return None, []
         ctx = self.ctx
         sizes = [p.master.numel() for p in train]
         with ctx.on(ctx.compute):
-            acc = torch.zeros(sum(sizes), dtype=torch.float32, device=ctx.device)
+            acc = _Accumulator(torch.zeros(sum(sizes), dtype=torch.float32, device=ctx.device))
         hooks, off = [], 0
         for p, n in zip(train, sizes, strict=True):
-            view = acc[off : off + n].view(p.master.shape)
+            view = acc.flat[off : off + n].view(p.master.shape)
             off += n
             w = weights[p.index]
             if w.dtype == torch.float32:
                 w.grad = view
+
+                def reached(w: torch.Tensor, index: int = p.index) -> None:
+                    acc.reached.add(index)
+
+                hooks.append(w.register_post_accumulate_grad_hook(reached))
                 continue
 
-            def add(w: torch.Tensor, view: torch.Tensor = view) -> None:
+            def add(w: torch.Tensor, view: torch.Tensor = view, index: int = p.index) -> None:
                 g = w.grad
                 if g is not None:
                     view.add_(g.to_dense() if g.is_sparse else g)
+                    acc.reached.add(index)
                 w.grad = None
 
             hooks.append(w.register_post_accumulate_grad_hook(add))
         return acc, hooks
 
-    def _send_grads(self, job: Job, params: list[_Param], acc: torch.Tensor) -> None:
-        """One download of the task's fp32 gradients; the courier adds them."""
+    def _send_grads(self, job: Job, params: list[_Param], acc: _Accumulator) -> None:
+        """One download of the task's fp32 gradients; the courier adds those
+        of the weights a backward reached (the others: None)."""
         ctx = self.ctx
         train = [p for p in params if p.trainable]
         # gradient downloads wait for the stage's last backward (compute -> grads down)
         ctx.grad_down.wait_event(ctx.record(ctx.compute))
-        host = ctx.download(acc, ctx.grad_down)
-        self.rt.traffic.add(job.call.iteration, "grads_down", acc.numel() * 4)
+        host = ctx.download(acc.flat, ctx.grad_down)
+        self.rt.traffic.add(job.call.iteration, "grads_down", acc.flat.numel() * 4)
         items, off = [], 0
         for p in train:
             n = p.master.numel()
-            items.append((p, host[off : off + n].view(p.master.shape)))
+            reached = p.index in acc.reached
+            items.append((p, host[off : off + n].view(p.master.shape) if reached else None))
             off += n
         self.courier.grads(ctx.record(ctx.grad_down) if ctx.is_cuda else None, job, items)
 

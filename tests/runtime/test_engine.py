@@ -159,6 +159,43 @@ def test_no_dropout_transformer_matches_plain_full_batch():
     assert_grads_equal(layers, ref)
 
 
+# ------------------------------------------ parameters no backward reaches
+class _Gated(nn.Module):
+    """A linear layer, and a gate whose weights only pick a branch (no
+    gradient flows to them, as to a sparse-attention indexer's), beside a
+    parameter the forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.gate = nn.Linear(16, 1)
+        self.spare = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h if self.gate.weight.sum() > 0 else -h
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_parameters_no_backward_reaches_keep_no_gradient(precision):
+    """As under autograd, a trainable parameter the loss does not depend on
+    keeps ``.grad`` None (an optimizer then skips it, AdamW's weight decay
+    included); it got zeros, the stage's share of the flat gradient buffer."""
+    layers = mlp()
+    layers[2] = _Gated()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    nn.functional.mse_loss(nn.Sequential(*ref)(x), y).backward()
+    assert ref[2].gate.weight.grad is None and ref[2].spare.grad is None
+    with engine(layers, 2, 4, "2,3|2|3,2", precision=precision) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert layers[2].linear.weight.grad is not None
+        assert layers[2].gate.weight.grad is None and layers[2].spare.grad is None
+    if precision == "32-true":
+        assert_grads_equal(layers, ref)
+
+
 # ------------------------------------------------------- frozen parameters
 def test_frozen_parameters_get_no_gradient_or_buffer():
     layers = transformer()
