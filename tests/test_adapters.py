@@ -8,7 +8,9 @@ the pipeline does not implement; the layer-stack choice; ``describe_layers``."""
 
 import contextlib
 import copy
+import importlib
 import math
+import sys
 import threading
 
 import lightning as L
@@ -611,6 +613,22 @@ TINY = {
             audio_config=None,
         ),
     ),
+    "gemma4_unified_text": (
+        "Gemma4UnifiedTextConfig",
+        "Gemma4UnifiedForCausalLM",
+        dict(GEMMA3, attention_k_eq_v=True, final_logit_softcapping=2.0, pad_token_id=None),
+    ),
+    "gemma4_unified": (
+        "Gemma4UnifiedConfig",
+        "Gemma4UnifiedForConditionalGeneration",
+        dict(
+            text_config=dict(GEMMA3, bos_token_id=None, eos_token_id=None, pad_token_id=0),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+            ),
+            audio_config=None,
+        ),
+    ),
     "granitemoehybrid": (
         "GraniteMoeHybridConfig",
         "GraniteMoeHybridForCausalLM",
@@ -953,6 +971,74 @@ TINY = {
             **TOP2,
         ),
     ),
+    "beam": (
+        "BeamConfig",
+        "BeamForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,  # rotary positions in the first, a NoPE query scale in the second
+            mlp_layer_types=["dense", "sparse"],
+            num_experts=4,
+            moe_intermediate_size=16,
+            n_group=1,
+            topk_group=1,
+            final_logit_softcapping=2.0,
+            **TOP2,
+        ),
+    ),
+    "cohere_compass_text": (
+        "CohereCompassTextConfig",
+        "CohereCompassForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            # multimodal rotary sections in the sliding-window layers, NoPE full-attention ones
+            rope_parameters={
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 1, 1],
+                },
+                "full_attention": None,
+            },
+            logit_scale=0.5,
+            **dict(IDS, pad_token_id=VOCAB - 1),
+        ),
+    ),
+    # ("Dots3NoteTextConfig" is not exported by transformers: see tiny())
+    "dots3_note_text": (
+        "transformers.models.dots3_note.configuration_dots3_note.Dots3NoteTextConfig",
+        "Dots3NoteForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            head_dim=8,
+            sliding_window=3,
+            # multi-head latent attention, narrower in the sliding-window layer
+            layer_types=["sliding_attention", "indexed_attention"],
+            swa_num_attention_heads=2,
+            swa_num_key_value_heads=2,
+            swa_q_lora_rank=8,
+            swa_kv_lora_rank=8,
+            swa_head_dim=8,
+            swa_qk_nope_head_dim=4,
+            swa_v_head_dim=8,
+            index_topk=4,  # each query attends to 4 keys the indexer picks
+            index_n_heads=2,
+            index_head_dim=8,
+            mlp_layer_types=["dense", "sparse"],
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            shared_experts_intermediate_size=16,
+            **MLA,
+            **IDS,
+            **TOP2,
+        ),
+    ),
     "minimax_m3_vl_text": (
         "MiniMaxM3VLTextConfig",
         "MiniMaxM3VLForCausalLM",
@@ -998,6 +1084,8 @@ NO_ROUTER_LOSS = [
     "dots1",
     "lfm2_moe",
     "bailing_hybrid",
+    "beam",
+    "dots3_note_text",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -1027,14 +1115,22 @@ MOE_AUX = [
 ]
 
 
+def _transformers_class(name: str) -> type:
+    """A class transformers exports, or one named by its module path."""
+    if "." not in name:
+        return getattr(transformers, name)
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
 def tiny(kind: str, **settings) -> nn.Module:
     """A tiny model of the family, random weights (seeded), sdpa attention
     where the family supports it, else eager."""
     config_cls, model_cls, base = TINY[kind]
-    config = getattr(transformers, config_cls)(
+    config = _transformers_class(config_cls)(
         **{"bos_token_id": None, "eos_token_id": None, **base, **settings}
     )
-    cls = getattr(transformers, model_cls)
+    cls = _transformers_class(model_cls)
     torch.manual_seed(0)
     try:
         model = cls._from_config(config, attn_implementation="sdpa")
@@ -1059,7 +1155,7 @@ def lm_data(n: int = 8) -> TensorDataset:
 # Tiny Gemma 4 trains chaotically at 0.5: plain PyTorch with each batch in two
 # halves ends 7e-3 from whole batches after three steps (1.5e-6 at 0.01), so
 # the pipeline's micro-batches are compared at a rate where rounding stays small
-LEARNING_RATE = {"gemma4_text": 0.01, "gemma4": 0.01}
+LEARNING_RATE = {kind: 0.01 for kind in ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")}
 
 
 class LM(L.LightningModule):
@@ -1208,18 +1304,19 @@ def test_opt_with_its_norms_after_the_blocks_trains_like_the_default_strategy():
 
 
 @pytest.mark.parametrize("plan", ["3|3|3", "2,2|2|2,2"])
-def test_gemma4_keys_and_values_reused_in_later_stages_train_like_the_default_strategy(plan):
+@pytest.mark.parametrize("kind", ["gemma4_text", "gemma4_unified_text"])
+def test_gemma4_keys_and_values_reused_in_later_stages_train_like_the_default_strategy(
+    kind, plan
+):
     """Gemma 4's last layers reuse the keys and values the last earlier layer
     of their type stored: carried, with their gradient, from the storing
-    stage to the reusing ones, as are the per-layer embeddings' slices. (One
-    micro-batch: the tiny model trains chaotically, and plain PyTorch with
-    the batch split in two already ends 2e-5 from whole batches.)"""
+    stage to the reusing ones, as are the per-layer embeddings' slices
+    (Gemma 4 Unified has none). (One micro-batch: the tiny model trains
+    chaotically, and plain PyTorch with the batch split in two already ends
+    2e-5 from whole batches.)"""
+    moe = {"enable_moe_block": False} if kind == "gemma4_text" else {}
     model = tiny(
-        "gemma4_text",
-        num_hidden_layers=4,
-        layer_types=SLIDE_FULL * 2,
-        num_kv_shared_layers=2,
-        enable_moe_block=False,
+        kind, num_hidden_layers=4, layer_types=SLIDE_FULL * 2, num_kv_shared_layers=2, **moe
     )
     assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     adapter = CausalLMAdapter(model, "model")
@@ -1309,6 +1406,31 @@ def test_packed_positions_are_treated_as_the_model_treats_them(kind):
     torch.testing.assert_close(attached(model, step, plan="2|2|2"), expected.detach())
     for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_nope_layers_get_the_models_query_scale_from_far_positions():
+    """Beam's full-attention layers have no rotary table and scale their
+    queries by a slowly growing function of the position (1.0005 at the tiny
+    tests' positions, 1.5 here): at far positions the gradients are those of
+    the model, and they are not without the scale."""
+    model = tiny("beam")
+    ref = copy.deepcopy(model)
+    ids, _, _ = lm_data(4).tensors
+    positions = torch.arange(ids.shape[1]).expand(4, -1) + 100_000
+    inputs = dict(input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+    expected = ref(**inputs).loss
+    expected.backward()
+
+    def step():
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach()
+
+    torch.testing.assert_close(attached(model, step, plan="2|2|2"), expected.detach())
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    scale = sys.modules[type(model).__module__].compute_attention_scaling(positions)
+    assert scale.min() > 1.4
 
 
 def test_packed_chunked_attention_is_refused_on_a_transformers_without_the_remap(monkeypatch):

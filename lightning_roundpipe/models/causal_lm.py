@@ -157,6 +157,16 @@ def _module_function(target: nn.Module, name: str | None) -> Any:
     return getattr(sys.modules[type(target).__module__], name)
 
 
+def _rotary_kinds(config: Any, family: Any) -> tuple[str, ...] | None:
+    """The layer types given the rotary table (None: all): the family's, or
+    those with rotary settings in ``config.rope_parameters`` (NoPE layers
+    have None there)."""
+    if not family.nope_without_rope_parameters:
+        return family.rotary_kinds
+    rope = getattr(config, "rope_parameters", None) or {}
+    return tuple(kind for kind, settings in rope.items() if settings is not None)
+
+
 class CausalLMAdapter(_Adapter):
     """A Hugging Face decoder-only causal LM of a supported family (optionally
     inside PEFT).
@@ -222,7 +232,9 @@ class CausalLMAdapter(_Adapter):
                     config,
                     kind,
                     rotary_per_kind=family.rotary_per_layer_type,
-                    rotary_kinds=family.rotary_kinds,
+                    rotary_kinds=_rotary_kinds(config, family),
+                    rotary_fp32=kind in family.rotary_fp32_kinds,
+                    nope_scaling=_module_function(target, family.nope_scaling),
                     always_mask=family.always_mask,
                     block_kwargs=dict(family.block_kwargs),
                     scratch_kwargs=family.scratch_kwargs,

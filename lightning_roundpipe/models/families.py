@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "FAMILIES",
+    "INDEXED_KINDS",
     "MASKLESS_KINDS",
     "RECURRENT_KINDS",
     "Family",
@@ -44,6 +45,9 @@ HYBRID_KINDS = ("full_attention", "linear_attention")
 RECURRENT_KINDS = ("linear_attention", "conv")
 # layer types without attention, which get no mask (NemotronH's MLP and MoE blocks)
 MASKLESS_KINDS = ("mlp", "moe")
+# layer types whose sparse-attention indexer reads the causal mask: it is always
+# built (allow_is_causal_skip=False, Dots3 Note's)
+INDEXED_KINDS = ("indexed_attention",)
 
 
 @dataclass(frozen=True)
@@ -92,9 +96,19 @@ class Family:
     rotary_optional: bool = False
     # rotary(hidden, positions, layer_type): one table per attention type (Gemma 3)
     rotary_per_layer_type: bool = False
+    # the layer types whose rotary table the model computes for fp32 inputs
+    # (in fp32 whatever the compute dtype: Dots3 Note's indexed-attention layers)
+    rotary_fp32_kinds: tuple[str, ...] = ()
     # the layer types given the rotary table (None: all; the others get
     # position_embeddings=None, as LaraMini's full-attention layers)
     rotary_kinds: tuple[str, ...] | None = None
+    # a layer type whose config.rope_parameters entry is None gets no rotary
+    # table (NoPE layers: Beam's and Cohere Compass's full-attention layers)
+    nope_without_rope_parameters: bool = False
+    # the function of the family's modeling module giving those NoPE layers
+    # a query scale from the positions (attention_scaling=; Beam's
+    # compute_attention_scaling)
+    nope_scaling: str | None = None
     # learned absolute position embedding added to the token embeddings (GPT-2)
     positions: str | None = None
     # OPT's positions: by default they count the mask's ones (cumsum(mask) *
@@ -550,6 +564,21 @@ FAMILIES: tuple[Family, ...] = (
         refused=(_no_router_loss("Gemma4ForConditionalGeneration"),),
         **_GEMMA4,
     ),
+    # Gemma 4 Unified: Gemma 4's attention and key-value sharing, without
+    # per-layer embeddings or MoE
+    Family(
+        "Gemma 4 Unified (text)",
+        ("gemma4_unified_text",),
+        logit_softcap="config.final_logit_softcapping",
+        **_GEMMA4,
+    ),
+    Family(
+        "Gemma 4 Unified (multimodal, text)",
+        ("gemma4_unified",),
+        base="model.language_model",
+        logit_softcap="model.language_model.config.final_logit_softcapping",
+        **_GEMMA4,
+    ),
     # Mamba 2 blocks (which get the padding mask) between attention blocks; no
     # rotary module unless position_embedding_type="rope"
     Family(
@@ -781,6 +810,41 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
     ),
     Family("MiniMax-M3 (text)", ("minimax_m3_vl_text",), router_aux=_MOE),
+    # multi-head latent attention in sliding-window, full and indexed
+    # (sparse) attention blocks, per layer_types; dense and MoE blocks
+    Family(
+        "Dots3 Note (text)",
+        ("dots3_note_text",),
+        mask_rule=LAYER_TYPES,
+        layer_kinds=(*LAYER_KINDS, *INDEXED_KINDS),
+        rotary_per_layer_type=True,
+        rotary_fp32_kinds=INDEXED_KINDS,
+        refused=(_no_router_loss("Dots3NoteForCausalLM"),),
+    ),
+    # sliding-window blocks with rotary positions, full-attention NoPE blocks
+    # with a query scale growing with the position; fp32 soft-capped logits
+    Family(
+        "Beam",
+        ("beam",),
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        nope_without_rope_parameters=True,
+        nope_scaling="compute_attention_scaling",
+        float_logits=True,
+        logit_softcap="config.final_logit_softcapping",
+        refused=(_no_router_loss("BeamForCausalLM"),),
+    ),
+    # its rotary module takes the text positions for all its (multimodal)
+    # axes; NoPE layers where rope_parameters has none
+    Family(
+        "Cohere Compass (text)",
+        ("cohere_compass_text",),
+        mask_rule=LAYER_TYPES,
+        rotary_per_layer_type=True,
+        nope_without_rope_parameters=True,
+        slices_layers=False,
+        logit_scale="logit_scale",
+    ),
 )
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

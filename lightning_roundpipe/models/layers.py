@@ -26,7 +26,7 @@ from torch import nn
 from ..runtime.scope import stage_cached
 from . import attention
 from .attention import GroupedAttention
-from .families import MASKLESS_KINDS, RECURRENT_KINDS
+from .families import INDEXED_KINDS, MASKLESS_KINDS, RECURRENT_KINDS
 from .sliding import SlidingWindow, scaled
 from .tiling import ChunkedLogits, draws_random, tiled, trainable
 
@@ -37,6 +37,7 @@ _MASK_FUNCTIONS = {
     "full_attention": "create_causal_mask",
     "sliding_attention": "create_sliding_window_causal_mask",
     "chunked_attention": "create_chunked_causal_mask",
+    "indexed_attention": "create_causal_mask",
 }
 # the running router statistics carried from stage to stage
 ROUTER_KEYS = ("router_counts", "router_probs", "router_tokens")
@@ -437,6 +438,8 @@ class _Decoder(nn.Module):
         *,
         rotary_per_kind: bool = False,
         rotary_kinds: tuple[str, ...] | None = None,
+        rotary_fp32: bool = False,
+        nope_scaling: Any = None,
         always_mask: bool = False,
         block_kwargs: dict[str, Any] | None = None,
         scratch_kwargs: tuple[str, ...] = (),
@@ -463,6 +466,11 @@ class _Decoder(nn.Module):
         self.kind = kind
         self.rotary_per_kind = rotary_per_kind
         self.rotary_kinds = rotary_kinds
+        # the model computes this layer's rotary table for fp32 inputs
+        self.rotary_fp32 = rotary_fp32
+        # the family's function giving the layers without the rotary table a
+        # query scale from the positions (attention_scaling=)
+        self.nope_scaling = nope_scaling
         self.always_mask = always_mask
         self.block_kwargs = dict(block_kwargs or {})
         self.scratch_kwargs = tuple(scratch_kwargs)
@@ -517,7 +525,7 @@ class _Decoder(nn.Module):
             return _padding_mask(attention_mask)
         make = getattr(masking_utils, _MASK_FUNCTIONS[self.kind])
         kwargs: dict[str, Any] = {}
-        if attention_mask is not None or self.always_mask:
+        if attention_mask is not None or self.always_mask or self.kind in INDEXED_KINDS:
             kwargs["allow_is_causal_skip"] = False
         if attention_mask is None and packed:
             ids = position_ids.expand(hidden_states.shape[0], -1)
@@ -556,6 +564,8 @@ class _Decoder(nn.Module):
         return self.alibi(attention_mask, heads, dtype=hidden_states.dtype)
 
     def _rotary(self, hidden_states, position_ids):
+        if self.rotary_fp32:  # (the module reads its input's dtype and device only)
+            hidden_states = hidden_states[..., :0].float()
         if self.rotary_per_kind:
             return self.rotary(hidden_states, position_ids, self.kind)
         return self.rotary(hidden_states, position_ids)
@@ -592,6 +602,10 @@ class _Decoder(nn.Module):
             and self.kind not in self.rotary_kinds
         ):
             kwargs["position_embeddings"] = None
+            if self.nope_scaling is not None:
+                kwargs["attention_scaling"] = stage_cached(
+                    ("nope_scaling",), lambda: self.nope_scaling(position_ids)
+                )
         elif self.rotary is not None:
             key = ("rotary", self.rotary_key, self.kind if self.rotary_per_kind else None)
             kwargs["position_embeddings"] = stage_cached(
