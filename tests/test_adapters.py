@@ -1008,6 +1008,30 @@ TINY = {
             **dict(IDS, pad_token_id=VOCAB - 1),
         ),
     ),
+    "inkling_text": (
+        "transformers.models.inkling.configuration_inkling.InklingTextConfig",
+        "InklingForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            vocab_size=VOCAB + 11,  # a head padded past the vocabulary the logits keep
+            unpadded_vocab_size=VOCAB,
+            head_dim=8,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            swa_head_dim=8,
+            sliding_window_size=3,
+            d_rel=4,  # relative position biases
+            rel_extent=16,
+            log_scaling_n_floor=4,  # full-attention queries scaled by the position past 4
+            layer_types=["hybrid_sliding", "hybrid"],
+            mlp_layer_types=["dense", "sparse"],
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            logits_mup_width_multiplier=4.0,
+            **TOP2,
+        ),
+    ),
     # ("Dots3NoteTextConfig" is not exported by transformers: see tiny())
     "dots3_note_text": (
         "transformers.models.dots3_note.configuration_dots3_note.Dots3NoteTextConfig",
@@ -1086,6 +1110,7 @@ NO_ROUTER_LOSS = [
     "bailing_hybrid",
     "beam",
     "dots3_note_text",
+    "inkling_text",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -1249,11 +1274,11 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 98
-    tested model types but Doge did on 2026-11-27: its attention mask needs a
-    gradient, so SDPA takes another kernel in a forward stage, without
-    gradients; with two micro-batches the fp32 sum of the gradients rounds
-    otherwise)."""
+    model does, in the same order: three steps give the same bits (all 114
+    tested model types but Doge and Inkling did on 2026-11-27: their attention
+    masks need a gradient, so SDPA takes another kernel in a forward stage,
+    without gradients; with two micro-batches the fp32 sum of the gradients
+    rounds otherwise)."""
     model = tiny(kind)
     ref, mod = LM(copy.deepcopy(model)), LM(model)
     fit(ref, "auto", precision="bf16-true")
@@ -1799,6 +1824,15 @@ def test_config_settings_the_pipeline_does_not_implement_are_refused():
         ValueError,
         match=r"model: config\.layer_types\[1\]='chunked_attention' is not supported by the "
         r"RoundPipe pipeline: Qwen3Model builds 'full_attention' and 'sliding_attention' masks",
+    ):
+        CausalLMAdapter(model, "model")
+    # a family with layer-type names of its own knows those only (Inkling would
+    # give a "full_attention" layer the sliding-window mask)
+    model = tiny("inkling_text", layer_types=["hybrid", "full_attention"])
+    with pytest.raises(
+        ValueError,
+        match=r"config\.layer_types\[1\]='full_attention' is not supported by the RoundPipe "
+        r"pipeline: InklingTextModel builds 'hybrid' and 'hybrid_sliding' masks only",
     ):
         CausalLMAdapter(model, "model")
 

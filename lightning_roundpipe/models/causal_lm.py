@@ -236,6 +236,7 @@ class CausalLMAdapter(_Adapter):
                     rotary_fp32=kind in family.rotary_fp32_kinds,
                     nope_scaling=_module_function(target, family.nope_scaling),
                     always_mask=family.always_mask,
+                    tiled_sliding=family.tiled_sliding,
                     block_kwargs=dict(family.block_kwargs),
                     scratch_kwargs=family.scratch_kwargs,
                     alibi=_module_function(target, family.alibi),
@@ -260,6 +261,7 @@ class CausalLMAdapter(_Adapter):
                 float_logits=family.float_logits,
                 project_out=layout.project_out,
                 cast_to_head=family.cast_to_head,
+                vocab=_scalar(target, family.logit_vocab),
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute

@@ -142,6 +142,10 @@ class Family:
     layer_kinds: tuple[str, ...] = LAYER_KINDS
     # the config list naming each layer's type (LAYER_TYPES)
     layer_types_key: str = "layer_types"
+    # the attention type the model gives each of that list's own names, when
+    # it has names of its own (Inkling's "hybrid" layers get the full-attention
+    # mask); only those names are then known
+    layer_type_kinds: tuple[tuple[str, str], ...] = ()
     # its full-attention layers get the sliding-window mask when
     # config.sliding_window is set (MiniMax's, LAYER_TYPES)
     full_slides_if_window: bool = False
@@ -151,6 +155,10 @@ class Family:
     packed_sequences: bool = True
     # the model always materialises the mask (allow_is_causal_skip=False)
     always_mask: bool = False
+    # sliding-window layers may run their SDPA attention over query tiles
+    # without the dense mask (models/sliding.py); False where the attention
+    # brings a mask of its own (Inkling's relative position biases)
+    tiled_sliding: bool = True
     # the model runs layers[: config.num_hidden_layers] (else all of them)
     slices_layers: bool = True
     # a block keyword that gets the 2-D padding mask beside the attention mask
@@ -185,6 +193,9 @@ class Family:
     logit_divisor: str | None = None
     # tanh soft-capping of the logits at this value when it is not None (Gemma 2/3)
     logit_softcap: str | None = None
+    # the logits cut to this many entries of the vocabulary when it is not
+    # None and fewer than the head has (Inkling's unpadded_vocab_size)
+    logit_vocab: str | None = None
     router_aux: RouterAux | None = None
     refused: tuple[Setting, ...] = field(default_factory=tuple)
     # the block's per-token feed-forward submodule, run over sequence tiles at
@@ -810,6 +821,23 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
     ),
     Family("MiniMax-M3 (text)", ("minimax_m3_vl_text",), router_aux=_MOE),
+    # no positions (relative biases inside the attention); short convolutions
+    # inside every block, given the padding mask; the final hidden states
+    # divided by the muP width multiplier; the logits cut to the unpadded
+    # vocabulary
+    Family(
+        "Inkling (text)",
+        ("inkling_text",),
+        rotary=None,
+        mask_rule=LAYER_TYPES,
+        layer_type_kinds=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
+        slices_layers=False,
+        padding_mask_kwarg="conv_mask",
+        tiled_sliding=False,  # (its attention adds the biases to SDPA's mask)
+        hidden_divisor="config.logits_mup_width_multiplier",
+        logit_vocab="config.unpadded_vocab_size",
+        refused=(_no_router_loss("InklingForCausalLM"),),
+    ),
     # multi-head latent attention in sliding-window, full and indexed
     # (sparse) attention blocks, per layer_types; dense and MoE blocks
     Family(

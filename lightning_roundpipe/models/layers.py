@@ -441,6 +441,7 @@ class _Decoder(nn.Module):
         rotary_fp32: bool = False,
         nope_scaling: Any = None,
         always_mask: bool = False,
+        tiled_sliding: bool = True,
         block_kwargs: dict[str, Any] | None = None,
         scratch_kwargs: tuple[str, ...] = (),
         alibi: Any = None,
@@ -472,6 +473,7 @@ class _Decoder(nn.Module):
         # query scale from the positions (attention_scaling=)
         self.nope_scaling = nope_scaling
         self.always_mask = always_mask
+        self.tiled_sliding = tiled_sliding
         self.block_kwargs = dict(block_kwargs or {})
         self.scratch_kwargs = tuple(scratch_kwargs)
         # the family's function building the ALiBi biases from the 2-D mask
@@ -499,6 +501,7 @@ class _Decoder(nn.Module):
         window = getattr(self.config, "sliding_window", None)
         if (
             self.kind != "sliding_attention"
+            or not self.tiled_sliding
             or (getattr(self.layer, "gradient_checkpointing", False) and self.layer.training)
             or attention_mask is not None
             or packed
@@ -765,7 +768,8 @@ class _Head(nn.Module):
     """Final norm and LM head (its input divided by ``hidden_divisor``,
     MiniCPM3; its output in fp32 with ``float_logits``, Nemotron-H), then
     what the ``*ForCausalLM`` does to the logits: a scale (Cohere), a divisor
-    (Granite), tanh soft-capping (Gemma 2/3). Returns
+    (Granite), tanh soft-capping (Gemma 2/3), the logits cut to the
+    unpadded vocabulary (Inkling). Returns
     the logits, or with router statistics a dict of the logits and the
     statistics (the loss function adds the load-balancing term)."""
 
@@ -782,9 +786,12 @@ class _Head(nn.Module):
         float_logits: bool = False,
         project_out: nn.Module | None = None,
         cast_to_head: bool = False,
+        vocab: float | None = None,
     ) -> None:
         super().__init__()
         self.cast_to_head = cast_to_head
+        # the logits' entries kept (Inkling's unpadded vocabulary; None: all)
+        self.vocab = None if vocab is None else int(vocab)
         self.norm = norm if norm is not None else nn.Identity()
         self.project_out = project_out
         self.lm_head = lm_head
@@ -804,6 +811,8 @@ class _Head(nn.Module):
         if self.cast_to_head:
             hidden_states = hidden_states.to(self.lm_head.weight.dtype)
         logits = self.lm_head(hidden_states)
+        if self.vocab is not None and self.vocab < logits.shape[-1]:
+            logits = logits[..., : self.vocab]
         if self.float_logits:
             logits = logits.float()
         if self.scale is not None:

@@ -239,7 +239,8 @@ def layout_problem(module: nn.Module) -> str | None:
 def layer_kinds(config: Any, family: Family, n: int) -> list[str]:
     """Each decoder layer's attention type, by its family's rule."""
     if family.mask_rule == LAYER_TYPES:
-        kinds = list(getattr(config, family.layer_types_key)[:n])
+        names = dict(family.layer_type_kinds)
+        kinds = [names.get(k, k) for k in getattr(config, family.layer_types_key)[:n]]
         if family.full_slides_if_window and getattr(config, "sliding_window", None) is not None:
             kinds = ["sliding_attention" if k == "full_attention" else k for k in kinds]
         return kinds
@@ -297,12 +298,14 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
                 f"{name}: config.{key} has {len(types)} entries for {n} decoder layers; "
                 "give one attention type per layer"
             )
+        # (a family that names its own types knows those only)
+        known = [name for name, _ in family.layer_type_kinds] or list(family.layer_kinds)
         for i, kind in enumerate(types[:n]):
-            if kind not in family.layer_kinds:
+            if kind not in known:
                 raise ValueError(
                     f"{name}: config.{key}[{i}]={kind!r} is not supported by the RoundPipe "
                     f"pipeline: {type(layout.base).__name__} builds "
-                    f"{' and '.join(map(repr, family.layer_kinds))} masks only; use one of those "
+                    f"{' and '.join(map(repr, known))} masks only; use one of those "
                     "layer types"
                 )
     for key in ("output_attentions", "output_hidden_states"):
