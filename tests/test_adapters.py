@@ -613,6 +613,39 @@ TINY = {
             audio_config=None,
         ),
     ),
+    # (eager attention: the model has no sdpa)
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            q_lora_rank=8,
+            o_groups=2,
+            o_lora_rank=8,
+            max_position_embeddings=64,
+            hc_mult=2,  # two streams of the hidden states
+            hc_sinkhorn_iters=3,
+            sliding_window=4,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            index_n_heads=2,
+            index_head_dim=8,
+            index_topk=4,
+            mlp_layer_types=["hash_moe", "moe"],  # hash routing by token id, then top-k
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            partial_rotary_factor=0.5,
+            num_nextn_predict_layers=0,
+            pad_token_id=None,
+            **TOP2,
+        ),
+    ),
     "gemma4_unified_text": (
         "Gemma4UnifiedTextConfig",
         "Gemma4UnifiedForCausalLM",
@@ -1137,6 +1170,7 @@ MOE_AUX = [
     "dbrx",
     "laguna",
     "minimax_m3_vl_text",
+    "deepseek_v4",
 ]
 
 
@@ -1274,7 +1308,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 114
+    model does, in the same order: three steps give the same bits (all 115
     tested model types but Doge and Inkling did on 2026-11-27: their attention
     masks need a gradient, so SDPA takes another kernel in a forward stage,
     without gradients; with two micro-batches the fp32 sum of the gradients

@@ -632,9 +632,20 @@ def test_only_linear_layers_returning_something_else_than_a_tensor_lose_their_ad
         def forward(self, x, scale):
             return super().forward(x) * scale
 
+    class Grouped(nn.Linear):  # (DeepSeek-V4's: features in 2 groups, one weight block each)
+        def forward(self, x):
+            w = self.weight.view(2, -1, x.shape[-1]).transpose(1, 2)
+            y = torch.bmm(x.reshape(-1, 2, x.shape[-1]).transpose(0, 1), w).transpose(0, 1)
+            return y.reshape(*x.shape[:-2], 2, -1)
+
+    class Widening(nn.Linear):  # (a tensor, but not out_features per token)
+        def forward(self, x):
+            return super().forward(x).repeat(1, 1, 2)
+
     with torch.device("meta"):
         layers = [nn.Linear(4, 3), Router(4, 3), Batched(4, 3), Scaled(4, 3)]
-    assert [_returns_a_tensor(m) for m in layers] == [True, False, True, True]
+        layers += [Grouped(4, 6), Widening(4, 3)]
+    assert [_returns_a_tensor(m) for m in layers] == [True, False, True, True, False, False]
 
 
 def gib_in(text: str, label: str) -> float:

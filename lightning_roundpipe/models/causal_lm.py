@@ -157,6 +157,11 @@ def _module_function(target: nn.Module, name: str | None) -> Any:
     return getattr(sys.modules[type(target).__module__], name)
 
 
+def _streams(config: Any, family: Any) -> int | None:
+    """How many streams of the hidden states the blocks carry (None: one)."""
+    return None if family.hyper_streams is None else int(getattr(config, family.hyper_streams))
+
+
 def _rotary_kinds(config: Any, family: Any) -> tuple[str, ...] | None:
     """The layer types given the rotary table (None: all): the family's, or
     those with rotary settings in ``config.rope_parameters`` (NoPE layers
@@ -211,6 +216,8 @@ class CausalLMAdapter(_Adapter):
                 per_layer=_PerLayerInputs(layout.base)
                 if _has_per_layer_inputs(config, family)
                 else None,
+                streams=_streams(config, family),
+                token_ids=family.block_input_ids,
             )
         ]
         kinds = layer_kinds(config, family, len(layout.layers))
@@ -234,6 +241,7 @@ class CausalLMAdapter(_Adapter):
                     rotary_per_kind=family.rotary_per_layer_type,
                     rotary_kinds=_rotary_kinds(config, family),
                     rotary_fp32=kind in family.rotary_fp32_kinds,
+                    rotary_dict=family.rotary_dict,
                     nope_scaling=_module_function(target, family.nope_scaling),
                     always_mask=family.always_mask,
                     tiled_sliding=family.tiled_sliding,
@@ -262,6 +270,7 @@ class CausalLMAdapter(_Adapter):
                 project_out=layout.project_out,
                 cast_to_head=family.cast_to_head,
                 vocab=_scalar(target, family.logit_vocab),
+                pre=layout.head_pre,
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute
@@ -284,15 +293,17 @@ class CausalLMAdapter(_Adapter):
         return [("embed", "embed"), *blocks, ("head", "head")]
 
     def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int]:
-        """Hidden states in the compute dtype plus the positions, mask and
-        router statistics that travel with them, and (Gemma 4) the per-layer
-        embeddings still to be used and the keys and values stored for later
-        layers, at most all of them (the first boundary's)."""
+        """Hidden states in the compute dtype (all their streams, DeepSeek-V4)
+        plus the positions, mask, router statistics and token ids that travel
+        with them, and (Gemma 4) the per-layer embeddings still to be used and
+        the keys and values stored for later layers, at most all of them (the
+        first boundary's)."""
         size = torch.empty(0, dtype=dtype).element_size()
         config = self.layout.config
-        hidden = int(config.hidden_size)
+        hidden = int(config.hidden_size) * (self._layers[0].streams or 1)
         router = self._experts * 16 + 8
         per_token = 0
+        ids_bytes = 8 if self._layers[0].token_ids else 0  # (the token ids, carried)
         if self._layers[0].per_layer is not None:
             per_token += int(config.hidden_size_per_layer_input) * len(self._layers[1:-1])
         if any(d.carries_kv for d in self._layers[1:-1]):
@@ -305,7 +316,7 @@ class CausalLMAdapter(_Adapter):
             ids = inputs.get("input_ids")
             tokens = ids.numel() if ids is not None else inputs["inputs_embeds"].shape[:-1].numel()
             out = value_bytes(tokens, hidden, size)  # hidden states, positions
-            out += tokens * per_token * size
+            out += tokens * per_token * size + tokens * ids_bytes
             mask = inputs.get("attention_mask")
             if mask is not None:
                 out += mask.numel() * mask.element_size()

@@ -24,6 +24,7 @@ asynchronous mode overlaps with is modelled as memory-bound on the host
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import math
@@ -206,19 +207,27 @@ def _peft_refuses(lora: Any, model: nn.Module, name: str) -> bool:
 
 
 def _returns_a_tensor(linear: nn.Linear) -> bool:
-    """Whether a linear layer (on the meta device) maps a tensor to a tensor,
-    as LoRA's wrapper needs: nn.Linear's own forward does; a subclass's is
-    tried on a meta input of one token (a forward that fails there is given
-    the benefit of the doubt, as PEFT's "all-linear" would)."""
+    """Whether a linear layer (on the meta device) maps a token's features to
+    its outputs, as LoRA's wrapper needs (it adds its update, computed from
+    the same input, to the output): nn.Linear's own forward does; a
+    subclass's is tried on a meta input of one token, and must give one
+    tensor of ``out_features`` per token (a forward that wants other
+    arguments is given the benefit of the doubt, as PEFT's "all-linear"
+    would; one that fails on the token, as DeepSeek-V4's grouped projection
+    wanting its input split in groups, is left out)."""
     if type(linear).forward is nn.Linear.forward:
         return True
     x = torch.empty(1, 1, linear.in_features, device="meta", dtype=linear.weight.dtype)
     try:
+        inspect.signature(linear.forward).bind(x)
+    except TypeError:  # (it wants other inputs: PEFT adapts it, as it would the model)
+        return True
+    try:
         with torch.no_grad():
             out = linear(x)
-    except Exception:  # (it wants other inputs: PEFT adapts it, as it would the model)
-        return True
-    return isinstance(out, torch.Tensor)
+    except Exception:
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (1, 1, linear.out_features)
 
 
 def _materialise(layer: nn.Module, dtype: torch.dtype) -> nn.Module:

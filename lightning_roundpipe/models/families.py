@@ -155,6 +155,19 @@ class Family:
     packed_sequences: bool = True
     # the model always materialises the mask (allow_is_causal_skip=False)
     always_mask: bool = False
+    # the config setting giving how many streams of the hidden states the
+    # blocks carry (the embeddings repeated: DeepSeek-V4's hyper-connections,
+    # hc_mult; None: one)
+    hyper_streams: str | None = None
+    # a module of the *Model applied to the final hidden states before the
+    # norm (DeepSeek-V4's hc_head, which merges the streams)
+    head_pre: str | None = None
+    # the blocks get the token ids (input_ids=, DeepSeek-V4's hash routing),
+    # carried from stage to stage
+    block_input_ids: bool = False
+    # the model gives every block a dict of the rotary tables of these types
+    # (DeepSeek-V4's "main" and "compress"), whatever the block's type
+    rotary_dict: tuple[str, ...] = ()
     # sliding-window layers may run their SDPA attention over query tiles
     # without the dense mask (models/sliding.py); False where the attention
     # brings a mask of its own (Inkling's relative position biases)
@@ -211,7 +224,7 @@ class Family:
         rotary = None if self.rotary_optional else self.rotary
         norm = None if self.norm_optional else self.norm
         inner = [self.embed, self.layers, norm, rotary, self.positions]
-        inner += [self.embed_dropout, self.embed_norm]
+        inner += [self.embed_dropout, self.embed_norm, self.head_pre]
         return [self.base, *(f"{self.base}.{p}" for p in inner if p), self.lm_head]
 
 
@@ -574,6 +587,23 @@ FAMILIES: tuple[Family, ...] = (
         logit_softcap="model.language_model.config.final_logit_softcapping",
         refused=(_no_router_loss("Gemma4ForConditionalGeneration"),),
         **_GEMMA4,
+    ),
+    # hyper-connections: the blocks carry hc_mult streams of the hidden states,
+    # merged by hc_head before the norm; hash-routed MoE blocks get the token
+    # ids; every block gets both rotary tables and the sliding-window mask;
+    # eager attention (compressed keys and values, a sparse indexer)
+    Family(
+        "DeepSeek-V4",
+        ("deepseek_v4",),
+        every_layer="sliding_attention",
+        tiled_sliding=False,
+        slices_layers=False,
+        hyper_streams="hc_mult",
+        head_pre="hc_head",
+        block_input_ids=True,
+        rotary_dict=("main", "compress"),
+        router_aux=_MOE,
+        mlp=None,  # (its MoE block takes the token ids too)
     ),
     # Gemma 4 Unified: Gemma 4's attention and key-value sharing, without
     # per-layer embeddings or MoE

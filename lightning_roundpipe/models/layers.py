@@ -259,6 +259,8 @@ def _padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 # the per-layer inputs still to be consumed, carried from stage to stage
 PER_LAYER_KEY = "per_layer_inputs"
+# the token ids the blocks get (DeepSeek-V4's hash routing), carried likewise
+TOKEN_IDS_KEY = "block_input_ids"
 # keys and values a layer stored for later layers to reuse, carried from stage
 # to stage as "<prefix><layer type>:key" and ":value"
 SHARED_KV_PREFIX = "shared_kv:"
@@ -319,9 +321,15 @@ class _Embed(nn.Module):
         positions_from_mask: bool = False,
         multiply_given: bool = True,
         per_layer: nn.Module | None = None,
+        streams: int | None = None,
+        token_ids: bool = False,
     ) -> None:
         super().__init__()
         self.multiply_given = multiply_given
+        # hidden-state streams the blocks carry (DeepSeek-V4's hyper-connections)
+        self.streams = streams
+        # the token ids go on to the blocks
+        self.token_ids = token_ids
         self.per_layer = per_layer
         self.embed = embed
         self.norm = norm
@@ -366,6 +374,10 @@ class _Embed(nn.Module):
             h = nn.functional.dropout(h, self.dropout_rate, training=self.embed.training)
         if self.norm is not None:
             h = self.norm(h)
+        if self.streams is not None:
+            h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+        if self.token_ids and input_ids is not None:
+            carried[TOKEN_IDS_KEY] = input_ids
         stats: dict[str, torch.Tensor] = {}
         if router:
             stats = {
@@ -439,6 +451,7 @@ class _Decoder(nn.Module):
         rotary_per_kind: bool = False,
         rotary_kinds: tuple[str, ...] | None = None,
         rotary_fp32: bool = False,
+        rotary_dict: tuple[str, ...] = (),
         nope_scaling: Any = None,
         always_mask: bool = False,
         tiled_sliding: bool = True,
@@ -469,6 +482,8 @@ class _Decoder(nn.Module):
         self.rotary_kinds = rotary_kinds
         # the model computes this layer's rotary table for fp32 inputs
         self.rotary_fp32 = rotary_fp32
+        # the rotary tables of these types, as a dict (DeepSeek-V4's)
+        self.rotary_dict = tuple(rotary_dict)
         # the family's function giving the layers without the rotary table a
         # query scale from the positions (attention_scaling=)
         self.nope_scaling = nope_scaling
@@ -569,6 +584,8 @@ class _Decoder(nn.Module):
     def _rotary(self, hidden_states, position_ids):
         if self.rotary_fp32:  # (the module reads its input's dtype and device only)
             hidden_states = hidden_states[..., :0].float()
+        if self.rotary_dict:
+            return {t: self.rotary(hidden_states, position_ids, t) for t in self.rotary_dict}
         if self.rotary_per_kind:
             return self.rotary(hidden_states, position_ids, self.kind)
         return self.rotary(hidden_states, position_ids)
@@ -616,6 +633,9 @@ class _Decoder(nn.Module):
             )
         stats, tiles = _router(extra), _tiles(extra)
         carried: dict[str, torch.Tensor] = {}
+        token_ids = extra.get(TOKEN_IDS_KEY)
+        if token_ids is not None:  # (the next blocks' too)
+            kwargs["input_ids"] = carried[TOKEN_IDS_KEY] = token_ids
         per_layer = extra.get(PER_LAYER_KEY)
         if per_layer is not None:
             # this block's slice; the later blocks' go on (a view: it keeps a
@@ -661,7 +681,9 @@ class _Decoder(nn.Module):
         cost of recomputing them, and the projections, in backward. Set on
         this layer's own copy of the block (each worker has one), for the call."""
         tokens = hidden_states.shape[:-1].numel()
-        if not tile or tokens <= tile:
+        # (a block whose hidden states have more dimensions than batch,
+        # sequence and hidden size, as DeepSeek-V4's streams, runs whole)
+        if not tile or tokens <= tile or hidden_states.dim() != 3:
             yield
             return
         mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)
@@ -787,8 +809,11 @@ class _Head(nn.Module):
         project_out: nn.Module | None = None,
         cast_to_head: bool = False,
         vocab: float | None = None,
+        pre: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        # applied before the norm (DeepSeek-V4's hc_head, merging the streams)
+        self.pre = pre
         self.cast_to_head = cast_to_head
         # the logits' entries kept (Inkling's unpadded vocabulary; None: all)
         self.vocab = None if vocab is None else int(vocab)
@@ -803,6 +828,8 @@ class _Head(nn.Module):
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The logits of ``hidden_states`` (each position alone)."""
+        if self.pre is not None:
+            hidden_states = self.pre(hidden_states)
         hidden_states = self.norm(hidden_states)
         if self.project_out is not None:
             hidden_states = self.project_out(hidden_states)
@@ -833,7 +860,7 @@ class _Head(nn.Module):
         mlp_tile=None,
         **router,
     ):
-        tokens = hidden_states.shape[:-1].numel()
+        tokens = hidden_states.shape[:2].numel()
         if loss_chunk and tokens > loss_chunk and not draws_random(self):
             # the loss computes the logits chunk by chunk (tiling.ChunkedLogits)
             logits = ChunkedLogits(hidden_states, self.project, trainable(self), loss_chunk)

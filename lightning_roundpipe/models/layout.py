@@ -47,6 +47,7 @@ class Layout:
     embed_norm: nn.Module | None = None
     project_in: nn.Module | None = None
     project_out: nn.Module | None = None
+    head_pre: nn.Module | None = None
 
     @property
     def config(self) -> Any:
@@ -195,6 +196,7 @@ def layout_of(module: nn.Module) -> Layout | None:
         _child(base, family.embed_norm),
         _child(base, family.project_in),
         _child(base, family.project_out),
+        _child(base, family.head_pre),
     )
 
 
