@@ -646,6 +646,44 @@ TINY = {
             **TOP2,
         ),
     ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            index_topk=4,  # each query attends to 4 keys the indexer picks
+            index_n_heads=2,
+            index_head_dim=8,
+            indexer_types=["full", "shared"],  # the second block reuses the first's top-k
+            **MLA,
+            **TOP2,
+        ),
+    ),
+    "hy_v4": (
+        "HYV4Config",
+        "HYV4ForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            num_key_value_heads=4,
+            head_dim=8,
+            hc_mult=2,  # two streams of the hidden states
+            mlp_layer_types=["dense", "sparse"],
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            index_topk=4,
+            index_n_heads=2,
+            index_head_dim=8,
+            indexer_types=["full", "shared"],
+            **MLA,
+            **IDS,
+            **TOP2,
+        ),
+    ),
     "gemma4_unified_text": (
         "Gemma4UnifiedTextConfig",
         "Gemma4UnifiedForCausalLM",
@@ -1011,7 +1049,8 @@ TINY = {
             LLAMA_LIKE,
             head_dim=8,
             sliding_window=3,
-            layer_types=SLIDE_FULL,  # rotary positions in the first, a NoPE query scale in the second
+            # rotary positions in the first block, a NoPE query scale in the second
+            layer_types=SLIDE_FULL,
             mlp_layer_types=["dense", "sparse"],
             num_experts=4,
             moe_intermediate_size=16,
@@ -1144,6 +1183,8 @@ NO_ROUTER_LOSS = [
     "beam",
     "dots3_note_text",
     "inkling_text",
+    "glm_moe_dsa",
+    "hy_v4",
 ]
 # families whose model adds a router loss
 MOE_AUX = [
@@ -1214,7 +1255,9 @@ def lm_data(n: int = 8) -> TensorDataset:
 # Tiny Gemma 4 trains chaotically at 0.5: plain PyTorch with each batch in two
 # halves ends 7e-3 from whole batches after three steps (1.5e-6 at 0.01), so
 # the pipeline's micro-batches are compared at a rate where rounding stays small
-LEARNING_RATE = {kind: 0.01 for kind in ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")}
+LEARNING_RATE = {
+    kind: 0.01 for kind in ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
+}
 
 
 class LM(L.LightningModule):
@@ -1308,7 +1351,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 115
+    model does, in the same order: three steps give the same bits (all 117
     tested model types but Doge and Inkling did on 2026-11-27: their attention
     masks need a gradient, so SDPA takes another kernel in a forward stage,
     without gradients; with two micro-batches the fp32 sum of the gradients
@@ -1364,9 +1407,7 @@ def test_opt_with_its_norms_after_the_blocks_trains_like_the_default_strategy():
 
 @pytest.mark.parametrize("plan", ["3|3|3", "2,2|2|2,2"])
 @pytest.mark.parametrize("kind", ["gemma4_text", "gemma4_unified_text"])
-def test_gemma4_keys_and_values_reused_in_later_stages_train_like_the_default_strategy(
-    kind, plan
-):
+def test_gemma4_keys_and_values_reused_in_later_stages_train_like_the_default_strategy(kind, plan):
     """Gemma 4's last layers reuse the keys and values the last earlier layer
     of their type stored: carried, with their gradient, from the storing
     stage to the reusing ones, as are the per-layer embeddings' slices

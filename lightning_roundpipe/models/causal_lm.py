@@ -242,6 +242,7 @@ class CausalLMAdapter(_Adapter):
                     rotary_kinds=_rotary_kinds(config, family),
                     rotary_fp32=kind in family.rotary_fp32_kinds,
                     rotary_dict=family.rotary_dict,
+                    chained=family.chained,
                     nope_scaling=_module_function(target, family.nope_scaling),
                     always_mask=family.always_mask,
                     tiled_sliding=family.tiled_sliding,

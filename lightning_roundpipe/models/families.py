@@ -168,6 +168,11 @@ class Family:
     # the model gives every block a dict of the rotary tables of these types
     # (DeepSeek-V4's "main" and "compress"), whatever the block's type
     rotary_dict: tuple[str, ...] = ()
+    # each block returns (hidden states, a value) and the next block gets the
+    # value as this keyword (None for the first): the sparse-attention top-k
+    # indices that GLM-MoE-DSA's and HY-V4's layers pass on, carried from
+    # stage to stage
+    chained: str | None = None
     # sliding-window layers may run their SDPA attention over query tiles
     # without the dense mask (models/sliding.py); False where the attention
     # brings a mask of its own (Inkling's relative position biases)
@@ -605,6 +610,27 @@ FAMILIES: tuple[Family, ...] = (
         router_aux=_MOE,
         mlp=None,  # (its MoE block takes the token ids too)
     ),
+    # DeepSeek-V3.2's layout; layers pass their sparse-attention top-k indices
+    # on to the next (which may reuse them)
+    Family(
+        "GLM-MoE-DSA",
+        ("glm_moe_dsa",),
+        always_mask=True,
+        chained="prev_topk_indices",
+        refused=(_no_router_loss("GlmMoeDsaForCausalLM"),),
+    ),
+    # hyper-connections (as DeepSeek-V4's) with one rotary table, the always
+    # built mask for its indexer, top-k indices passed from layer to layer
+    Family(
+        "HY-V4",
+        ("hy_v4",),
+        always_mask=True,
+        hyper_streams="hc_mult",
+        head_pre="hc_head",
+        chained="prev_topk_indices",
+        cast_to_head=True,
+        refused=(_no_router_loss("HYV4ForCausalLM"),),
+    ),
     # Gemma 4 Unified: Gemma 4's attention and key-value sharing, without
     # per-layer embeddings or MoE
     Family(
@@ -800,7 +826,12 @@ FAMILIES: tuple[Family, ...] = (
         always_mask=True,
         refused=(_no_router_loss("AXK2ForCausalLM"),),
     ),
-    Family("dots.llm1", ("dots1",), mask_rule=LAYER_TYPES, refused=(_no_router_loss("Dots1ForCausalLM"),)),
+    Family(
+        "dots.llm1",
+        ("dots1",),
+        mask_rule=LAYER_TYPES,
+        refused=(_no_router_loss("Dots1ForCausalLM"),),
+    ),
     Family(
         "DBRX",
         ("dbrx",),

@@ -261,6 +261,8 @@ def _padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 PER_LAYER_KEY = "per_layer_inputs"
 # the token ids the blocks get (DeepSeek-V4's hash routing), carried likewise
 TOKEN_IDS_KEY = "block_input_ids"
+# what a block passes on to the next (Family.chained), carried likewise
+CHAINED_KEY = "chained"
 # keys and values a layer stored for later layers to reuse, carried from stage
 # to stage as "<prefix><layer type>:key" and ":value"
 SHARED_KV_PREFIX = "shared_kv:"
@@ -452,6 +454,7 @@ class _Decoder(nn.Module):
         rotary_kinds: tuple[str, ...] | None = None,
         rotary_fp32: bool = False,
         rotary_dict: tuple[str, ...] = (),
+        chained: str | None = None,
         nope_scaling: Any = None,
         always_mask: bool = False,
         tiled_sliding: bool = True,
@@ -484,6 +487,9 @@ class _Decoder(nn.Module):
         self.rotary_fp32 = rotary_fp32
         # the rotary tables of these types, as a dict (DeepSeek-V4's)
         self.rotary_dict = tuple(rotary_dict)
+        # the keyword taking what the block before returned beside its hidden
+        # states (it returns the same for the next)
+        self.chained = chained
         # the family's function giving the layers without the rotary table a
         # query scale from the positions (attention_scaling=)
         self.nope_scaling = nope_scaling
@@ -633,6 +639,8 @@ class _Decoder(nn.Module):
             )
         stats, tiles = _router(extra), _tiles(extra)
         carried: dict[str, torch.Tensor] = {}
+        if self.chained is not None:
+            kwargs[self.chained] = extra.get(CHAINED_KEY)
         token_ids = extra.get(TOKEN_IDS_KEY)
         if token_ids is not None:  # (the next blocks' too)
             kwargs["input_ids"] = carried[TOKEN_IDS_KEY] = token_ids
@@ -652,6 +660,8 @@ class _Decoder(nn.Module):
         else:
             with self._tiled_mlp(hidden_states, tiles.get("mlp_tile")), sliding:
                 h = self.layer(hidden_states, **kwargs)
+        if self.chained is not None and h[1] is not None:  # (for the next block)
+            carried[CHAINED_KEY] = h[1]
         if isinstance(h, tuple):
             h = h[0]
         if self.carries_kv and self.scratch_kwargs:

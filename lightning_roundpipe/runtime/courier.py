@@ -79,9 +79,7 @@ class Courier:
             self._items.append((event, fn, job))
             self._cond.notify()
 
-    def grads(
-        self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor | None]]
-    ) -> None:
+    def grads(self, event: Any, job: Job, items: list[tuple[_Param, torch.Tensor | None]]) -> None:
         """Add ``items`` (parameter, fp32 host gradient or None where no
         backward reached it) once ``event`` is done; the job's last item: it is
         done once they are all in."""
