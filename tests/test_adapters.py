@@ -684,6 +684,18 @@ TINY = {
             **TOP2,
         ),
     ),
+    "granite_swa": (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            **GRANITE,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            layer_rope_theta=[500.0, 0],  # a rotary base of its own, then a NoPE layer
+        ),
+    ),
+    "apertus1p5_text": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", LLAMA_LIKE),
     "gemma4_unified_text": (
         "Gemma4UnifiedTextConfig",
         "Gemma4UnifiedForCausalLM",
@@ -1351,7 +1363,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 117
+    model does, in the same order: three steps give the same bits (all 119
     tested model types but Doge and Inkling did on 2026-11-27: their attention
     masks need a gradient, so SDPA takes another kernel in a forward stage,
     without gradients; with two micro-batches the fp32 sum of the gradients
@@ -1393,6 +1405,18 @@ def test_laramini_linear_attention_and_rotary_only_where_the_model_gives_it():
         layer_types=["linear_attention", "sliding_attention", "full_attention"],
         **HYBRID_LINEAR,
     )
+    trains_like_the_default_strategy(LM(model), sync(plan="3|2|3"))
+
+
+def test_granite_swa_layers_get_the_rotary_module_of_their_base():
+    """Granite SWA builds one rotary module per rotary base and gives each
+    layer the one of its base, none for base 0 (NoPE)."""
+    bases = [10000.0, 500.0, 0]
+    types = [*SLIDE_FULL, "full_attention"]
+    model = tiny("granite_swa", num_hidden_layers=3, layer_types=types, layer_rope_theta=bases)
+    rotaries = [d.rotary for d in CausalLMAdapter(model, "model").layers()[1:-1]]
+    assert [r.config.rope_parameters["rope_theta"] for r in rotaries[:2]] == bases[:2]
+    assert rotaries[2] is None
     trains_like_the_default_strategy(LM(model), sync(plan="3|2|3"))
 
 

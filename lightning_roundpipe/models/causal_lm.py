@@ -157,6 +157,23 @@ def _module_function(target: nn.Module, name: str | None) -> Any:
     return getattr(sys.modules[type(target).__module__], name)
 
 
+def _layer_rotary(rotary: nn.Module | None, config: Any, family: Any, i: int) -> nn.Module | None:
+    """Layer ``i``'s rotary module: the model's, or (``rotary_by_theta``) the
+    one of its list built for the layer's rotary base (None: no positions)."""
+    if family.rotary_by_theta is None or rotary is None:
+        return rotary
+    theta = getattr(config, family.rotary_by_theta)[i]
+    if not theta:
+        return None
+    for module in rotary:
+        if module.config.rope_parameters["rope_theta"] == theta:
+            return module
+    raise ValueError(
+        f"config.{family.rotary_by_theta}[{i}]={theta!r} has no rotary module in the model; "
+        f"its bases are {[m.config.rope_parameters['rope_theta'] for m in rotary]}"
+    )
+
+
 def _streams(config: Any, family: Any) -> int | None:
     """How many streams of the hidden states the blocks carry (None: one)."""
     return None if family.hyper_streams is None else int(getattr(config, family.hyper_streams))
@@ -235,7 +252,7 @@ class CausalLMAdapter(_Adapter):
             self._layers.append(
                 _Decoder(
                     layer,
-                    layout.rotary,
+                    _layer_rotary(layout.rotary, config, family, i),
                     config,
                     kind,
                     rotary_per_kind=family.rotary_per_layer_type,

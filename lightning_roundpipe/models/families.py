@@ -96,6 +96,10 @@ class Family:
     rotary_optional: bool = False
     # rotary(hidden, positions, layer_type): one table per attention type (Gemma 3)
     rotary_per_layer_type: bool = False
+    # the config list giving each layer's rotary base (Granite SWA's
+    # layer_rope_theta; 0 or None: no positions): each layer gets the module of
+    # the ``rotary`` list built for its base
+    rotary_by_theta: str | None = None
     # the layer types whose rotary table the model computes for fp32 inputs
     # (in fp32 whatever the compute dtype: Dots3 Note's indexed-attention layers)
     rotary_fp32_kinds: tuple[str, ...] = ()
@@ -817,6 +821,18 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("Aria (text)", ("aria_text",), refused=(_no_router_loss("AriaTextForCausalLM"),)),
     Family("HY-V3", ("hy_v3",), refused=(_no_router_loss("HYV3ForCausalLM"),)),
+    # Granite's scalars, masks per layer_types, one rotary module per rotary
+    # base (layer_rope_theta, 0: NoPE layers)
+    Family(
+        "Granite SWA",
+        ("granite_swa",),
+        rotary="rotary_embs",
+        rotary_by_theta="layer_rope_theta",
+        mask_rule=LAYER_TYPES,
+        embed_multiplier="model.embedding_multiplier",
+        logit_divisor="config.logits_scaling",
+    ),
+    Family("Apertus 1.5 (text)", ("apertus1p5_text",)),
     Family("Emu3 (text)", ("emu3_text_model",)),
     Family("AX K1", ("axk1",), refused=(_no_router_loss("AXK1ForCausalLM"),)),
     # its sparse-attention indexer needs the causal mask itself: always built
