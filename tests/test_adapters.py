@@ -696,6 +696,22 @@ TINY = {
         ),
     ),
     "apertus1p5_text": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", LLAMA_LIKE),
+    "gemma3n_text": (
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        dict(
+            GEMMA3,
+            intermediate_size=[64, 64],
+            final_logit_softcapping=2.0,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=4,  # per-layer embeddings, a slice for each block
+            altup_num_inputs=3,  # three streams of the hidden states
+            laurel_rank=4,
+            num_kv_shared_layers=0,
+            activation_sparsity_pattern=[0.0, 0.0],
+            pad_token_id=None,
+        ),
+    ),
     "gemma4_unified_text": (
         "Gemma4UnifiedTextConfig",
         "Gemma4UnifiedForCausalLM",
@@ -1363,7 +1379,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 119
+    model does, in the same order: three steps give the same bits (all 120
     tested model types but Doge and Inkling did on 2026-11-27: their attention
     masks need a gradient, so SDPA takes another kernel in a forward stage,
     without gradients; with two micro-batches the fp32 sum of the gradients
@@ -1430,17 +1446,20 @@ def test_opt_with_its_norms_after_the_blocks_trains_like_the_default_strategy():
 
 
 @pytest.mark.parametrize("plan", ["3|3|3", "2,2|2|2,2"])
-@pytest.mark.parametrize("kind", ["gemma4_text", "gemma4_unified_text"])
+@pytest.mark.parametrize("kind", ["gemma4_text", "gemma4_unified_text", "gemma3n_text"])
 def test_gemma4_keys_and_values_reused_in_later_stages_train_like_the_default_strategy(kind, plan):
-    """Gemma 4's last layers reuse the keys and values the last earlier layer
-    of their type stored: carried, with their gradient, from the storing
-    stage to the reusing ones, as are the per-layer embeddings' slices
-    (Gemma 4 Unified has none). (One micro-batch: the tiny model trains
-    chaotically, and plain PyTorch with the batch split in two already ends
-    2e-5 from whole batches.)"""
-    moe = {"enable_moe_block": False} if kind == "gemma4_text" else {}
+    """Gemma 4's (and Gemma 3n's) last layers reuse the keys and values the
+    last earlier layer of their type stored: carried, with their gradient,
+    from the storing stage to the reusing ones, as are the per-layer
+    embeddings' slices (Gemma 4 Unified has none). (One micro-batch: the tiny
+    Gemma 4 trains chaotically, and plain PyTorch with the batch split in two
+    already ends 2e-5 from whole batches.)"""
+    settings = {
+        "gemma4_text": {"enable_moe_block": False},
+        "gemma3n_text": {"intermediate_size": [64] * 4, "activation_sparsity_pattern": [0.0] * 4},
+    }.get(kind, {})
     model = tiny(
-        kind, num_hidden_layers=4, layer_types=SLIDE_FULL * 2, num_kv_shared_layers=2, **moe
+        kind, num_hidden_layers=4, layer_types=SLIDE_FULL * 2, num_kv_shared_layers=2, **settings
     )
     assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     adapter = CausalLMAdapter(model, "model")

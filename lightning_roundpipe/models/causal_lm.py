@@ -44,6 +44,8 @@ from .base import _Adapter, _from_pipeline, _give_factor, _needing_grad
 from .layers import (
     ROUTER_KEYS,
     TILE_KEYS,
+    _AltUpIn,
+    _AltUpOut,
     _Decoder,
     _Embed,
     _Head,
@@ -175,7 +177,8 @@ def _layer_rotary(rotary: nn.Module | None, config: Any, family: Any, i: int) ->
 
 
 def _streams(config: Any, family: Any) -> int | None:
-    """How many streams of the hidden states the blocks carry (None: one)."""
+    """How many streams of the hidden states the blocks carry after
+    DeepSeek-V4's repeat of the embeddings (None: none)."""
     return None if family.hyper_streams is None else int(getattr(config, family.hyper_streams))
 
 
@@ -235,8 +238,13 @@ class CausalLMAdapter(_Adapter):
                 else None,
                 streams=_streams(config, family),
                 token_ids=family.block_input_ids,
+                streams_in=_AltUpIn(layout.base) if family.altup else None,
             )
         ]
+        # streams of the hidden states the blocks carry (DeepSeek-V4, Gemma 3n)
+        self._streams = _streams(config, family) or (
+            int(config.altup_num_inputs) if family.altup else 1
+        )
         kinds = layer_kinds(config, family, len(layout.layers))
         self._chunked = "chunked_attention" in kinds
         modes = list(getattr(config, family.kv_sharing) or []) if family.kv_sharing else []
@@ -260,6 +268,7 @@ class CausalLMAdapter(_Adapter):
                     rotary_fp32=kind in family.rotary_fp32_kinds,
                     rotary_dict=family.rotary_dict,
                     chained=family.chained,
+                    streams_first=family.altup,
                     nope_scaling=_module_function(target, family.nope_scaling),
                     always_mask=family.always_mask,
                     tiled_sliding=family.tiled_sliding,
@@ -288,7 +297,7 @@ class CausalLMAdapter(_Adapter):
                 project_out=layout.project_out,
                 cast_to_head=family.cast_to_head,
                 vocab=_scalar(target, family.logit_vocab),
-                pre=layout.head_pre,
+                pre=_AltUpOut(layout.base) if family.altup else layout.head_pre,
             )
         )
         # transient elements per token of a loss chunk (the logits in the compute
@@ -318,7 +327,7 @@ class CausalLMAdapter(_Adapter):
         first boundary's)."""
         size = torch.empty(0, dtype=dtype).element_size()
         config = self.layout.config
-        hidden = int(config.hidden_size) * (self._layers[0].streams or 1)
+        hidden = int(config.hidden_size) * self._streams
         router = self._experts * 16 + 8
         per_token = 0
         ids_bytes = 8 if self._layers[0].token_ids else 0  # (the token ids, carried)

@@ -172,6 +172,11 @@ class Family:
     # the model gives every block a dict of the rotary tables of these types
     # (DeepSeek-V4's "main" and "compress"), whatever the block's type
     rotary_dict: tuple[str, ...] = ()
+    # Gemma 3n's AltUp: the blocks carry altup_num_inputs streams of the hidden
+    # states, stacked first ([streams, batch, sequence, hidden]), made from the
+    # embeddings by altup_projections and merged by altup_unembed_projections
+    # before the final norm
+    altup: bool = False
     # each block returns (hidden states, a value) and the next block gets the
     # value as this keyword (None for the first): the sparse-attention top-k
     # indices that GLM-MoE-DSA's and HY-V4's layers pass on, carried from
@@ -634,6 +639,15 @@ FAMILIES: tuple[Family, ...] = (
         chained="prev_topk_indices",
         cast_to_head=True,
         refused=(_no_router_loss("HYV4ForCausalLM"),),
+    ),
+    # Gemma 3n: Gemma 3's masks and rotary tables, AltUp streams, per-layer
+    # embeddings and key-value sharing (as Gemma 4's), soft-capped logits
+    Family(
+        "Gemma 3n (text)",
+        ("gemma3n_text",),
+        logit_softcap="config.final_logit_softcapping",
+        altup=True,
+        **_GEMMA4,
     ),
     # Gemma 4 Unified: Gemma 4's attention and key-value sharing, without
     # per-layer embeddings or MoE

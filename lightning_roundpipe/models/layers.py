@@ -279,6 +279,7 @@ class _PerLayerInputs(nn.Module):
         "hidden_size_per_layer_input",
         "per_layer_input_scale",
         "per_layer_model_projection_scale",
+        "per_layer_projection_scale",
         "config",
     )
     _MODULES = (
@@ -293,13 +294,69 @@ class _PerLayerInputs(nn.Module):
         for name in self._MODULES:
             setattr(self, name, getattr(base, name))
         for name in self._ATTRIBUTES:
-            setattr(self, name, getattr(base, name))
+            if name in base._buffers:  # (Gemma 3n's scales: they go to the device)
+                self.register_buffer(name, base._buffers[name], persistent=False)
+            elif hasattr(base, name):
+                setattr(self, name, getattr(base, name))
         self._get = type(base).get_per_layer_inputs
         self._project = type(base).project_per_layer_inputs
+        # Gemma 3n looks the tokens up only (none for given inputs_embeds)
+        self._from_ids_only = len(inspect.signature(self._get).parameters) == 2
 
     def forward(self, input_ids, inputs_embeds):
-        tokens = self._get(self, input_ids, inputs_embeds)
+        if self._from_ids_only:
+            tokens = None if input_ids is None else self._get(self, input_ids)
+        else:
+            tokens = self._get(self, input_ids, inputs_embeds)
         return self._project(self, inputs_embeds, tokens)
+
+
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """Each position's root-mean-square over the hidden size."""
+    return torch.mean(x**2, dim=-1, keepdim=True) ** 0.5
+
+
+def _rescaled(x: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` with each position's root-mean-square set to ``magnitude``."""
+    x = x.to(dtype=dtype, device=magnitude.device)
+    return x * magnitude / torch.sqrt(torch.mean(x**2, dim=-1, keepdim=True).clamp(min=1e-5))
+
+
+class _AltUpIn(nn.Module):
+    """Gemma 3n's streams from the embeddings (``[streams, batch, sequence,
+    hidden]``): the embeddings, then each of its ``altup_projections`` of them
+    at the embeddings' magnitude (what ``Gemma3nTextModel.forward`` does
+    before its first block; its code is inline there, so written here)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.altup_projections = base.altup_projections
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        magnitude = _magnitude(h)
+        streams = [h, *(_rescaled(p(h), magnitude, h.dtype) for p in self.altup_projections)]
+        return torch.stack(streams, dim=0)
+
+
+class _AltUpOut(nn.Module):
+    """Gemma 3n's merge of the streams after the last block: the first, and
+    each ``altup_unembed_projections`` of the others at the first's
+    magnitude, averaged (before the final norm)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.altup_unembed_projections = base.altup_unembed_projections
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        magnitude = _magnitude(h[0])
+        merged = [
+            h[0],
+            *(
+                _rescaled(p(h[i + 1]), magnitude, h.dtype)
+                for i, p in enumerate(self.altup_unembed_projections)
+            ),
+        ]
+        return torch.mean(torch.stack(merged), dim=0)
 
 
 class _Embed(nn.Module):
@@ -325,8 +382,11 @@ class _Embed(nn.Module):
         per_layer: nn.Module | None = None,
         streams: int | None = None,
         token_ids: bool = False,
+        streams_in: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        # makes the streams the blocks carry, stacked first (Gemma 3n's AltUp)
+        self.streams_in = streams_in
         self.multiply_given = multiply_given
         # hidden-state streams the blocks carry (DeepSeek-V4's hyper-connections)
         self.streams = streams
@@ -378,6 +438,8 @@ class _Embed(nn.Module):
             h = self.norm(h)
         if self.streams is not None:
             h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+        if self.streams_in is not None:
+            h = self.streams_in(h)
         if self.token_ids and input_ids is not None:
             carried[TOKEN_IDS_KEY] = input_ids
         stats: dict[str, torch.Tensor] = {}
@@ -455,6 +517,7 @@ class _Decoder(nn.Module):
         rotary_fp32: bool = False,
         rotary_dict: tuple[str, ...] = (),
         chained: str | None = None,
+        streams_first: bool = False,
         nope_scaling: Any = None,
         always_mask: bool = False,
         tiled_sliding: bool = True,
@@ -490,6 +553,9 @@ class _Decoder(nn.Module):
         # the keyword taking what the block before returned beside its hidden
         # states (it returns the same for the next)
         self.chained = chained
+        # the hidden states are streams stacked first (Gemma 3n's AltUp): the
+        # masks are built for one of them
+        self.streams_first = streams_first
         # the family's function giving the layers without the rotary table a
         # query scale from the positions (attention_scaling=)
         self.nope_scaling = nope_scaling
@@ -543,6 +609,8 @@ class _Decoder(nn.Module):
         are kept apart from ``position_ids``."""
         from transformers import masking_utils
 
+        if self.streams_first:
+            hidden_states = hidden_states[0]
         if self.kind in MASKLESS_KINDS:
             return None
         if self.kind in RECURRENT_KINDS:
@@ -838,8 +906,6 @@ class _Head(nn.Module):
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The logits of ``hidden_states`` (each position alone)."""
-        if self.pre is not None:
-            hidden_states = self.pre(hidden_states)
         hidden_states = self.norm(hidden_states)
         if self.project_out is not None:
             hidden_states = self.project_out(hidden_states)
@@ -870,10 +936,14 @@ class _Head(nn.Module):
         mlp_tile=None,
         **router,
     ):
-        tokens = hidden_states.shape[:2].numel()
+        if self.pre is not None:  # (merges streams: the tokens' hidden states after it)
+            hidden_states = self.pre(hidden_states)
+        tokens = hidden_states.shape[:-1].numel()
         if loss_chunk and tokens > loss_chunk and not draws_random(self):
             # the loss computes the logits chunk by chunk (tiling.ChunkedLogits)
-            logits = ChunkedLogits(hidden_states, self.project, trainable(self), loss_chunk)
+            pre = {id(p) for p in self.pre.parameters()} if self.pre is not None else set()
+            params = [p for p in trainable(self) if id(p) not in pre]
+            logits = ChunkedLogits(hidden_states, self.project, params, loss_chunk)
         else:
             logits = self.project(hidden_states)
         stats = _router(router)
