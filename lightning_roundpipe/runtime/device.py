@@ -10,6 +10,7 @@ operation is synchronous on the worker's thread.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 from collections.abc import Iterator
@@ -90,6 +91,26 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
+def generator_state(gen: torch.Generator) -> torch.Tensor:
+    """``gen.get_state()`` without a deadlock between threads.
+
+    PyTorch's binding holds the generator's mutex while it wraps the state
+    in a Python tensor; that allocation may run the garbage collector, whose
+    finalizers may release the GIL, so a second thread calling it meanwhile
+    (holding the GIL, waiting for the mutex) deadlocks the process, the
+    watchdog included. Hence callers hold the device's RNG lock (one of
+    RoundPipe's threads at a time) and the collector waits for the call
+    (the mutex is never held without the GIL)."""
+    with _rng_lock(gen.device):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return gen.get_state()
+        finally:
+            if collecting:
+                gc.enable()
+
+
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
     """Run a block with the device's default generator seeded to ``seed``.
@@ -102,7 +123,7 @@ def seeded(device: torch.device, seed: int) -> Iterator[None]:
     instead, which holds no lock around compute."""
     gen = _generator(device)
     with _rng_lock(device):
-        state = gen.get_state()
+        state = generator_state(gen)
         gen.manual_seed(seed)
         try:
             yield
@@ -137,12 +158,12 @@ class _SeededOps(TorchDispatchMode):
         # lend it our state for this one op only
         shared = torch.default_generator
         with _rng_lock(torch.device("cpu")):
-            saved = shared.get_state()
-            shared.set_state(self.gen.get_state())
+            saved = generator_state(shared)
+            shared.set_state(generator_state(self.gen))
             try:
                 return func(*args, **kwargs)
             finally:
-                self.gen.set_state(shared.get_state())
+                self.gen.set_state(generator_state(shared))
                 shared.set_state(saved)
 
 
@@ -182,9 +203,9 @@ class LayerRandomness:
             return
         if self.random.get(training) is False:
             gen = torch.default_generator
-            before = gen.get_state().numpy().tobytes()
+            before = generator_state(gen).numpy().tobytes()
             yield
-            if before != gen.get_state().numpy().tobytes():
+            if before != generator_state(gen).numpy().tobytes():
                 # this layer, or another thread (the training loop drawing random
                 # numbers while workers compute), moved the default generator:
                 # seed this layer from now on, to be safe
