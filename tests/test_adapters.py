@@ -695,6 +695,20 @@ TINY = {
             layer_rope_theta=[500.0, 0],  # a rotary base of its own, then a NoPE layer
         ),
     ),
+    "granitemoe_swa": (
+        "GraniteMoeSWAConfig",
+        "GraniteMoeSWAForCausalLM",
+        dict(
+            LLAMA_LIKE,
+            **GRANITE,
+            sliding_window=3,
+            layer_types=SLIDE_FULL,
+            layer_rope_theta=[500.0, 0],
+            num_local_experts=4,
+            shared_intermediate_size=16,
+            **TOP2,
+        ),
+    ),
     "apertus1p5_text": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", LLAMA_LIKE),
     "gemma3n_text": (
         "Gemma3nTextConfig",
@@ -1240,6 +1254,7 @@ MOE_AUX = [
     "laguna",
     "minimax_m3_vl_text",
     "deepseek_v4",
+    "granitemoe_swa",
 ]
 
 
@@ -1379,7 +1394,7 @@ def test_every_family_trains_like_the_default_strategy(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "nemotron", "gpt_oss"])
 def test_bf16_true_with_one_microbatch_trains_bit_for_bit_like_the_default_strategy(kind):
     """With the module in bf16 and one micro-batch a stage computes what the
-    model does, in the same order: three steps give the same bits (all 120
+    model does, in the same order: three steps give the same bits (all 121
     tested model types but Doge and Inkling did on 2026-11-27: their attention
     masks need a gradient, so SDPA takes another kernel in a forward stage,
     without gradients; with two micro-batches the fp32 sum of the gradients

@@ -846,6 +846,17 @@ FAMILIES: tuple[Family, ...] = (
         embed_multiplier="model.embedding_multiplier",
         logit_divisor="config.logits_scaling",
     ),
+    Family(
+        "Granite-MoE SWA",
+        ("granitemoe_swa",),
+        rotary="rotary_embs",
+        rotary_by_theta="layer_rope_theta",
+        mask_rule=LAYER_TYPES,
+        embed_multiplier="model.embedding_multiplier",
+        logit_divisor="config.logits_scaling",
+        router_aux=_MOE,
+        mlp="block_sparse_moe",  # (the shared MLP beside it runs whole)
+    ),
     Family("Apertus 1.5 (text)", ("apertus1p5_text",)),
     Family("Emu3 (text)", ("emu3_text_model",)),
     Family("AX K1", ("axk1",), refused=(_no_router_loss("AXK1ForCausalLM"),)),
