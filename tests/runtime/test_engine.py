@@ -120,6 +120,41 @@ def test_transformer_with_dropout_matches_seeded_reference(plan, n):
     assert_grads_equal(layers, ref)
 
 
+def test_the_default_generators_state_is_read_by_one_thread_without_collection(monkeypatch):
+    """PyTorch's ``get_state`` holds the generator's mutex while it allocates
+    the state tensor; a garbage collection there can hand the GIL to another
+    worker that then waits for the mutex: a whole-process deadlock (seen once
+    on CPU workers, around every layer call). So every read goes through
+    ``generator_state``: under the device's RNG lock, collector paused."""
+    import gc
+
+    from lightning_roundpipe.runtime import device as dev
+
+    seen = []
+
+    class Probe:  # (a generator whose get_state reports the conditions)
+        device = torch.device("cpu")
+
+        def get_state(self):
+            seen.append((gc.isenabled(), dev._rng_lock(self.device)._is_owned()))
+            return torch.zeros(1, dtype=torch.uint8)
+
+    assert gc.isenabled()
+    dev.generator_state(Probe())
+    assert seen == [(False, True)] and gc.isenabled()
+    # the layers of a CPU worker read the default generator only that way
+    reads = []
+    real = dev.generator_state
+    monkeypatch.setattr(dev, "generator_state", lambda g: reads.append(g) or real(g))
+    layers = mlp()
+    with engine(layers, 2, 2, "4|3|4") as eng:
+        eng.forward_backward(
+            torch.randn(4, 8), labels=torch.randn(4, 4), loss_fn=nn.functional.mse_loss
+        )
+        eng.synchronize()
+    assert reads and all(g is torch.default_generator for g in reads)
+
+
 def test_dropout_results_do_not_depend_on_device_count_or_plan():
     ids, labels = lm_batch(8)
     results = []
