@@ -50,6 +50,7 @@ from .layers import (
     _Embed,
     _Head,
     _PerLayerInputs,
+    _RepeatStreams,
     balance_loss,
     is_packed,
 )
@@ -176,10 +177,21 @@ def _layer_rotary(rotary: nn.Module | None, config: Any, family: Any, i: int) ->
     )
 
 
-def _streams(config: Any, family: Any) -> int | None:
-    """How many streams of the hidden states the blocks carry after
-    DeepSeek-V4's repeat of the embeddings (None: none)."""
-    return None if family.hyper_streams is None else int(getattr(config, family.hyper_streams))
+def _streams(config: Any, family: Any) -> int:
+    """How many streams of the hidden states the blocks carry (DeepSeek-V4's
+    hyper-connections, Gemma 3n's AltUp; 1: the hidden states alone)."""
+    if family.hyper_streams is not None:
+        return int(getattr(config, family.hyper_streams))
+    return int(config.altup_num_inputs) if family.altup else 1
+
+
+def _streams_in(base: nn.Module, config: Any, family: Any) -> nn.Module | None:
+    """What makes those streams from the embeddings (None: one stream)."""
+    if family.altup:
+        return _AltUpIn(base)
+    if family.hyper_streams is not None:
+        return _RepeatStreams(_streams(config, family))
+    return None
 
 
 def _rotary_kinds(config: Any, family: Any) -> tuple[str, ...] | None:
@@ -236,15 +248,11 @@ class CausalLMAdapter(_Adapter):
                 per_layer=_PerLayerInputs(layout.base)
                 if _has_per_layer_inputs(config, family)
                 else None,
-                streams=_streams(config, family),
                 token_ids=family.block_input_ids,
-                streams_in=_AltUpIn(layout.base) if family.altup else None,
+                streams_in=_streams_in(layout.base, config, family),
             )
         ]
-        # streams of the hidden states the blocks carry (DeepSeek-V4, Gemma 3n)
-        self._streams = _streams(config, family) or (
-            int(config.altup_num_inputs) if family.altup else 1
-        )
+        self._streams = _streams(config, family)
         kinds = layer_kinds(config, family, len(layout.layers))
         self._chunked = "chunked_attention" in kinds
         modes = list(getattr(config, family.kv_sharing) or []) if family.kv_sharing else []

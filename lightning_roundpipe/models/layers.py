@@ -322,6 +322,18 @@ def _rescaled(x: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> t
     return x * magnitude / torch.sqrt(torch.mean(x**2, dim=-1, keepdim=True).clamp(min=1e-5))
 
 
+class _RepeatStreams(nn.Module):
+    """DeepSeek-V4's streams from the embeddings (``[batch, sequence, streams,
+    hidden]``): the embeddings, repeated."""
+
+    def __init__(self, streams: int) -> None:
+        super().__init__()
+        self.streams = streams
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+
+
 class _AltUpIn(nn.Module):
     """Gemma 3n's streams from the embeddings (``[streams, batch, sequence,
     hidden]``): the embeddings, then each of its ``altup_projections`` of them
@@ -380,16 +392,14 @@ class _Embed(nn.Module):
         positions_from_mask: bool = False,
         multiply_given: bool = True,
         per_layer: nn.Module | None = None,
-        streams: int | None = None,
         token_ids: bool = False,
         streams_in: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        # makes the streams the blocks carry, stacked first (Gemma 3n's AltUp)
+        # makes the streams of hidden states the blocks carry (DeepSeek-V4's
+        # hyper-connections, Gemma 3n's AltUp)
         self.streams_in = streams_in
         self.multiply_given = multiply_given
-        # hidden-state streams the blocks carry (DeepSeek-V4's hyper-connections)
-        self.streams = streams
         # the token ids go on to the blocks
         self.token_ids = token_ids
         self.per_layer = per_layer
@@ -436,8 +446,6 @@ class _Embed(nn.Module):
             h = nn.functional.dropout(h, self.dropout_rate, training=self.embed.training)
         if self.norm is not None:
             h = self.norm(h)
-        if self.streams is not None:
-            h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         if self.streams_in is not None:
             h = self.streams_in(h)
         if self.token_ids and input_ids is not None:

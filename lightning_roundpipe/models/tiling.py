@@ -140,12 +140,6 @@ class ChunkedLogits:
         )
 
 
-def _per_token(hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden`` (batch, sequence, ...) as one row per token, each keeping its
-    own dimensions (the hidden size; DeepSeek-V4's streams too)."""
-    return hidden.reshape(-1, *hidden.shape[2:])
-
-
 def _loss_chunks(
     flat: torch.Tensor,
     target: torch.Tensor,
@@ -172,7 +166,7 @@ def _loss_chunks(
         stop = min(start + chunk, flat.shape[0])
         with torch.set_grad_enabled(grad):
             x = flat[start:stop].detach().requires_grad_(want_h)
-            logits = project(x[None])[0]  # (a batch of one sequence: the chunk)
+            logits = project(x)
             part = (
                 nn.functional.cross_entropy(
                     logits.float(), target[start:stop], ignore_index=-100, reduction="sum"
@@ -205,7 +199,7 @@ class _ChunkedLoss(torch.autograd.Function):
         want = [ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]]
         ctx.shape, ctx.project, ctx.chunk = hidden.shape, project, chunk
         ctx.dtypes = [p.dtype for p in params]
-        flat = _per_token(hidden)
+        flat = hidden.reshape(-1, hidden.shape[-1])
         ctx.eager = any(want) and hidden.dtype != torch.float16
         if ctx.eager:
             loss, gh, gp = _loss_chunks(flat, target, count, project, chunk, params, want, None)
@@ -227,7 +221,7 @@ class _ChunkedLoss(torch.autograd.Function):
             gp = [None if v is None else v * g for v in gp]
         else:
             hidden, target, count, *params = ctx.saved_tensors
-            flat = _per_token(hidden)
+            flat = hidden.reshape(-1, hidden.shape[-1])
             _, gh, gp = _loss_chunks(flat, target, count, ctx.project, ctx.chunk, params, want, g)
             gh = None if gh is None else gh.reshape(ctx.shape)
         params_out = [None if v is None else v.to(d) for v, d in zip(gp, ctx.dtypes, strict=True)]
