@@ -75,6 +75,20 @@ GEMMA4 = dict(
     top_k_experts=2,
     moe_intermediate_size=16,
 )
+
+
+def gemma_multimodal(text: dict) -> dict:
+    """A multimodal Gemma 4 config around the tiny ``text`` one: a one-layer
+    vision tower, no audio (its text config needs a padding token)."""
+    return dict(
+        text_config=dict(text, bos_token_id=None, eos_token_id=None, pad_token_id=0),
+        vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        ),
+        audio_config=None,
+    )
+
+
 MAMBA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=None)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4)
 # multi-head latent attention (DeepSeek-V3's)
@@ -605,13 +619,7 @@ TINY = {
     "gemma4": (
         "Gemma4Config",
         "Gemma4ForConditionalGeneration",
-        dict(
-            text_config=dict(GEMMA4, bos_token_id=None, eos_token_id=None, pad_token_id=0),
-            vision_config=dict(
-                hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-            ),
-            audio_config=None,
-        ),
+        gemma_multimodal(GEMMA4),
     ),
     # (eager attention: the model has no sdpa)
     "deepseek_v4": (
@@ -734,13 +742,7 @@ TINY = {
     "gemma4_unified": (
         "Gemma4UnifiedConfig",
         "Gemma4UnifiedForConditionalGeneration",
-        dict(
-            text_config=dict(GEMMA3, bos_token_id=None, eos_token_id=None, pad_token_id=0),
-            vision_config=dict(
-                hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-            ),
-            audio_config=None,
-        ),
+        gemma_multimodal(GEMMA3),
     ),
     "granitemoehybrid": (
         "GraniteMoeHybridConfig",
