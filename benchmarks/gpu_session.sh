@@ -11,7 +11,8 @@
 #                                              # master copies against one, ~2.5 min)
 #   bash benchmarks/gpu_session.sh profile     # a torch.profiler trace of two steady 1.7B
 #                                              # RoundPipe steps: summary and timeline (~2 min)
-#   bash benchmarks/gpu_session.sh lora        # Llama-3.1-8B LoRA r=32 throughput (~6 min)
+#   bash benchmarks/gpu_session.sh lora        # Llama-3.1-8B LoRA r=32 throughput (~6 min;
+#                                              # STRATEGIES picks, as for throughput)
 #   bash benchmarks/gpu_session.sh seqlen      # longest sequence, 1.7B, micro-batch 1 (~9 min)
 #   bash benchmarks/gpu_session.sh engine      # engine throughput, protocol ablation, overheads (~5 min)
 #   bash benchmarks/gpu_session.sh longctx-memory      # Llama-3.1-8B LoRA blocks at 64K-1M tokens:
@@ -24,15 +25,16 @@
 # Done on H200s on 2026-11-26 (docs/benchmarks.md): tests, throughput
 # (DeepSpeed not installed then), three long-sequence probes; later that day
 # tests, throughput of roundpipe / roundpipe_one_copy / auto, the profile
-# (twice) and longctx-memory at 64K and 256K tokens.
+# (twice) and longctx-memory at 64K and 256K tokens. On 2026-11-27: tests
+# (all 27 pass), roundpipe throughput at 1.7B (the courier fix holds); the
+# 8B LoRA trials timed out while building the model on the CPU (now drawn on
+# the GPU); DeepSpeed's CPU Adam compiles there from the carried wheels.
 #
 # Next session (15 device-minutes), after `bash benchmarks/gpu_wheels.sh` here:
-#   call 1 (~9 min): tests (the rewritten sliding-window test, and the courier
-#                    fix); profile (the second gradient staging block and its
-#                    3.6 s stall should be gone); STRATEGIES="roundpipe auto"
-#                    throughput
-#   call 2 (~5 min, same warm machine): lora with --strategies roundpipe
-#                    fsdp_offload deepspeed_offload, or longctx-rewalk
+#   call 1 (~9 min): lora (roundpipe, fsdp_offload, deepspeed_offload; check
+#                    the "built ... in" lines of trials.log first), then
+#                    STRATEGIES="roundpipe auto deepspeed_offload" throughput
+#   call 2 (~3 min, same warm machine): profile, or longctx-rewalk
 # then, with what is left: seqlen, engine, longctx-memory at 1M,
 # longctx-throughput. The profile's trace comes back in 15 MB pieces.
 #
@@ -129,10 +131,13 @@ lora)
         export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
     else
         args=(--sizes llama-8b --lora 32 --seq 2048 --batch 32 --micro 4 --steps 4)
-        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-170}"
+        # the offloading peers' 8B steps: over a minute of the trial's time
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-200}"
     fi
+    names=(roundpipe auto fsdp_offload deepspeed_offload)
+    if [ -n "${STRATEGIES:-}" ]; then read -r -a names <<<"$STRATEGIES"; fi
     ROUNDPIPE_TRIAL_LOG="$out/trials.log" python benchmarks/throughput.py "${args[@]}" \
-        --strategies roundpipe auto fsdp_offload deepspeed_offload \
+        --strategies "${names[@]}" \
         --json "$out/throughput-lora.json" --append "$out/throughput-lora.md"
     ;;
 seqlen)

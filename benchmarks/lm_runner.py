@@ -64,13 +64,40 @@ def build_model(size: str, lora: int = 0, base_dtype=None):
     else:
         config, cls = Qwen3Config(**shape), Qwen3ForCausalLM
     dtype = base_dtype or torch.float32
-    model = cls._from_config(config, dtype=dtype) if lora else cls(config)
+    started = time.perf_counter()
+    model = _random_model(cls, config, dtype)
+    print(f"built {size} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if lora:
         from peft import LoraConfig, get_peft_model
 
         adapters = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear")
         model = get_peft_model(model, adapters)  # (adapters in fp32)
     return model
+
+
+def _random_model(cls, config, dtype):
+    """``cls`` from ``config`` with random weights in ``dtype``, on the CPU.
+
+    With a GPU, the weights are drawn there and copied down: PyTorch draws
+    CPU random numbers on one thread (about 60 M parameters/s through
+    transformers' init), so an 8B model took over two minutes to build on the
+    GPU machine, more than a benchmark trial's time limit. A model too large
+    for the GPU is drawn on the CPU.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            with torch.device("cuda"):
+                model = cls._from_config(config, dtype=dtype)
+            model = model.to("cpu")
+        except torch.OutOfMemoryError:
+            model = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the trial's peak is its own
+        if model is not None:
+            return model
+    return cls._from_config(config, dtype=dtype)
 
 
 def build_module(
