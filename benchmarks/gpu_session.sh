@@ -100,7 +100,7 @@ throughput)
         # tokens/s from the median step after the first: 8 steps, so that the
         # median of 7 is a steady step (with 5, a warm-up step counted)
         args=(--sizes 1.7b --seq 2048 --batch 64 --micro 4 --steps 8)
-        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-200}"
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-240}"
     fi
     if [ -n "${STRATEGIES:-}" ]; then
         read -r -a names <<<"$STRATEGIES"
@@ -131,8 +131,8 @@ lora)
         export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-120}"
     else
         args=(--sizes llama-8b --lora 32 --seq 2048 --batch 32 --micro 4 --steps 4)
-        # the offloading peers' 8B steps: over a minute of the trial's time
-        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-200}"
+        # FSDP offload moves the fp32 base three times per micro-batch: minutes
+        export ROUNDPIPE_TRIAL_TIMEOUT="${ROUNDPIPE_TRIAL_TIMEOUT:-240}"
     fi
     names=(roundpipe auto fsdp_offload deepspeed_offload)
     if [ -n "${STRATEGIES:-}" ]; then read -r -a names <<<"$STRATEGIES"; fi
