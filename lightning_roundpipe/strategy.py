@@ -35,7 +35,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -298,6 +298,12 @@ class RoundPipeStrategy(ParallelStrategy):
         self._adapter = None
         self._stack_called = False  # the fit's first training step is checked
         self._restore: list[Callable[[], None]] = []
+        # each pipeline parameter's version counter and storage when the engine
+        # last wrote or copied it, with the engine's step count then
+        self._noted: tuple[int, list[tuple[int, int]]] | None = None
+        self._averaging = False  # a weight-averaging callback swaps weights through .data
+        self._evaluating = False  # an evaluation's first step has yet to run
+        self._evaluated = False  # training resumes after an evaluation
         # out-of-memory re-planning during the fit's first training batch
         self._retry = FirstBatchRetry(
             self,
@@ -490,7 +496,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if self._distributed():
             with self._with_servers("all_gather"):
                 return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
-        return tensor.unsqueeze(0)
+        return tensor  # one process: no added dimension, as Lightning's strategies
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -541,8 +547,17 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"RoundPipeStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}"
             )
+        opt = self.optimizers[0]
+        closure = inspect.signature(opt.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{type(opt).__name__}.step needs a closure: it evaluates the loss several "
+                "times per step (as LBFGS does), while RoundPipe runs each batch's forward and "
+                "backward through the pipeline once and steps afterwards. Return an optimizer "
+                "from configure_optimizers whose step takes no closure (AdamW, SGD, ...)"
+            )
         owned = {id(p) for p in module.parameters()}
-        for group in self.optimizers[0].param_groups:
+        for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in owned:
                     raise ValueError(
@@ -622,9 +637,13 @@ class RoundPipeStrategy(ParallelStrategy):
             f"{'asynchronous' if self.async_optimizer else 'synchronous'} optimizer; "
             f"simulated bubble {self._bubble:.1%} (size-based estimates)"
         )
+        self._averaging = any(isinstance(cb, _AVERAGING) for cb in trainer.callbacks)
+        self._note_weights()
         if trainer.state.fn == TrainerFn.FITTING:
             self._warn_batch_statistics(adapter, m)
             self._route_optimizer_calls(trainer)
+            if self.async_optimizer:
+                self._settle_for_callbacks(trainer)
             self._resume_stale()
             # a rebuild within the fit, or of a resumed one: go on counting
             if self.precision_plugin.carried is not None:
@@ -754,6 +773,91 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.async_optimizer:
             _warn_gradient_hooks(trainer, module)
 
+    def _settle_for_callbacks(self, trainer: Any) -> None:
+        """Under the asynchronous optimizer, the queued update is applied
+        before any callback's ``on_train_epoch_end`` and ``on_train_end`` (and
+        ``on_train_batch_end`` where a weight-averaging callback reads the
+        weights after every batch): such hooks would otherwise read weights the
+        optimizer thread is writing, and ``on_train_end``'s final weights (an
+        average copied in) would get the last update on top."""
+        readers = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, _PER_STEP)]
+        every_batch = bool(readers)
+        if every_batch:
+            names = ", ".join(readers)
+            rank_zero_info(
+                f"RoundPipe: {names} reads the weights after every batch; each asynchronous "
+                "update is applied before it (the update no longer overlaps the next batch)"
+            )
+        settle = _SettleUpdates(self, every_batch)
+        trainer.callbacks.insert(0, settle)
+        self._restore.append(lambda: trainer.callbacks.remove(settle))
+
+    def _note_weights(self) -> None:
+        """Remember what the engine's master copies hold: each pipeline
+        parameter's version counter and storage, with the engine's step count
+        (after it was built, drained, or took a synchronous step)."""
+        engine = self.engine
+        if engine is None:
+            self._noted = None
+            return
+        seen = [(p._version, p.data_ptr()) for p in engine.parameters()]
+        self._noted = (engine.steps_submitted, seen)
+
+    def _follow_weights(self, everything: bool = False) -> None:
+        """Parameters changed in place outside the optimizer step since the
+        engine last saw them (a hook loading or clamping weights, a callback
+        swapping in averaged ones) go into its master copies, so the next
+        forward computes with them, as without RoundPipe. Seen by version
+        counter and storage; ``everything``: copy all of them (a change through
+        ``.data``, which PyTorch does not count). Under the asynchronous
+        optimizer only while no step was queued since the engine last drained:
+        a hook that changes weights between such points races the optimizer
+        thread, which writes them."""
+        engine, noted = self.engine, self._noted
+        if engine is None or noted is None or engine.steps_submitted != noted[0]:
+            return
+        params = engine.parameters()
+        if everything:
+            engine.reload_weights()
+        else:
+            changed = [
+                p
+                for p, (version, ptr) in zip(params, noted[1], strict=True)
+                if p._version != version or p.data_ptr() != ptr
+            ]
+            if not changed:
+                return
+            engine.reload_weights(changed)
+            log.debug("RoundPipe: %d parameter(s) changed outside a step, reloaded", len(changed))
+        self._note_weights()
+
+    def reload_weights(self) -> None:
+        """Make the next forward compute with the module's current parameters.
+
+        RoundPipe computes with its own copies of the weights. It sees a
+        parameter changed in place outside the optimizer step (``load_state_dict``
+        or ``copy_`` in a hook, ``nn.init``) by its version counter, and
+        Lightning's weight-averaging callbacks are handled; a change through
+        ``.data`` (``p.data.copy_(w)``) is invisible to it. Call this after
+        making one. Waits for queued optimizer steps."""
+        if self.engine is not None:
+            self.engine.reload_weights()
+            self._note_weights()
+
+    def _start_window(self) -> None:
+        """Lightning zeroes the gradients before the first batch of each
+        accumulation window. The engine's window still holding gradients then
+        means no step took them (an ``optimizer_step`` override that skipped
+        ``optimizer.step()``): they are dropped before this batch dispatches,
+        as Lightning's ``zero_grad`` drops them in plain training."""
+        engine = self.engine
+        trainer = self.lightning_module.trainer
+        if engine is None or not engine.has_pending_gradients or trainer is None:
+            return
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            engine.zero_grad()
+
     # -------------------------------------------------------- optimizing
     @override
     def optimizer_step(
@@ -772,6 +876,8 @@ class RoundPipeStrategy(ParallelStrategy):
         result = self.precision_plugin.optimizer_step(
             optimizer, model=model, closure=run_closure, **kwargs
         )
+        if not self.async_optimizer:  # the step wrote the weights and their copies
+            self._note_weights()
         if result is not None or earlier:  # a step was taken
             self._log_metrics(model.trainer)
         return result
@@ -827,6 +933,11 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._follow_trainable()
+        # after an evaluation that averaged weights were swapped in for (and
+        # out again, through .data): the training weights back, all of them
+        self._follow_weights(everything=self._evaluated)
+        self._evaluated = False
+        self._start_window()
         first = not self._stack_called
         before = self.engine.iteration if self.engine is not None else 0
         if not self._retry.open:
@@ -900,6 +1011,30 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.use_newest_weights()  # (drained: the groups too)
             self.precision_plugin.merge_groups()
+            self._note_weights()
+            self._evaluating = True
+
+    def _evaluation_step(self) -> None:
+        """Weights changed since the evaluation started (a weight-averaging
+        callback swaps in its average when the validation epoch starts, after
+        ``on_validation_start``) are what the evaluation computes with."""
+        self._follow_weights(everything=self._evaluating and self._averaging)
+        self._evaluating = False
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._evaluation_step()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._evaluation_step()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._evaluation_step()
+        return super().predict_step(*args, **kwargs)
 
     @override
     def on_validation_start(self) -> None:
@@ -921,6 +1056,8 @@ class RoundPipeStrategy(ParallelStrategy):
         generation in a callback) sees the weights training computes with."""
         if self.engine is not None:
             self.engine.use_training_weights()
+            self._evaluating = False
+            self._evaluated = self._averaging
 
     @override
     def on_validation_end(self) -> None:
@@ -942,6 +1079,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.synchronize()
             self.precision_plugin.merge_groups()
+            self._note_weights()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -1087,6 +1225,35 @@ class RoundPipeStrategy(ParallelStrategy):
         replicas, self._replicas = self._replicas, None
         if replicas is not None and self._distributed():
             dist.destroy_process_group(replicas.group)
+
+
+try:  # Lightning >= 2.6: EMA and other averages, swapped in for validation through .data
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    _PER_STEP: tuple[type, ...] = (WeightAveraging,)
+except ImportError:  # pragma: no cover - older Lightning
+    _PER_STEP = ()
+_AVERAGING = (StochasticWeightAveraging, *_PER_STEP)
+
+
+class _SettleUpdates(Callback):
+    """The first callback under the asynchronous optimizer: the queued update
+    is applied before the hooks after it read or change the weights
+    (:meth:`RoundPipeStrategy._settle_for_callbacks`)."""
+
+    def __init__(self, strategy: RoundPipeStrategy, every_batch: bool) -> None:
+        self.strategy = strategy
+        self.every_batch = every_batch
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if self.every_batch:
+            self.strategy._drain()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy._drain()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy._drain()
 
 
 def _warn_gradient_hooks(trainer: Any, module: Any) -> None:

@@ -1619,13 +1619,32 @@ class RoundPipeEngine:
         self._protocol.resume_after_window_zero()
         self._optimizer.resume_pending(0)
 
-    def reload_weights(self) -> None:
-        """Copy the parameters into the master copy again; call after changing
-        parameters outside :meth:`step` (e.g. ``load_state_dict``)."""
+    def reload_weights(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """Copy the parameters into their master copies again; call after
+        changing parameters outside :meth:`step` (``load_state_dict``, a hook
+        loading or clamping weights). The next forward computes with them.
+
+        ``params``: only these (default: every one); the others keep the
+        weights the next window would have computed with."""
         self.synchronize()
-        self._training_masters = None
-        self._newest = False
-        self._host.refresh_masters()
+        if params is None:
+            self._training_masters = None
+            self._newest = False
+            self._host.refresh_masters()
+            return
+        ids = {id(p) for p in params}
+        chosen = [hp for hp in self._host.params if id(hp.param) in ids]
+        kept = self._training_masters or {}
+        for hp in chosen:  # set aside for an evaluation: the new weights replace them
+            kept.pop(hp.index, None)
+        self._host.refresh_masters(chosen)
+
+    @property
+    def steps_submitted(self) -> int:
+        """How many :meth:`step` calls this engine has taken (queued ones
+        included): the optimizer may have written the parameters since the
+        count was last read only if it changed."""
+        return self._jobs
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated in the current window (after waiting

@@ -596,12 +596,12 @@ class HostState:
             if p.trainable:
                 p.param.grad = None
 
-    def refresh_masters(self) -> None:
-        """Copy the optimizer copy into every master copy (the parameters were
-        changed outside a step; a parameter whose data is its master has
-        nothing to copy)."""
+    def refresh_masters(self, params: Iterable[_Param] | None = None) -> None:
+        """Copy the optimizer copy into every master copy of ``params`` (default
+        all: the parameters were changed outside a step; a parameter whose
+        data is its master has nothing to copy)."""
         with torch.no_grad():
-            for p in self.params:
+            for p in self.params if params is None else params:
                 for m in p.masters:
                     if m.data_ptr() != p.param.data_ptr():
                         m.copy_(p.param.detach())

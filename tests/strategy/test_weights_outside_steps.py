@@ -1,0 +1,225 @@
+"""Weights and gradients changed outside the optimizer step: by hooks, by
+Lightning's weight-averaging callbacks, by an ``optimizer_step`` override that
+skips a step. RoundPipe computes with its own copies of the weights, so each of
+these must reach them as it reaches the module in ordinary training."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime.optimizer import Chaos
+
+from .modules import SeqModule, loader, seq_data
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _fit(module, strategy, *, epochs=2, callbacks=(), validate=False, devices=2):
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1 if strategy == "auto" else devices,
+        max_epochs=epochs,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2 if validate else 0,
+        **QUIET,
+    )
+    data = seq_data(32)
+    trainer.fit(module, loader(data, 8), loader(data, 8) if validate else None)
+    return trainer
+
+
+def _sync():
+    return RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
+
+
+def _weights(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class Losses(L.Callback):
+    def __init__(self):
+        self.train, self.val = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train.append(float(outputs["loss"]))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+
+class Reinitialized(SeqModule):
+    """Weights set in place in a hook: loading pretrained weights in
+    ``on_fit_start``, re-initialising at an epoch start, clamping after each
+    batch (``copy_``/``clamp_`` under ``no_grad``, as ``load_state_dict`` does)."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__(lr=0.05, extra=False)
+        self.hook = hook
+
+    def _set(self):
+        g = torch.Generator().manual_seed(123)
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def on_fit_start(self):
+        if self.hook == "on_fit_start":
+            self._set()
+
+    def on_train_epoch_start(self):
+        if self.hook == "on_train_epoch_start" and self.current_epoch == 1:
+            self._set()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.hook == "clamp":
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    p.clamp_(-0.1, 0.1)
+
+
+@pytest.mark.parametrize("hook", ["on_fit_start", "on_train_epoch_start", "clamp"])
+def test_weights_changed_in_place_by_a_hook_are_what_the_next_step_computes_with(hook):
+    losses = {}
+    weights = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = Reinitialized(hook)
+        record = Losses()
+        _fit(module, strategy, callbacks=[record])
+        losses[name], weights[name] = record.train, _weights(module)
+    torch.testing.assert_close(losses["sync"], losses["auto"])
+    torch.testing.assert_close(weights["sync"], weights["auto"])
+
+
+def test_weights_set_before_the_first_step_are_used_by_the_asynchronous_optimizer_too():
+    first = {}
+    for name, strategy in [("auto", "auto"), ("async", RoundPipeStrategy(num_microbatches=2))]:
+        record = Losses()
+        _fit(Reinitialized("on_fit_start"), strategy, epochs=1, callbacks=[record])
+        first[name] = record.train[0]  # the later ones are one update behind
+    torch.testing.assert_close(first["async"], first["auto"])
+
+
+class DataCopied(SeqModule):
+    """Weights changed through ``.data``, which no version counter sees: the
+    module tells the strategy."""
+
+    def __init__(self, tell: bool) -> None:
+        super().__init__(lr=0.05, extra=False)
+        self.tell = tell
+
+    def on_train_start(self):
+        for p in self.net.parameters():
+            p.data.copy_(torch.full_like(p, 0.05))
+        if self.tell:
+            self.trainer.strategy.reload_weights()
+
+
+def test_weights_changed_through_data_are_used_after_reload_weights():
+    record = {}
+    for name, strategy, tell in [("auto", "auto", False), ("sync", _sync(), True)]:
+        losses = Losses()
+        _fit(DataCopied(tell), strategy, epochs=1, callbacks=[losses])
+        record[name] = losses.train
+    torch.testing.assert_close(record["sync"], record["auto"])
+
+
+def test_validation_with_an_ema_callback_sees_the_average_and_training_goes_on():
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module, losses = SeqModule(lr=0.05, extra=False), Losses()
+        _fit(module, strategy, epochs=3, validate=True, callbacks=[EMAWeightAveraging(), losses])
+        got[name] = (losses.val, losses.train, _weights(module))
+    # validation computes with the averaged weights, training with the raw ones,
+    # and the module ends on the average (on_train_end copies it in)
+    torch.testing.assert_close(got["sync"], got["auto"])
+
+
+def test_an_asynchronous_fit_ends_on_the_ema_average_and_does_not_race_it():
+    ends, averages = [], []
+    for seed in (None, 1):
+        module = SeqModule(lr=0.05, extra=False)
+        strategy = RoundPipeStrategy(num_microbatches=2)
+        if seed is not None:  # the optimizer thread late at every hand-off
+            strategy._chaos = Chaos(seed, {"step": 0.01, "g_copy": 0.01})
+        ema = EMAWeightAveraging()
+        _fit(module, strategy, epochs=2, callbacks=[ema])
+        ends.append(_weights(module))
+        averages.append(
+            {k: v.detach().clone() for k, v in ema._average_model.module.state_dict().items()}
+        )
+    # on_train_end copied the average in, and no queued update came on top
+    torch.testing.assert_close(ends[0], averages[0])
+    # the average read the weights after each update, never during one
+    torch.testing.assert_close(ends[1], ends[0])
+
+
+def test_stochastic_weight_averaging_reads_settled_weights_under_the_asynchronous_optimizer():
+    ends = []
+    for seed in (None, 2):
+        module = SeqModule(lr=0.05, extra=False)
+        strategy = RoundPipeStrategy(num_microbatches=2)
+        if seed is not None:
+            strategy._chaos = Chaos(seed, {"step": 0.02, "g_copy": 0.02})
+        swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+        _fit(module, strategy, epochs=4, callbacks=[swa])
+        ends.append(_weights(module))
+    torch.testing.assert_close(ends[1], ends[0])
+
+
+class SkipsOddSteps(SeqModule):
+    """An ``optimizer_step`` override that runs the closure but steps only on
+    even batches: Lightning's zero_grad at the next batch drops the skipped
+    batch's gradients."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, extra=False)
+        self.seen = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append(self.net[4].bias.grad.clone())
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx % 2 == 1:
+            optimizer_closure()
+            return
+        optimizer.step(closure=optimizer_closure)
+
+
+def test_the_gradients_of_a_skipped_step_do_not_leak_into_the_next():
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = SkipsOddSteps()
+        _fit(module, strategy, epochs=1)
+        got[name] = (module.seen, _weights(module))
+    torch.testing.assert_close(got["sync"], got["auto"])
+
+
+class Gathers(SeqModule):
+    def training_step(self, batch, batch_idx):
+        self.gathered = self.all_gather(torch.ones(5, 1)).shape
+        return super().training_step(batch, batch_idx)
+
+
+def test_all_gather_on_one_process_adds_no_dimension():
+    module = Gathers(extra=False)
+    _fit(module, _sync(), epochs=1)
+    assert module.gathered == (5, 1)
+
+
+class WithLBFGS(SeqModule):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_before_training():
+    module = WithLBFGS(extra=False)
+    before = _weights(module)
+    with pytest.raises(ValueError, match=r"LBFGS\.step needs a closure.*AdamW, SGD"):
+        _fit(module, _sync(), epochs=1)
+    torch.testing.assert_close(_weights(module), before)
