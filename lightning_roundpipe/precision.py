@@ -16,11 +16,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import nn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 from typing_extensions import override
 
 from .groups import ThreadGroups
@@ -104,6 +106,17 @@ class RoundPipePrecision(Precision):
         if self.precision == "bf16-true":
             return module.to(torch.bfloat16)
         return module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """bf16-true: the batch's floating-point tensors in bf16, as Lightning's
+        own bf16-true plugin casts them (a module outside the pipeline fed the
+        batch, float targets)."""
+        if self.precision == "bf16-true":
+            return apply_to_collection(
+                data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
+            )
+        return data
 
     @contextmanager
     def tensor_init_context(self) -> Generator[None, None, None]:

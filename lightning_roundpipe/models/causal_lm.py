@@ -596,6 +596,8 @@ class CausalLMAdapter(_Adapter):
             # the model's own check, with its message (the Llama family's)
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         self._check_call(a)
+        # return_dict=False (or the config's return_dict): the model's tuple form
+        as_tuple = not a.get("return_dict", getattr(self.layout.config, "return_dict", True))
         # the batch tensor: token ids, or embeddings (split into micro-batches
         # along dim 0 like the ids; floating, so uploaded in the compute dtype)
         batch = input_ids if input_ids is not None else inputs_embeds
@@ -642,7 +644,7 @@ class CausalLMAdapter(_Adapter):
                 input_grads=bool(_needing_grad(inputs)),
             )
             loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
-            return self._output(loss=loss, logits=None)
+            return self._output(as_tuple, loss=loss, logits=None)
         if training:
             if router:
                 raise ValueError(
@@ -652,7 +654,7 @@ class CausalLMAdapter(_Adapter):
                     "model with labels=, or set output_router_logits=False"
                 )
             logits = self._outputs_with_backward(inputs)
-            return self._output(logits=_keep(logits, logits_to_keep))
+            return self._output(as_tuple, logits=_keep(logits, logits_to_keep))
         out = engine.forward(inputs)
         aux = None
         if isinstance(out, dict):  # router statistics of every micro-batch
@@ -663,16 +665,20 @@ class CausalLMAdapter(_Adapter):
             loss = causal_lm_loss(out, labels, empty=None)
             if aux is not None:
                 loss = loss + self._aux_coef * aux
-        return self._output(loss=loss, logits=_keep(out, logits_to_keep), aux_loss=aux)
+        return self._output(as_tuple, loss=loss, logits=_keep(out, logits_to_keep), aux_loss=aux)
 
-    def _output(self, aux_loss: torch.Tensor | None = None, **fields: Any) -> Any:
+    def _output(self, as_tuple: bool, aux_loss: torch.Tensor | None = None, **fields: Any) -> Any:
         """The model's output type: ``MoeCausalLMOutputWithPast`` for models
-        that record router logits, else ``CausalLMOutputWithPast``."""
+        that record router logits, else ``CausalLMOutputWithPast``; with
+        ``as_tuple`` (``return_dict=False``) its tuple, as the model gives it
+        (the fields that are not None, in order)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         if self._moe_output:
-            return MoeCausalLMOutputWithPast(aux_loss=aux_loss, **fields)
-        return CausalLMOutputWithPast(**fields)
+            out = MoeCausalLMOutputWithPast(aux_loss=aux_loss, **fields)
+        else:
+            out = CausalLMOutputWithPast(**fields)
+        return out.to_tuple() if as_tuple else out
 
 
 def _shape(x: Any) -> Any:

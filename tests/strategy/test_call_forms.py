@@ -1,0 +1,94 @@
+"""What a training step gives the model and gets back is what it would be
+under the default strategy: the tuple of ``return_dict=False``, the bf16 batch
+of ``precision="bf16-true"``."""
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_roundpipe import RoundPipeStrategy
+
+from .modules import CausalLM, lm_data, loader, seq_data
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _fit(module, strategy, *, steps=2, precision="32-true", data=None, val=False):
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1 if strategy == "auto" else 2,
+        max_steps=steps,
+        precision=precision,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1 if val else 0,
+        val_check_interval=1 if val else None,
+        **QUIET,
+    )
+    data = data if data is not None else lm_data(16)
+    trainer.fit(module, loader(data, 4), loader(data, 4) if val else None)
+
+
+def _sync():
+    return RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
+
+
+class TupleLM(CausalLM):
+    """The model called with ``return_dict=False``, with and without labels."""
+
+    def __init__(self) -> None:
+        super().__init__(kind="llama", lr=0.05)
+        self.kinds, self.val_logits = [], []
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+        self.kinds.append(type(out))
+        return out[0]
+
+    def validation_step(self, batch, batch_idx):
+        ids, mask, _ = batch
+        out = self.model(input_ids=ids, attention_mask=mask, return_dict=False)
+        self.kinds.append(type(out))
+        self.val_logits.append(out[0])
+
+
+def test_return_dict_false_gives_the_models_tuple():
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = TupleLM()
+        _fit(module, strategy, val=True)
+        assert set(module.kinds) == {tuple}, (name, module.kinds)
+        got[name] = (module.val_logits, {k: v.detach() for k, v in module.state_dict().items()})
+    torch.testing.assert_close(got["sync"], got["auto"])
+
+
+class GatedSeq(L.LightningModule):
+    """A small module outside the layer stack fed the batch: it must see the
+    batch in the module's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 1))
+        self.gate = nn.Linear(8, 1)
+        self.dtypes = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.dtypes.append((x.dtype, y.dtype))
+        return nn.functional.mse_loss(self.net(x) * torch.sigmoid(self.gate(x)), y.float())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_bf16_true_gives_the_step_a_bf16_batch_as_lightning_does():
+    seen = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = GatedSeq()
+        _fit(module, strategy, precision="bf16-true", data=seq_data(16))
+        seen[name] = module.dtypes
+    assert seen["sync"] == seen["auto"] == [(torch.bfloat16, torch.bfloat16)] * 2
