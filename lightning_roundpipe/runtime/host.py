@@ -341,6 +341,16 @@ class _LayerInfo:
         return any(self.persistent)
 
 
+def _running_statistic(owner: nn.Module, attr: str) -> bool:
+    """A normalization's running statistics: updated by a training forward
+    that does not read them (so a recompute reading the update is harmless)."""
+    return isinstance(owner, nn.modules.batchnorm._NormBase) and attr in (
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    )
+
+
 class LayerReplica:
     """A worker's private structural copy of one layer.
 
@@ -384,6 +394,35 @@ class LayerReplica:
             owner._parameters[attr] = weights[idx]
         for owner, attr, idx in self._buffer_owners:
             owner._buffers[attr] = buffers[idx]
+        self._watch()
+
+    def _watch(self) -> None:
+        """Note the bound buffers and their version counters (see
+        :meth:`state_change`)."""
+        self._bound = [
+            (owner._buffers[attr], owner._buffers[attr]._version)
+            for owner, attr, _ in self._buffer_owners
+        ]
+
+    def state_change(self, recomputed: bool) -> str | None:
+        """What the layer's calls since the buffers were bound changed that
+        the pipeline cannot follow, or None: a buffer replaced by a new tensor
+        (the replica would keep state the host never sees, as dynamic RoPE's
+        rescaled frequencies), or, when the layer is computed again for its
+        backward (``recomputed``), a buffer changed in place other than a
+        normalization's running statistics (the recompute would read the
+        updated state, so the gradient would belong to another forward than
+        the loss: spectral norm's power iteration, a counter)."""
+        for (owner, attr, _), slot, (bound, version) in zip(
+            self._buffer_owners, self.info.buffer_slots, self._bound, strict=True
+        ):
+            now = owner._buffers[attr]
+            name = f"{slot.path}.{attr}" if slot.path else attr
+            if now is not bound:
+                return f"replaced its buffer {name} ({type(owner).__name__}) with a new tensor"
+            if recomputed and now._version != version and not _running_statistic(owner, attr):
+                return f"changed its buffer {name} ({type(owner).__name__}) in place"
+        return None
 
     def current_buffers(self) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(self.info.buffers)
@@ -396,6 +435,7 @@ class LayerReplica:
         :meth:`current_buffers` before a call whose updates must not count)."""
         for owner, attr, idx in self._buffer_owners:
             owner._buffers[attr] = buffers[idx]
+        self._watch()
 
     def unbind(self) -> None:
         for owner, attr, placeholder in self._placeholders:

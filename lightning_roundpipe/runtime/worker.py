@@ -229,6 +229,29 @@ def _rewalked(t: Task) -> bool:
     return t.rewalk and t.kind != "forward" and t.stop - t.start > 1
 
 
+def _check_state(replicas: list[LayerReplica], recomputed: bool) -> None:
+    """Refuse a layer whose forward changed state the pipeline cannot follow
+    (:meth:`LayerReplica.state_change`), before its results are used."""
+    for rep in replicas:
+        change = rep.state_change(recomputed)
+        if change is None:
+            continue
+        hint = (
+            " rope_type='dynamic' rescales its frequencies when a sequence is longer than any "
+            "before: train with sequences of at most max_position_embeddings tokens, or use "
+            "'linear' or 'yarn' rope scaling."
+            if "Rotary" in change
+            else " Keep such state outside the pipeline's layers, or update it outside the "
+            "forward (in a callback)."
+        )
+        raise RuntimeError(
+            f"pipeline layer {rep.info.index} ({type(rep.module).__name__}) {change} during its "
+            "forward. RoundPipe runs each layer on a private copy per worker and, in training, "
+            "computes a stage again for its backward, so state a forward changes and reads "
+            "(other than normalization running statistics) cannot be followed." + hint
+        )
+
+
 def _copy_range(
     flat: torch.Tensor, sources: list[tuple[int, torch.Tensor]], a: int, b: int
 ) -> None:
@@ -453,6 +476,7 @@ class Worker:
                 if nxt is not None:  # after the urgent activation upload
                     self._prefetch_window(nxt, w)
             mb[0] = None
+            _check_state(replicas, recomputed=call.train and t.kind == "forward")
             if call.train and t.kind != "backward" and self.host.stage_has_state(t.start, t.stop):
                 self._write_buffers(job, replicas)
             if acc is not None:  # the task's last courier item: it ends the task

@@ -1,0 +1,96 @@
+"""Layers whose forward changes state it reads (spectral norm's power
+iteration, dynamic RoPE's rescaled frequencies) cannot be pipelined: each
+worker runs a private copy, and a stage is computed again for its backward.
+They are refused with a message naming the layer and the buffer, never
+trained with gradients of another forward than the loss's."""
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_roundpipe import RoundPipeStrategy
+
+from .modules import VOCAB, CausalLM, lm_data, loader, seq_data
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _fit(module, strategy, data, steps=2):
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1 if strategy == "auto" else 2,
+        max_steps=steps,
+        enable_checkpointing=False,
+        **QUIET,
+    )
+    trainer.fit(module, loader(data, 4))
+
+
+def _sync(plan="auto"):
+    return RoundPipeStrategy(async_optimizer=False, num_microbatches=1, plan=plan)
+
+
+class Spectral(L.LightningModule):
+    def __init__(self, parametrized: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        norm = nn.utils.parametrizations.spectral_norm if parametrized else nn.utils.spectral_norm
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), norm(nn.Linear(16, 16)), nn.Tanh(), nn.Linear(16, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+def test_spectral_norm_in_a_recomputed_stage_is_refused(parametrized):
+    buffer = r"parametrizations\.weight\.0\._u" if parametrized else "weight_u"
+    with pytest.raises(RuntimeError, match=rf"pipeline layer 2 .*changed its buffer {buffer}"):
+        # the spectral-norm layer in the first stage: its forward comes before
+        # the backward's recompute
+        _fit(Spectral(parametrized), _sync("3|2|1,1,1"), seq_data(16))
+
+
+class DynamicRope(CausalLM):
+    def __init__(self) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=8,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_dynamic_rope_past_its_positions_is_refused_with_what_to_do():
+    with pytest.raises(RuntimeError, match=r"rotary\.inv_freq.*rope_type='dynamic'.*'yarn'"):
+        _fit(DynamicRope(), _sync(), lm_data(8, seq=12))
+
+
+def test_dynamic_rope_within_its_positions_trains_like_the_default_strategy():
+    weights = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = DynamicRope()
+        _fit(module, strategy, lm_data(8, seq=8), steps=3)
+        weights[name] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    torch.testing.assert_close(weights["sync"], weights["auto"])
