@@ -159,8 +159,9 @@ class _Adapter(ABC):
             )
             return 1.0
 
-        value = out.float() if out.is_floating_point() else out
-        return _from_pipeline(value, engine, it, inputs, backward)
+        # in the dtype the last layer computed in, as the model would return it
+        # (bf16 logits under bf16 precision: half the host memory of fp32 ones)
+        return _from_pipeline(out, engine, it, inputs, backward)
 
 
 def _give_factor(engine: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:

@@ -1,8 +1,9 @@
 """What a training step gives the model and gets back is what it would be
 under the default strategy: the tuple of ``return_dict=False``, the bf16 batch
-of ``precision="bf16-true"``."""
+of ``precision="bf16-true"``, logits in the dtype the model computes in."""
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 
@@ -92,3 +93,29 @@ def test_bf16_true_gives_the_step_a_bf16_batch_as_lightning_does():
         _fit(module, strategy, precision="bf16-true", data=seq_data(16))
         seen[name] = module.dtypes
     assert seen["sync"] == seen["auto"] == [(torch.bfloat16, torch.bfloat16)] * 2
+
+
+class OwnLoss(CausalLM):
+    """The loss computed in the step from the logits the model returns."""
+
+    def __init__(self) -> None:
+        super().__init__(kind="llama", lr=0.05)
+        self.dtypes = []
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        self.dtypes.append(logits.dtype)
+        return nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+        )
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_logits_returned_to_the_step_are_in_the_dtype_the_model_returns(precision):
+    seen = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = OwnLoss()
+        _fit(module, strategy, precision=precision)
+        seen[name] = module.dtypes
+    assert seen["sync"] == seen["auto"] == [torch.bfloat16] * 2
