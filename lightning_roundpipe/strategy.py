@@ -1142,6 +1142,7 @@ class RoundPipeStrategy(ParallelStrategy):
             return
         if self.engine is not None:
             self.engine.reload_weights()
+            self._note_weights()
             self._resume_stale()
 
     def _resume_stale(self) -> None:
