@@ -1906,6 +1906,30 @@ def test_lora_on_experts_with_stages_on_two_threads_trains_like_the_default_stra
         trains_like_the_default_strategy(LM(copy.deepcopy(model)), sync(microbatches=2))
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_lora_on_experts_with_tiled_blocks_trains_like_the_default_strategy(kind):
+    """A tiled block recomputes its tiles in its backward, each calling the
+    router and then PEFT's expert adapters, which re-register a
+    parametrization (an in-place write to the expert weights). The stage's
+    weights are views of one uploaded buffer: sharing its version counter,
+    the router weight the router's product saved looked modified, and the
+    backward failed. Each weight now has its own counter."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(
+        tiny(kind), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    assert any("experts" in n and "lora_" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    strategy = RoundPipeStrategy(
+        async_optimizer=False, num_microbatches=2, plan="2|2|2", tile_memory=1
+    )
+    trains_like_the_default_strategy(LM(model), strategy)
+
+
 def test_the_pipeline_runs_the_models_experts_implementation(monkeypatch):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 

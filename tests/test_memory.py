@@ -814,16 +814,18 @@ def test_estimate_prints_the_gradient_all_reduce_across_servers(tmp_path, capsys
 @pytest.mark.parametrize(
     ("flag", "value", "expected"),
     [
-        ("--tflops", "0", "a number > 0, got '0'"),
-        ("--tflops", "-1", "a number > 0, got '-1'"),
-        ("--link-gbps", "nan", "a number > 0, got 'nan'"),
-        ("--network-gbps", "0", "a number > 0, got '0'"),
+        ("--tflops", "0", "a finite number > 0, got '0'"),
+        ("--tflops", "-1", "a finite number > 0, got '-1'"),
+        ("--link-gbps", "nan", "a finite number > 0, got 'nan'"),
+        ("--network-gbps", "0", "a finite number > 0, got '0'"),
+        ("--gpu-memory", "inf", "a finite number > 0, got 'inf'"),
+        ("--host-memory", "inf", "a finite number > 0, got 'inf'"),
         ("--seq", "0", "an integer > 0, got '0'"),
         ("--seq", "-5", "an integer > 0, got '-5'"),
         ("--microbatches", "0", "an integer > 0, got '0'"),
         ("--lora-rank", "0", "an integer > 0, got '0'"),
         ("--gpus", "2.5", "an integer > 0, got '2.5'"),
-        ("--gpu-memory", "-5", "a number > 0, got '-5'"),
+        ("--gpu-memory", "-5", "a finite number > 0, got '-5'"),
     ],
 )
 def test_estimate_refuses_bad_numbers_naming_the_flag(tmp_path, capsys, flag, value, expected):
@@ -854,6 +856,12 @@ def test_estimate_errors_name_the_gpu_memory_and_the_config_file(tmp_path, capsy
         estimate(object(), gpu_memory=24 * 2**30, tflops=0)
     with pytest.raises(ValueError, match="seq must be an integer >= 1, got 0"):
         estimate(object(), gpu_memory=24 * 2**30, seq=0)
+    # a rank past the model's width is refused at once (building such adapters
+    # took minutes and gigabytes before anything was said)
+    (tmp_path / "good").mkdir()
+    code, _ = run_cli(config_file(tmp_path / "good"), "--gpu-memory", 24, "--lora-rank", 100000)
+    assert code == 2
+    assert "lora_rank 100000 is larger than the model's hidden_size" in capsys.readouterr().err
 
 
 def test_the_host_state_counts_the_asynchronous_optimizers_second_master_copy(tmp_path):

@@ -541,6 +541,13 @@ def estimate(
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
     m = num_microbatches or gpus
+    hidden = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_size", None)
+    if lora_rank is not None and isinstance(hidden, int) and lora_rank > hidden:
+        raise ValueError(
+            f"lora_rank {lora_rank} is larger than the model's hidden_size {hidden}: an adapter "
+            "of a rank above its layer's width adds parameters but nothing it can express; "
+            f"give a rank of at most {hidden}"
+        )
     model = _meta_model(config, lora_rank)
     adapter = CausalLMAdapter(model, "model")
     settings = adapter.layout.config  # (a multimodal model's text config)

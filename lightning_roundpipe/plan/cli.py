@@ -16,6 +16,7 @@ come inline (``--forward 0.1,1x12,3 --backward 0.2,2x12,6``; ``VxK`` repeats
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -57,8 +58,9 @@ def _positive(kind: type) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value > 0:  # (NaN is not > 0 either)
-            what = "an integer" if kind is int else "a number"
+        # (NaN is not > 0 either; infinity is no amount of memory or time)
+        if value is None or not value > 0 or not math.isfinite(value):
+            what = "an integer" if kind is int else "a finite number"
             raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}")
         return value
 
@@ -281,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpus", type=_count, default=1, help="GPUs (default 1)")
     e.add_argument("--host-memory", type=_amount, help="GiB of host memory (checked if given)")
     e.add_argument(
-        "--seq", type=_count, help="tokens per sequence (default: the longest that fits)"
+        "--seq",
+        type=_count,
+        help="tokens per sequence (default: the longest that fits, at most the "
+        "config's max_position_embeddings)",
     )
     e.add_argument("--micro-batch", type=_count, default=1, help="sequences per micro-batch")
     e.add_argument("--microbatches", type=_count, help="micro-batches per step (default: GPUs)")

@@ -449,8 +449,14 @@ class Worker:
             staged = self._upload_weights(job, params)
         self._prefetch = None
         needs_grad = t.needs_grad
+        # ``.data``: each weight its own version counter. The staged weights are
+        # views of one flat buffer, whose shared counter an in-place write to
+        # any of them (PEFT's expert adapters re-register a parametrization per
+        # call) would bump for all, failing autograd's check on the others
         weights = {
-            p.index: nn.Parameter(staged.tensors[p.index], requires_grad=needs_grad and p.trainable)
+            p.index: nn.Parameter(
+                staged.tensors[p.index].data, requires_grad=needs_grad and p.trainable
+            )
             for p in params
         }
         replicas = [self._replica(i) for i in range(t.start, t.stop)]
