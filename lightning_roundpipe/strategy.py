@@ -524,6 +524,14 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        if self.trace_dir is not None:  # found out now, not after the whole fit
+            try:
+                os.makedirs(self.trace_dir, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(
+                    f"trace_dir={str(self.trace_dir)!r} cannot be created ({exc}); give a "
+                    "writable folder for the trace, or trace_dir=None"
+                ) from exc
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -546,6 +554,12 @@ class RoundPipeStrategy(ParallelStrategy):
             raise ValueError(
                 f"RoundPipeStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}"
+            )
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                "no parameter of the LightningModule requires a gradient, so there is nothing "
+                "to train; unfreeze what should train (requires_grad_(True)), e.g. LoRA "
+                "adapters or the layers to fine-tune"
             )
         opt = self.optimizers[0]
         closure = inspect.signature(opt.step).parameters.get("closure")
@@ -576,6 +590,8 @@ class RoundPipeStrategy(ParallelStrategy):
         devices = [d for d in devices for _ in range(self.workers_per_device)]
         n = len(devices)
         adapter = find_adapter(self.lightning_module, self.layers)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _refuse_gradient_hooks(self.lightning_module, adapter.layers())
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
@@ -1255,6 +1271,28 @@ class _SettleUpdates(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.strategy._drain()
+
+
+def _refuse_gradient_hooks(module: Any, layers: list[torch.nn.Module]) -> None:
+    """Hooks on the gradients of pipeline parameters would never run: the
+    pipeline computes those gradients on its workers' own copies of the
+    weights. Refused, naming them, rather than ignored."""
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    hooked = [
+        name
+        for name, p in module.named_parameters()
+        if id(p) in inside
+        and (p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+    ]
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        raise ValueError(
+            f"gradient hooks (register_hook / register_post_accumulate_grad_hook) are set on "
+            f"pipeline parameter(s) {', '.join(hooked[:3])}{more}: RoundPipe computes their "
+            "gradients on its workers' copies of the weights, so such hooks would never run. "
+            "Remove them; to read or change gradients use on_before_optimizer_step with "
+            "strategy='roundpipe_sync'"
+        )
 
 
 def _warn_gradient_hooks(trainer: Any, module: Any) -> None:

@@ -204,6 +204,8 @@ class SequentialAdapter(_Adapter):
         if kwargs or len(args) != 1:
             raise TypeError(f"{self.name} (nn.Sequential) takes one input")
         (x,) = args
-        if torch.is_grad_enabled() and self.target.training:
+        # autograd decides, not the mode: a model in eval() (as from_pretrained
+        # returns it) trains with its dropout off, as in plain PyTorch
+        if torch.is_grad_enabled():
             return self._outputs_with_backward(x)
         return self.engine.forward(x)

@@ -628,7 +628,9 @@ class CausalLMAdapter(_Adapter):
         if router:
             inputs["router"] = True
         engine = self.engine
-        training = torch.is_grad_enabled() and self.target.training
+        # autograd decides, not the mode: a model in eval() (as from_pretrained
+        # returns it) trains with its dropout off, as in plain PyTorch
+        training = torch.is_grad_enabled()
         inputs.update(self.tile_sizes(loss=training and labels is not None))
         if training:
             self._expect(inputs, batch, loss=labels is not None)

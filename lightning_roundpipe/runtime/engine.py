@@ -1358,6 +1358,8 @@ class RoundPipeEngine:
             try:
                 self._protocol.chaos("call")
                 handle.result = fn()
+            except (KeyboardInterrupt, SystemExit):
+                raise  # an interrupt stays one
             except BaseException as exc:
                 raise OptimizerStepError(
                     f"a queued call (engine.call, e.g. zero_grad) failed: "
@@ -1512,6 +1514,8 @@ class RoundPipeEngine:
             error = exc
         except HookError as exc:
             error = exc.original  # the user's hook failed: its own exception, unchanged
+        except (KeyboardInterrupt, SystemExit) as exc:
+            error = exc  # an interrupt stays one (Lightning shuts down gracefully on it)
         except BaseException as exc:
             error = OptimizerStepError(
                 f"optimizer step {window} failed: {type(exc).__name__}: {exc}"

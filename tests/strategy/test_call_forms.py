@@ -119,3 +119,42 @@ def test_logits_returned_to_the_step_are_in_the_dtype_the_model_returns(precisio
         _fit(module, strategy, precision=precision)
         seen[name] = module.dtypes
     assert seen["sync"] == seen["auto"] == [torch.bfloat16] * 2
+
+
+class EvalModeLM(CausalLM):
+    """The model left in eval() mode, as ``from_pretrained`` returns it: it
+    trains, with dropout off, as in plain PyTorch."""
+
+    def __init__(self) -> None:
+        super().__init__(kind="llama", lr=0.05)
+        self.model.eval()
+
+
+class EvalModeSeq(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 1))
+        self.eval()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("kind", ["hf", "sequential"])
+def test_a_model_in_eval_mode_trains_like_the_default_strategy(kind):
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        if kind == "hf":
+            module, data = EvalModeLM(), None
+        else:
+            module, data = EvalModeSeq(), seq_data(16)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        _fit(module, strategy, data=data)
+        got[name] = {k: v.detach() for k, v in module.state_dict().items()}
+    assert any(not torch.equal(got["sync"][k], before[k]) for k in before)
+    torch.testing.assert_close(got["sync"], got["auto"])
