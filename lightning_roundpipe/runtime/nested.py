@@ -94,8 +94,13 @@ def split_microbatches(value: Any, num_microbatches: int, batch_size: int) -> li
 
 def merge_microbatches(values: list[Any]) -> Any:
     """Inverse of :func:`split_microbatches` for outputs: tensors with a batch
-    dimension are concatenated along it, 0-d tensors stacked; other values are
-    taken from the first micro-batch."""
+    dimension are concatenated along it; other values are taken from the
+    first micro-batch, as are 0-d tensors equal in all of them (a value given
+    to every micro-batch). One micro-batch's outputs come back as they are.
+    Differing 0-d tensors (each a value of its whole micro-batch, a reduction)
+    are refused: the unsplit batch's value cannot be put together from them."""
+    if len(values) == 1:
+        return values[0]
     flat = [pytree.tree_flatten(_as_tree(v)) for v in values]
     spec = flat[0][1]
 
@@ -103,7 +108,17 @@ def merge_microbatches(values: list[Any]) -> Any:
         first = parts[0]
         if not isinstance(first, torch.Tensor):
             return first
-        return torch.stack(parts) if first.dim() == 0 else torch.cat(parts, dim=0)
+        if first.dim() == 0:
+            if all(torch.equal(p, first) for p in parts[1:]):
+                return first  # the same in every micro-batch: a value given to all
+            raise ValueError(
+                f"the last pipeline layer returned a 0-dim tensor (one value for a whole "
+                f"micro-batch, no batch dimension); from {len(parts)} micro-batches the value "
+                "of the unsplit batch cannot be put together. Return per-sample values (the "
+                "batch dimension first) and reduce them outside the layer stack, or use "
+                "num_microbatches=1"
+            )
+        return torch.cat(parts, dim=0)
 
     return pytree.tree_unflatten([merge(list(p)) for p in zip(*(f[0] for f in flat))], spec)
 

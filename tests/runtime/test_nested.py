@@ -2,6 +2,7 @@
 
 import collections
 
+import pytest
 import torch
 from transformers import BatchEncoding
 
@@ -47,3 +48,16 @@ def test_split_then_merge_gives_the_batch_back():
     torch.testing.assert_close(merged["ids"], v["ids"])
     torch.testing.assert_close(merged["enc"]["mask"], v["enc"]["mask"])
     assert merged["pair"].extra == 7
+    assert merged["scalar"] is v["scalar"]  # given to every micro-batch: one value
+
+
+def test_one_value_per_micro_batch_cannot_be_merged_into_the_batchs():
+    """Differing 0-d outputs (a layer that reduces its micro-batch) from several
+    micro-batches are refused, saying what to do; from one it comes back as it
+    is (a scalar, as the unsplit model returns it)."""
+    with pytest.raises(
+        ValueError, match=r"0-dim tensor .* from 2 micro-batches .*num_microbatches=1"
+    ):
+        merge_microbatches([torch.tensor(1.0), torch.tensor(2.0)])
+    one = torch.tensor(3.0)
+    assert merge_microbatches([one]) is one
