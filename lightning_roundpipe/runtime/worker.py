@@ -384,7 +384,9 @@ class Worker:
             err = WorkerError(
                 f"device {self.device} (worker {self.index}) failed in stage {t.stage} "
                 f"(layers {t.start}-{t.stop - 1}, {t.kind}){where}, round {t.round}, "
-                f"iteration {call.iteration}: {type(exc).__name__}: {exc}{extra}",
+                # (evaluation calls count down from -1 internally: not a number to show)
+                f"{'an evaluation pass' if call.iteration < 0 else f'iteration {call.iteration}'}: "
+                f"{type(exc).__name__}: {exc}{extra}",
                 device=str(self.device),
                 worker=self.index,
                 stage=t.stage,

@@ -503,6 +503,19 @@ class Boom(nn.Module):
         return self.lin(x)
 
 
+def test_a_failure_in_an_evaluation_pass_says_so():
+    """Evaluation calls are numbered apart from training (negative, inside):
+    the message names an evaluation pass, not an iteration of -1."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), Boom(lambda x: True), nn.Linear(8, 1)]
+    eng = engine(layers, 2, 2, "2|1|2")
+    try:
+        with torch.no_grad(), pytest.raises(WorkerError, match=r"an evaluation pass: ValueError"):
+            eng.forward(torch.randn(4, 8))
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize(("where", "stage"), [("forward", "F2"), ("recompute", "B2")])
 def test_layer_failure_reaches_the_caller_with_context(n, where, stage):
