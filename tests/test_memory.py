@@ -856,6 +856,15 @@ def test_estimate_errors_name_the_gpu_memory_and_the_config_file(tmp_path, capsy
         estimate(object(), gpu_memory=24 * 2**30, tflops=0)
     with pytest.raises(ValueError, match="seq must be an integer >= 1, got 0"):
         estimate(object(), gpu_memory=24 * 2**30, seq=0)
+    # a model type with no causal LM at all (encoder-decoder): our message, not
+    # transformers' list of every causal LM config class
+    (tmp_path / "t5").mkdir()
+    t5 = tmp_path / "t5" / "config.json"
+    t5.write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2}))
+    code, _ = run_cli(t5, "--gpu-memory", 24)
+    err = capsys.readouterr().err
+    assert code == 2 and "model_type 't5' has no causal language model" in err
+    assert "decoder-only causal LMs (supported: Llama (llama)" in err
     # a rank past the model's width is refused at once (building such adapters
     # took minutes and gigabytes before anything was said)
     (tmp_path / "good").mkdir()

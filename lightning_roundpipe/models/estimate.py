@@ -150,7 +150,15 @@ def _causal_lm_class(config: Any) -> Any:
             cls = getattr(transformers, name, None)
             if cls is not None and getattr(cls, "config_class", None) is type(config):
                 return cls
-    return transformers.AutoModelForCausalLM  # (which says what it does not know)
+    from .families import supported_families
+
+    # (transformers' own message lists every causal LM config class it has)
+    raise ValueError(
+        f"model_type {getattr(config, 'model_type', type(config).__name__)!r} has no causal "
+        "language model in transformers (no *ForCausalLM class takes its config: an "
+        "encoder-decoder or encoder-only model); RoundPipe pipelines decoder-only causal LMs "
+        f"(supported: {supported_families()})"
+    )
 
 
 def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
