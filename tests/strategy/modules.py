@@ -24,7 +24,28 @@ def loader(ds: TensorDataset, batch_size: int = 8) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size)
 
 
-def hf_model(kind: str = "qwen3", layers: int = 3) -> nn.Module:
+def cpu_trainer(strategy, devices: int = 2, **kw) -> L.Trainer:
+    """A quiet Trainer on CPU workers (one device for ``"auto"``), seeded."""
+    L.seed_everything(0)
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1 if strategy == "auto" else devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
+def state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the module's state dict (to compare runs)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def hf_model(kind: str = "qwen3", layers: int = 3, **config) -> nn.Module:
+    """A tiny causal LM; ``config``: settings over the tiny defaults."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kw = dict(
@@ -36,6 +57,7 @@ def hf_model(kind: str = "qwen3", layers: int = 3) -> nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
+    kw.update(config)
     torch.manual_seed(0)
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **kw))

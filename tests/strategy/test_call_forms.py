@@ -9,24 +9,17 @@ from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import CausalLM, lm_data, loader, seq_data
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+from .modules import CausalLM, cpu_trainer, lm_data, loader, seq_data, state
 
 
 def _fit(module, strategy, *, steps=2, precision="32-true", data=None, val=False):
-    L.seed_everything(0)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1 if strategy == "auto" else 2,
+    trainer = cpu_trainer(
+        strategy,
         max_steps=steps,
         precision=precision,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
         limit_val_batches=1 if val else 0,
         val_check_interval=1 if val else None,
-        **QUIET,
     )
     data = data if data is not None else lm_data(16)
     trainer.fit(module, loader(data, 4), loader(data, 4) if val else None)
@@ -62,7 +55,7 @@ def test_return_dict_false_gives_the_models_tuple():
         module = TupleLM()
         _fit(module, strategy, val=True)
         assert set(module.kinds) == {tuple}, (name, module.kinds)
-        got[name] = (module.val_logits, {k: v.detach() for k, v in module.state_dict().items()})
+        got[name] = (module.val_logits, state(module))
     torch.testing.assert_close(got["sync"], got["auto"])
 
 
@@ -153,8 +146,8 @@ def test_a_model_in_eval_mode_trains_like_the_default_strategy(kind):
             module, data = EvalModeLM(), None
         else:
             module, data = EvalModeSeq(), seq_data(16)
-        before = {k: v.clone() for k, v in module.state_dict().items()}
+        before = state(module)
         _fit(module, strategy, data=data)
-        got[name] = {k: v.detach() for k, v in module.state_dict().items()}
+        got[name] = state(module)
     assert any(not torch.equal(got["sync"][k], before[k]) for k in before)
     torch.testing.assert_close(got["sync"], got["auto"])

@@ -3,13 +3,12 @@ shuts down gracefully, as under the default strategy."""
 
 import threading
 
-import lightning as L
 import pytest
 import torch
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import SeqModule, loader, seq_data
+from .modules import SeqModule, cpu_trainer, loader, seq_data
 
 
 class InterruptedSGD(torch.optim.SGD):
@@ -35,16 +34,7 @@ class Interrupted(SeqModule):
 def test_an_interrupt_in_the_optimizer_step_shuts_down_like_lightning(strategy):
     before = {t.ident for t in threading.enumerate()}
     chosen = strategy if strategy == "auto" else RoundPipeStrategy(async_optimizer=False)
-    trainer = L.Trainer(
-        strategy=chosen,
-        accelerator="cpu",
-        devices=1 if strategy == "auto" else 2,
-        max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(chosen, max_steps=5)
     with pytest.raises(SystemExit):  # Lightning's answer to KeyboardInterrupt
         trainer.fit(Interrupted(extra=False), loader(seq_data(48), 8))
     assert trainer.interrupted

@@ -2,51 +2,36 @@
 what to change, before any weight changes: never ignored, never found out
 after the whole fit."""
 
-import lightning as L
 import pytest
 import torch
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import SeqModule, loader, seq_data
+from .modules import SeqModule, cpu_trainer, loader, seq_data, state
 
 
 def _fit(module, strategy):
-    L.seed_everything(0)
-    L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, loader(seq_data(16), 8))
-
-
-def _weights(module):
-    return {k: v.clone() for k, v in module.state_dict().items()}
+    cpu_trainer(strategy, max_steps=2).fit(module, loader(seq_data(16), 8))
 
 
 @pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
 def test_gradient_hooks_on_pipeline_parameters_are_refused(kind):
     module = SeqModule(extra=False)
     getattr(module.net[2].weight, kind)(lambda *args: None)
-    before = _weights(module)
+    before = state(module)
     with pytest.raises(ValueError, match=r"gradient hooks .* net\.2\.weight: .*would never run"):
         _fit(module, RoundPipeStrategy(async_optimizer=False))
-    torch.testing.assert_close(_weights(module), before)
+    torch.testing.assert_close(state(module), before)
 
 
 def test_an_unwritable_trace_dir_is_refused_before_training(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     module = SeqModule(extra=False)
-    before = _weights(module)
+    before = state(module)
     with pytest.raises(ValueError, match=r"trace_dir=.* cannot be created .* writable folder"):
         _fit(module, RoundPipeStrategy(trace_dir=blocked / "trace"))
-    torch.testing.assert_close(_weights(module), before)
+    torch.testing.assert_close(state(module), before)
 
 
 def test_a_model_with_nothing_trainable_is_refused():

@@ -11,22 +11,11 @@ from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import VOCAB, CausalLM, lm_data, loader, seq_data
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+from .modules import CausalLM, cpu_trainer, hf_model, lm_data, loader, seq_data, state
 
 
 def _fit(module, strategy, data, steps=2):
-    L.seed_everything(0)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1 if strategy == "auto" else 2,
-        max_steps=steps,
-        enable_checkpointing=False,
-        **QUIET,
-    )
-    trainer.fit(module, loader(data, 4))
+    cpu_trainer(strategy, max_steps=steps).fit(module, loader(data, 4))
 
 
 def _sync(plan="auto"):
@@ -61,22 +50,13 @@ def test_spectral_norm_in_a_recomputed_stage_is_refused(parametrized):
 
 class DynamicRope(CausalLM):
     def __init__(self) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        L.LightningModule.__init__(self)
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+        super().__init__(kind="llama")
+        self.model = hf_model(
+            "llama",
+            layers=2,
             max_position_embeddings=8,
             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
         )
-        self.model = LlamaForCausalLM(config)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -92,5 +72,5 @@ def test_dynamic_rope_within_its_positions_trains_like_the_default_strategy():
     for name, strategy in [("auto", "auto"), ("sync", _sync())]:
         module = DynamicRope()
         _fit(module, strategy, lm_data(8, seq=8), steps=3)
-        weights[name] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        weights[name] = state(module)
     torch.testing.assert_close(weights["sync"], weights["auto"])

@@ -11,24 +11,17 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAver
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.runtime.optimizer import Chaos
 
-from .modules import SeqModule, loader, seq_data
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+from .modules import SeqModule, cpu_trainer, loader, seq_data, state
 
 
-def _fit(module, strategy, *, epochs=2, callbacks=(), validate=False, devices=2, accumulate=1):
-    L.seed_everything(0)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1 if strategy == "auto" else devices,
+def _fit(module, strategy, *, epochs=2, callbacks=(), validate=False, accumulate=1):
+    trainer = cpu_trainer(
+        strategy,
         max_epochs=epochs,
         callbacks=list(callbacks),
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
         limit_val_batches=2 if validate else 0,
         accumulate_grad_batches=accumulate,
-        **QUIET,
     )
     data = seq_data(32)
     trainer.fit(module, loader(data, 8), loader(data, 8) if validate else None)
@@ -37,10 +30,6 @@ def _fit(module, strategy, *, epochs=2, callbacks=(), validate=False, devices=2,
 
 def _sync():
     return RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
-
-
-def _weights(module):
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 class Losses(L.Callback):
@@ -92,7 +81,7 @@ def test_weights_changed_in_place_by_a_hook_are_what_the_next_step_computes_with
         module = Reinitialized(hook)
         record = Losses()
         _fit(module, strategy, callbacks=[record])
-        losses[name], weights[name] = record.train, _weights(module)
+        losses[name], weights[name] = record.train, state(module)
     torch.testing.assert_close(losses["sync"], losses["auto"])
     torch.testing.assert_close(weights["sync"], weights["auto"])
 
@@ -135,7 +124,7 @@ def test_validation_with_an_ema_callback_sees_the_average_and_training_goes_on()
     for name, strategy in [("auto", "auto"), ("sync", _sync())]:
         module, losses = SeqModule(lr=0.05, extra=False), Losses()
         _fit(module, strategy, epochs=3, validate=True, callbacks=[EMAWeightAveraging(), losses])
-        got[name] = (losses.val, losses.train, _weights(module))
+        got[name] = (losses.val, losses.train, state(module))
     # validation computes with the averaged weights, training with the raw ones,
     # and the module ends on the average (on_train_end copies it in)
     torch.testing.assert_close(got["sync"], got["auto"])
@@ -150,10 +139,8 @@ def test_an_asynchronous_fit_ends_on_the_ema_average_and_does_not_race_it():
             strategy._chaos = Chaos(seed, {"step": 0.01, "g_copy": 0.01})
         ema = EMAWeightAveraging()
         _fit(module, strategy, epochs=2, callbacks=[ema])
-        ends.append(_weights(module))
-        averages.append(
-            {k: v.detach().clone() for k, v in ema._average_model.module.state_dict().items()}
-        )
+        ends.append(state(module))
+        averages.append(state(ema._average_model.module))
     # on_train_end copied the average in, and no queued update came on top
     torch.testing.assert_close(ends[0], averages[0])
     # the average read the weights after each update, never during one
@@ -169,7 +156,7 @@ def test_stochastic_weight_averaging_reads_settled_weights_under_the_asynchronou
             strategy._chaos = Chaos(seed, {"step": 0.02, "g_copy": 0.02})
         swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
         _fit(module, strategy, epochs=4, callbacks=[swa])
-        ends.append(_weights(module))
+        ends.append(state(module))
     torch.testing.assert_close(ends[1], ends[0])
 
 
@@ -198,7 +185,7 @@ def test_the_gradients_of_a_skipped_step_do_not_leak_into_the_next(accumulate):
     for name, strategy in [("auto", "auto"), ("sync", _sync())]:
         module = SkipsSomeSteps()
         _fit(module, strategy, epochs=1, accumulate=accumulate)
-        got[name] = (module.seen, _weights(module))
+        got[name] = (module.seen, state(module))
     torch.testing.assert_close(got["sync"], got["auto"])
 
 
@@ -221,7 +208,7 @@ class WithLBFGS(SeqModule):
 
 def test_an_optimizer_that_needs_a_closure_is_refused_before_training():
     module = WithLBFGS(extra=False)
-    before = _weights(module)
+    before = state(module)
     with pytest.raises(ValueError, match=r"LBFGS\.step needs a closure.*AdamW, SGD"):
         _fit(module, _sync(), epochs=1)
-    torch.testing.assert_close(_weights(module), before)
+    torch.testing.assert_close(state(module), before)
