@@ -4,9 +4,9 @@ The engine does the precision work itself (a low-precision master copy that
 devices compute in, fp32 gradient buffers, fp16 loss scaling on the host), so
 this plugin adds no autocast and no loss scaling of its own. Its
 ``optimizer_step`` runs the closure, Lightning's pre-step hooks and the
-engine's step; the gradient clipping Lightning asks for is recorded and
-applied by the engine to the fp32 gradients inside the (possibly
-asynchronous) step.
+engine's step; the gradient clipping Lightning asks for is applied to the
+fp32 gradients of the optimizer's parameters inside the step (recorded
+first, in order, when the step is asynchronous).
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class RoundPipePrecision(Precision):
                 f"{', '.join(repr(p) for p in SUPPORTED)}"
             )
         self.precision = precision
-        self.clip: tuple[float, str] | None = None
+        # clipping asked for before the gradients exist (asynchronous steps), in order
+        self.clips: list[tuple[float, GradClipAlgorithmType]] = []
+        self._clip_now = False  # in a synchronous step, with its gradients in .grad
         # the asynchronous optimizer's own param_groups
         self._groups: ThreadGroups | None = None
         # the engine of the strategy using this plugin (set while it has one)
@@ -136,9 +138,17 @@ class RoundPipePrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Record the clipping; the engine applies it inside the optimizer step."""
-        if clip_val and clip_val > 0:
-            self.clip = (float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
+        """Clip the gradients of ``optimizer``'s parameters (Lightning's
+        clipping, each call in turn), inside the step: at once in a synchronous
+        one, whose gradients are in ``.grad`` then; recorded for an asynchronous
+        one, whose gradients do not exist yet on this thread."""
+        if not clip_val or clip_val <= 0:
+            return
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
+        if self._clip_now:
+            super().clip_gradients(optimizer, clip_val, algorithm)
+        else:
+            self.clips.append((float(clip_val), algorithm))
 
     def merge_groups(self) -> None:
         """Once the queued steps have run: what the optimizer changed in its
@@ -146,13 +156,24 @@ class RoundPipePrecision(Precision):
         if self._groups is not None:
             self._groups.merge()
 
-    def _take_clip(self) -> dict[str, float]:
-        """Keyword arguments for ``engine.step`` (and forget the request)."""
-        clip, self.clip = self.clip, None
-        if clip is None:
-            return {}
-        value, algorithm = clip
-        return {"clip_grad_norm": value} if algorithm == "norm" else {"clip_grad_value": value}
+    def _clipped(self, optimizer: Any, step: Callable[[], Any]) -> Callable[[], Any]:
+        """``step`` after the clipping recorded so far (forgotten here), over
+        the parameters ``optimizer`` holds now (the optimizer thread's groups
+        may change meanwhile)."""
+        clips, self.clips = self.clips, []
+        if not clips:
+            return step
+        params = list(self.main_params(optimizer))
+
+        def clipped() -> Any:
+            for value, algorithm in clips:
+                if algorithm == GradClipAlgorithmType.VALUE:
+                    torch.nn.utils.clip_grad_value_(params, value)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, value)
+            return step()
+
+        return clipped
 
     @override
     def optimizer_step(
@@ -184,7 +205,7 @@ class RoundPipePrecision(Precision):
             # optimizer that has no gradients, i.e. nothing changes. Drop what a
             # model call with labels= already put into the window.
             self._after_closure(model, optimizer)
-            self.clip = None
+            self.clips = []
             if engine.has_pending_gradients:
                 engine.zero_grad()
             return None
@@ -197,12 +218,15 @@ class RoundPipePrecision(Precision):
             # (on the optimizer thread's own param_groups: see ThreadGroups)
             if self._groups is None or self._groups.optimizer is not optimizer:
                 self._groups = ThreadGroups(optimizer)
-            engine.step(self._groups.queued_step(**kwargs), **self._take_clip())
+            engine.step(self._clipped(optimizer, self._groups.queued_step(**kwargs)))
         else:
 
-            def prepare() -> dict[str, float]:
-                self._after_closure(model, optimizer)
-                return self._take_clip()
+            def prepare() -> None:
+                self._clip_now = True  # the hooks clip these gradients themselves
+                try:
+                    self._after_closure(model, optimizer)
+                finally:
+                    self._clip_now = False
 
             engine.step(step, prepare=prepare).wait()
         return result
