@@ -293,6 +293,10 @@ class RoundPipeStrategy(ParallelStrategy):
         self.pipeline_layers: list[torch.nn.Module] = []
         self.microbatches: int | None = None
         self._final_stale: dict[str, Tensor] | None = None
+        self._fitting = False  # the engine is a fit's (not an evaluation's)
+        # the optimizer switched to the fused kernel, with its own fused/foreach
+        # settings (defaults, each group's): checkpoints keep those
+        self._unfused: tuple[Optimizer, tuple[Any, list[Any]]] | None = None
         self._chaos: Callable[[str], None] | None = None
         self._stale: dict[str, Tensor] | None = None
         self._adapter = None
@@ -632,6 +636,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self.precision_plugin.after_backward = self._outside_reducer(adapter)
         # kept after the engine closes, for reports
         self.stage_plan = self.engine.plan
+        self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self.pipeline_layers = adapter.layers()
         self.microbatches = m
         adapter.attach(self.engine)
@@ -752,7 +757,7 @@ class RoundPipeStrategy(ParallelStrategy):
         steps, never racing them."""
         engine = self.engine
         opt = self.optimizers[0]
-        if self.fuse_optimizer and use_fused(opt):
+        if self.fuse_optimizer and self._fuse(opt):
             log.info("RoundPipe: optimizer switched to torch's fused CPU kernel")
         original_zero = opt.zero_grad
 
@@ -788,6 +793,23 @@ class RoundPipeStrategy(ParallelStrategy):
         # the optimizer thread's own param_groups, see ThreadGroups)
         if self.async_optimizer:
             _warn_gradient_hooks(trainer, module)
+
+    def _fuse(self, opt: Optimizer) -> bool:
+        """``use_fused``, remembering the optimizer's own settings the first
+        time (a checkpoint saves those, so that a run under another strategy
+        resumes with what the user configured)."""
+        if self._unfused is not None and self._unfused[0] is opt:
+            original = self._unfused[1]
+        else:
+
+            def settings(group: dict[str, Any]) -> Any:
+                return group.get("fused"), group.get("foreach")
+
+            original = (settings(opt.defaults), [settings(g) for g in opt.param_groups])
+        if not use_fused(opt):
+            return False
+        self._unfused = (opt, original)
+        return True
 
     def _settle_for_callbacks(self, trainer: Any) -> None:
         """Under the asynchronous optimizer, the queued update is applied
@@ -1105,7 +1127,13 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._drain()
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        opt = getattr(optimizer, "_optimizer", optimizer)  # (a LightningOptimizer)
+        if self._unfused is not None and self._unfused[0] is opt:
+            default, groups = self._unfused[1]
+            for k, group in enumerate(state["param_groups"]):
+                group["fused"], group["foreach"] = groups[k] if k < len(groups) else default
+        return state
 
     _STALE_KEY = "roundpipe_stale_weights"
 
@@ -1149,7 +1177,10 @@ class RoundPipeStrategy(ParallelStrategy):
         if restart:
             self._drain()
         super().load_model_state_dict(checkpoint, strict=strict)
-        self._stale = checkpoint.get(self._STALE_KEY)
+        # resumed by a fit only (validate/test/predict from a checkpoint leave
+        # nothing behind for a later fit to start from)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self._stale = checkpoint.get(self._STALE_KEY) if fitting else None
         if restart:
             # (the checkpoint's counters come with the precision plugin's state)
             self.precision_plugin.carried = None
@@ -1178,6 +1209,8 @@ class RoundPipeStrategy(ParallelStrategy):
         # keep optimizer state on the host, where the optimizer runs
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             opt.load_state_dict(state)
+            if self._unfused is not None and self._unfused[0] is opt:
+                use_fused(opt)  # the loaded groups carry the checkpoint's settings
 
     # ----------------------------------------------------------- teardown
     def _report(self) -> None:
@@ -1206,8 +1239,8 @@ class RoundPipeStrategy(ParallelStrategy):
             engine, self.engine = self.engine, None
             self.precision_plugin.engine = None
             engine.close()
-            # for a checkpoint saved after the fit (the queued steps are done)
-            self.precision_plugin.final = engine.counters()
+            if self._fitting:  # for a checkpoint saved after the fit (the queued steps are done)
+                self.precision_plugin.final = engine.counters()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -1217,9 +1250,13 @@ class RoundPipeStrategy(ParallelStrategy):
             # the user's step, a callback or an interrupt failed, not the engine:
             # the updates already queued (the asynchronous optimizer's last one)
             # still go into the weights, so the module matches global_step
+            if self.engine is not None and self._fitting:
+                self._final_stale = None  # (a failed engine: nothing to resume from)
             if self.engine is not None and self.engine.healthy and self._replicas is None:
                 try:
                     self._drain()
+                    if self._fitting:  # for a checkpoint saved after the failure
+                        self._final_stale = self._stale_by_name()
                 except Exception as exc:  # (the engine failed meanwhile: nothing to keep)
                     log.warning("RoundPipe: queued optimizer steps not applied: %s", exc)
         finally:
@@ -1229,7 +1266,9 @@ class RoundPipeStrategy(ParallelStrategy):
     def teardown(self) -> None:
         try:
             self._drain()
-            self._final_stale = self._stale_by_name()  # for a checkpoint saved after fit
+            if self.engine is not None and self._fitting:  # for a checkpoint saved after fit
+                self._final_stale = self._stale_by_name()
+            self._stale = None  # (a checkpoint's, never used: nothing trained)
             self._report()
         finally:
             self._close()
