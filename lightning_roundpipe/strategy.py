@@ -551,13 +551,16 @@ class RoundPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError(
-                "RoundPipeStrategy supports automatic optimization only; set "
-                "self.automatic_optimization = True (manual optimization cannot be pipelined)"
+                "RoundPipeStrategy supports automatic optimization only, with one optimizer; "
+                "set self.automatic_optimization = True (manual optimization cannot be "
+                "pipelined). Modules that need several optimizers (GANs, alternating updates), "
+                "which Lightning trains with manual optimization only, cannot use RoundPipe"
             )
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"RoundPipeStrategy supports exactly one optimizer, configure_optimizers returned "
-                f"{len(self.optimizers)}"
+                f"{len(self.optimizers)}; put the parameters in one optimizer (with a param "
+                "group each where their settings differ)"
             )
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError(
@@ -661,7 +664,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._averaging = any(isinstance(cb, _AVERAGING) for cb in trainer.callbacks)
         self._note_weights()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._warn_batch_statistics(adapter, m)
+            self._warn_microbatch_split(adapter, m)
             self._route_optimizer_calls(trainer)
             if self.async_optimizer:
                 self._settle_for_callbacks(trainer)
@@ -671,10 +674,12 @@ class RoundPipeStrategy(ParallelStrategy):
                 self.engine.continue_from(self.precision_plugin.carried)
             self._retry.arm()
 
-    def _warn_batch_statistics(self, adapter: Any, m: int) -> None:
-        """A layer normalising over the samples of its input (batch norm) sees
-        one micro-batch at a time: say so when there are several, since the
-        result then differs from whole-batch training and follows the count."""
+    def _warn_microbatch_split(self, adapter: Any, m: int) -> None:
+        """Layers that several micro-batches would train differently: one
+        normalising over the samples of its input (batch norm) sees one
+        micro-batch at a time, so the result differs from whole-batch training
+        and follows the count; a module taking its input sequence-first would
+        see its sequences cut when the batch is split along dimension 0."""
         if m == 1:
             return
         found = [
@@ -692,6 +697,24 @@ class RoundPipeStrategy(ParallelStrategy):
                 "whole-batch training and change with the count; set num_microbatches=1 for "
                 "whole-batch statistics, or a fixed integer so that runs on different numbers "
                 "of devices agree"
+            )
+        # torch's sequence-first modules (an outer one speaks for those inside it)
+        seq_first: list[str] = []
+        for i, layer in enumerate(adapter.layers()):
+            inner: set[int] = set()
+            for name, mod in layer.named_modules():
+                if id(mod) not in inner and _sequence_first(mod):
+                    inner.update(id(sub) for sub in mod.modules())
+                    where = f"{i}.{name}" if name else f"{i}"
+                    seq_first.append(f"{type(mod).__name__} (layer {where})")
+        if seq_first:
+            shown = ", ".join(seq_first[:3]) + (" ..." if len(seq_first) > 3 else "")
+            rank_zero_warn(
+                f"{shown} take(s) batch_first=False, but RoundPipe splits every batch into "
+                f"{m} micro-batches along dimension 0 (each tensor whose first dimension is the "
+                "batch size): if sequences reach these modules sequence-first, the split cuts "
+                "the sequences instead of the batch. Build them with batch_first=True, or set "
+                "num_microbatches=1"
             )
 
     def _check_outside_parameters(self, adapter: Any) -> None:
@@ -1281,6 +1304,15 @@ class RoundPipeStrategy(ParallelStrategy):
         replicas, self._replicas = self._replicas, None
         if replicas is not None and self._distributed():
             dist.destroy_process_group(replicas.group)
+
+
+def _sequence_first(module: torch.nn.Module) -> bool:
+    """One of torch's modules that take sequence-first input by default, built so."""
+    nn = torch.nn
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return module.self_attn.batch_first is False  # (the layer keeps no flag of its own)
+    kinds = (nn.MultiheadAttention, nn.RNNBase, nn.Transformer)
+    return isinstance(module, kinds) and getattr(module, "batch_first", True) is False
 
 
 try:  # Lightning >= 2.6: EMA and other averages, swapped in for validation through .data

@@ -32,11 +32,42 @@ class _FromPipeline(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run, *needs) -> torch.Tensor:
         ctx.run = run
+        # the anchor's gradient accumulator: whether a backward accumulates into
+        # .grad (the weights' gradients are wanted) or only asks for some inputs'
+        ctx.anchor = torch.autograd.graph.get_gradient_edge(anchor).node
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "a backward with create_graph=True (a gradient penalty, a higher-order "
+                "derivative) reached the RoundPipe pipeline, which computes its gradients on "
+                "its workers, outside this graph: they cannot be differentiated again. Compute "
+                "such terms inside a pipeline layer, or train this module with another strategy"
+            )
+        if not _accumulates(ctx.anchor):
+            raise RuntimeError(
+                "torch.autograd.grad (or backward(inputs=...)) reached the RoundPipe pipeline, "
+                "whose backward always adds the layers' weight gradients to the optimizer "
+                "step: only loss.backward() (Lightning's own) is supported through it. Compute "
+                "derivatives with respect to the inputs inside a pipeline layer, or outside "
+                "the model"
+            )
         return None, None, None, *ctx.run(grad)
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether the running backward executes ``node``, a leaf's gradient
+    accumulator (torch has no public way to ask: its private check, as its
+    multi-gradient hooks use; ``torch.autograd.grad`` never accumulates)."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    if check is None:  # pragma: no cover - a torch without it: assume an ordinary backward
+        return True
+    try:
+        return bool(check(node))
+    except RuntimeError:  # raised for leaves inside torch.autograd.grad
+        return False
 
 
 def _from_pipeline(

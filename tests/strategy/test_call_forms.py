@@ -151,3 +151,47 @@ def test_a_model_in_eval_mode_trains_like_the_default_strategy(kind):
         got[name] = state(module)
     assert any(not torch.equal(got["sync"][k], before[k]) for k in before)
     torch.testing.assert_close(got["sync"], got["auto"])
+
+
+class InputGradient(L.LightningModule):
+    """A derivative with respect to the stack's input inside the step
+    (saliency, a gradient penalty)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        out = self.net(x)
+        if self.how == "backward-inputs":
+            out.sum().backward(inputs=[x], retain_graph=True)
+        else:
+            torch.autograd.grad(
+                out.sum(), x, retain_graph=True, create_graph=self.how == "create_graph"
+            )
+        return nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("grad", r"torch.autograd.grad \(or backward\(inputs=...\)\) reached the RoundPipe"),
+        ("backward-inputs", r"torch.autograd.grad \(or backward\(inputs=...\)\) reached"),
+        ("create_graph", r"a backward with create_graph=True .* cannot be differentiated again"),
+    ],
+)
+def test_derivatives_other_than_the_losss_backward_are_refused_before_any_gradient(how, message):
+    """They would add the layers' weight gradients to the step (or lose the
+    second-order term) without a word; refused before the pipeline's backward."""
+    module = InputGradient(how)
+    before = state(module)
+    with pytest.raises(RuntimeError, match=message):
+        _fit(module, _sync(), steps=1, data=seq_data(8))
+    torch.testing.assert_close(state(module), before)

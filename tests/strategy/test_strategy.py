@@ -828,6 +828,38 @@ def test_batch_norm_over_micro_batches_is_warned_of_and_one_micro_batch_is_whole
         ]
 
 
+class SequenceFirstSeq(SeqModule):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__(extra=False)
+        block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        self.net = nn.Sequential(block, nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x.view(len(x), 2, 4).repeat(1, 1, 2)), y[:, None])
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_sequence_first_modules_are_warned_of_when_the_batch_is_split(batch_first):
+    """Batches are split along dimension 0: a module taking sequence-first
+    input would see its sequences cut. The strategy says so, naming the
+    outermost such module once (not the attention inside it)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(SequenceFirstSeq(batch_first), seq_data(16), sync(2), devices=2, max_steps=1)
+    said = [str(w.message) for w in caught if "batch_first=False" in str(w.message)]
+    if batch_first:
+        assert not said
+    else:
+        assert said == [
+            "TransformerEncoderLayer (layer 0) take(s) batch_first=False, but RoundPipe splits "
+            "every batch into 2 micro-batches along dimension 0 (each tensor whose first "
+            "dimension is the batch size): if sequences reach these modules sequence-first, the "
+            "split cuts the sequences instead of the batch. Build them with batch_first=True, or "
+            "set num_microbatches=1"
+        ]
+
+
 class _Split(nn.Module):
     def __init__(self) -> None:
         super().__init__()
