@@ -1019,20 +1019,31 @@ class RoundPipeStrategy(ParallelStrategy):
                 )
         return out
 
-    def _follow_trainable(self) -> None:
+    def _follow_trainable(self, evaluating: bool = False) -> None:
         """A new engine when parameters were frozen or unfrozen since it was
-        built (Lightning's ``BaseFinetuning`` does so at epoch starts): the
-        engine fixes which weights get gradient buffers, traffic and updates.
-        Between steps only: the window's gradients would be lost."""
+        built (Lightning's ``BaseFinetuning`` does so at epoch starts), or when
+        a pipeline layer's parameters or buffers changed (pruning adds a mask
+        and renames the weight): the engine fixes which weights get gradient
+        buffers, traffic and updates. Between steps only: the window's
+        gradients would be lost. ``evaluating``: the layers only (evaluation
+        computes no gradients)."""
         engine = self.engine
-        changed = engine.trainable_changed() if engine is not None else []
-        if not changed:
+        if engine is None:
+            return
+        changed = [] if evaluating else engine.trainable_changed()
+        layout = engine.layout_changed()
+        if not changed and not layout:
             return
         if engine.has_pending_gradients:
+            what = (
+                f"requires_grad of {changed[0]} changed"
+                if changed
+                else f"the parameters or buffers of pipeline {layout[0]} changed"
+            )
             raise ValueError(
-                f"requires_grad of {changed[0]} changed in the middle of a gradient "
-                "accumulation window; freeze or unfreeze parameters between optimizer steps "
-                "(e.g. in on_train_epoch_start, as BaseFinetuning does)"
+                f"{what} in the middle of a gradient accumulation window; freeze, unfreeze "
+                "or prune parameters between optimizer steps (e.g. in on_train_epoch_start, as "
+                "BaseFinetuning does)"
             )
         self._drain()
         # the one-behind weights of what stays trainable (async): the run goes
@@ -1042,11 +1053,17 @@ class RoundPipeStrategy(ParallelStrategy):
         self.precision_plugin.carried = engine.counters()
         self._close()
         self._rebuild(stale)
-        rank_zero_info(
-            f"RoundPipe: requires_grad of {len(changed)} parameter(s) changed "
-            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); "
-            "rebuilt the engine for the new set of trainable weights"
-        )
+        if changed:
+            rank_zero_info(
+                f"RoundPipe: requires_grad of {len(changed)} parameter(s) changed "
+                f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); "
+                "rebuilt the engine for the new set of trainable weights"
+            )
+        if layout:
+            rank_zero_info(
+                f"RoundPipe: the parameters or buffers of pipeline {'; '.join(layout[:3])}"
+                f"{' ...' if len(layout) > 3 else ''} changed; rebuilt the engine for them"
+            )
 
     def _rebuild(self, resumed: dict[str, Tensor] | None) -> None:
         """A new engine after a re-plan (the old one is closed), resuming an
@@ -1078,7 +1095,11 @@ class RoundPipeStrategy(ParallelStrategy):
     def _evaluation_step(self) -> None:
         """Weights changed since the evaluation started (a weight-averaging
         callback swaps in its average when the validation epoch starts, after
-        ``on_validation_start``) are what the evaluation computes with."""
+        ``on_validation_start``) are what the evaluation computes with; a
+        layer whose parameters or buffers changed, a new engine."""
+        if self.engine is not None and self.engine.layout_changed():
+            self._follow_trainable(evaluating=True)
+            self._newest_weights()
         self._follow_weights(everything=self._evaluating and self._averaging)
         self._evaluating = False
 
@@ -1338,10 +1359,17 @@ class _SettleUpdates(Callback):
             self.strategy._drain()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy._drain()
+        self._settle()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy._drain()
+        self._settle()
+
+    def _settle(self) -> None:
+        strategy = self.strategy
+        strategy._drain()
+        if strategy.engine is not None and not strategy.engine.layout_changed():
+            # (global pruning ranks by the masked weights: the settled ones)
+            strategy.engine.refresh_derived()
 
 
 def _refuse_gradient_hooks(module: Any, layers: list[torch.nn.Module]) -> None:

@@ -2,7 +2,7 @@
 
 from .device import layer_seed
 from .engine import EngineClosedError, RoundPipeEngine, estimate_costs
-from .host import pinned_bytes
+from .host import LayoutChanged, pinned_bytes
 from .optimizer import NonFiniteError, OptimizerStepError, StepHandle, use_fused
 from .options import EngineOptions
 from .store import HandoffTimeout
@@ -12,6 +12,7 @@ __all__ = [
     "EngineClosedError",
     "EngineOptions",
     "HandoffTimeout",
+    "LayoutChanged",
     "NonFiniteError",
     "OptimizerStepError",
     "RoundPipeEngine",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..plan.schedule import Schedule, Task
-from .host import HostState
+from .host import HostState, _Structure
 from .optimizer import Protocol
 from .profiler import Profiler, TraceRecorder, Traffic
 from .store import EngineClosedError, Key, Kind, Store
@@ -60,10 +60,15 @@ class Call:
     schedule: Schedule
     train: bool  # a training pass: gradients, running statistics written back
     modes: list[tuple[bool, ...]]  # train/eval flags of each layer's modules at submission
+    structures: list[_Structure]  # each layer's attributes, hooks and buffers at submission
     profiler: Profiler | None = None  # set while this iteration is being profiled
     gain: Gain | None = None  # a factor for the weight gradients given later; None: 1
     input_grad: bool = False  # the first layer's input gradient is wanted too
     version: int = 0  # its tasks read the weights after this many updates
+    # its forward stages write running statistics back to the host (training
+    # calls, unless an earlier forward-only pass of the iteration did; forward-
+    # only calls with a stateful layer in training mode), in micro-batch order
+    writes_state: bool = False
 
 
 @dataclass(eq=False)

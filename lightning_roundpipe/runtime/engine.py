@@ -474,6 +474,8 @@ class RoundPipeEngine:
         self.async_optimizer = async_optimizer
         self._iteration = 0
         self._eval_iteration = 0
+        # reserved iterations whose forward-only pass wrote running statistics
+        self._state_written: set[int] = set()
         self._serial = 0
         self._window = 0
         self._window_scale: dict[int, float] = {}
@@ -656,6 +658,9 @@ class RoundPipeEngine:
             st.index
             for st in plan.stages
             if st.kind != "backward" and self._host.stage_has_state(st.start, st.stop)
+        }
+        self._forward_ordered = {
+            st.index for st in self._forward_slots if self._host.stage_has_state(st.start, st.stop)
         }
         self._last_ordered: dict[int, tuple] = {}
 
@@ -1111,7 +1116,9 @@ class RoundPipeEngine:
             iteration=call.iteration,
             window=call.window,
             training=train,
-            ordered_slots=self._ordered if train else (),
+            ordered_slots=(
+                () if not call.writes_state else self._ordered if train else self._forward_ordered
+            ),
             output_readers=0 if train else 1,
             placement=self.placement,
             predict=rt.trace is not None,  # kept for the trace's simulated timeline
@@ -1152,6 +1159,10 @@ class RoundPipeEngine:
     ) -> Call:
         """A call record (its schedule is filled in by :meth:`_submit`).
         Caller holds ``self._lock``."""
+        # (raises LayoutChanged before anything is counted)
+        structures = [info.structure() for info in self._host.layers]
+        for st in structures:
+            st.refresh()
         self._serial += 1
         profiler = self._profiler
         call = Call(
@@ -1165,10 +1176,12 @@ class RoundPipeEngine:
             self.seed,
             None,  # type: ignore[arg-type]
             train,
-            [info.modes() for info in self._host.layers],
+            [st.modes() for st in structures],
+            structures,
             profiler if train and profiler is not None and profiler.wants(iteration) else None,
         )
         call.version = self._protocol.read_version(self._window, newest=self._newest)
+        call.writes_state = train
         return call
 
     def reserve_iteration(self) -> int:
@@ -1188,15 +1201,27 @@ class RoundPipeEngine:
         ``iteration`` selects the dropout masks (use :meth:`reserve_iteration`
         to match a later ``forward_backward``); by default a separate counter is
         used so evaluation never shifts the masks of training iterations.
-        Running statistics are not written back by this pass."""
+
+        Layers with running statistics (batch norm) in training mode update
+        them, as their own forward would (``torch.optim.swa_utils.update_bn``,
+        a pass without a backward); a ``forward_backward`` of the same
+        reserved iteration then leaves them alone (its forward computes the
+        batch again for the gradients)."""
         self._check()
         _, mbs = self._split(inputs, training=False)
         m = len(mbs)
         with self._lock:
+            reserved = iteration is not None
             if iteration is None:
                 self._eval_iteration -= 1
                 iteration = self._eval_iteration
             call = self._call(iteration, [None] * m, [1.0] * m, None, 1.0, train=False)
+            call.writes_state = any(
+                info.has_state and any(modes)
+                for info, modes in zip(self._host.layers, call.modes, strict=True)
+            )
+            if call.writes_state and reserved:
+                self._state_written.add(iteration)
             self._submit(call, self._forward_slots, mbs, train=False)
         store, top = self._rt.store, self.plan.num_layers
         outs = [
@@ -1290,6 +1315,9 @@ class RoundPipeEngine:
             self._window_has_grads = True
             seed = loss_scale if later else float(scale) * loss_scale
             call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
+            if iteration in self._state_written:  # by its forward-only pass
+                self._state_written.discard(iteration)
+                call.writes_state = False
             call.input_grad = input_grads
             if later:
                 call.gain = Gain(iteration, window)
@@ -1397,6 +1425,26 @@ class RoundPipeEngine:
         ``BaseFinetuning``)."""
         return [
             self._names[p.index] for p in self._host.params if p.param.requires_grad != p.trainable
+        ]
+
+    def refresh_derived(self) -> None:
+        """Compute again, on the host layers, the attributes their forward
+        pre-hooks derive from the weights (pruning's masked weight); every
+        call does so when it is submitted. For readers of the layers after
+        the weights settled (:meth:`synchronize`) without a call since."""
+        for info in self._host.layers:
+            info.structure().refresh()
+
+    def layout_changed(self) -> list[str]:
+        """Pipeline layers whose parameters or buffers are not those the
+        engine was built with (pruning's reparametrization adds a mask buffer
+        and renames the weight; a parameter replaced by a new one), each
+        with what changed; calls through the engine then raise
+        :class:`LayoutChanged` until a new engine is built."""
+        return [
+            f"layer {info.index}: {change}"
+            for info in self._host.layers
+            if (change := info.layout_change()) is not None
         ]
 
     @property

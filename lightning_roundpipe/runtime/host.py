@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HostState",
     "LayerReplica",
+    "LayoutChanged",
     "gradient_bytes",
     "host_available",
     "pinned_bytes",
@@ -302,11 +303,17 @@ def _split_name(name: str) -> tuple[str, str]:
     return path, attr
 
 
+class LayoutChanged(ValueError):
+    """A pipeline layer's parameters or buffers are not those it had when the
+    engine was built (added, removed, renamed, or a parameter replaced by a
+    new one): the engine's master copies and gradient buffers no longer
+    match it. Build a new engine (RoundPipeStrategy does so between steps)."""
+
+
 class _LayerInfo:
     def __init__(self, index: int, module: nn.Module, params: dict[int, int]) -> None:
         self.index = index
         self.module = module
-        self._modules = list(module.modules())  # read per call (modes): listed once
         self.param_slots = [
             _Slot(*_split_name(n), params[id(p)])
             for n, p in module.named_parameters(remove_duplicate=False)
@@ -326,19 +333,177 @@ class _LayerInfo:
                 self.buffers.append(b)
                 self.persistent.append(attr not in owner._non_persistent_buffers_set)
             self.buffer_slots.append(_Slot(path, attr, seen[id(b)]))
+        self._layout = self._layout_now()
+        # the states of the layer's modules seen so far, the current one first
+        self._structures = [_Structure(self)]
 
-    def modes(self) -> tuple[bool, ...]:
-        """The train/eval flag of each of the layer's modules now. A call takes
-        them when it is submitted, so its tasks run in the mode the caller was
-        in, however late they start (the training loop may switch to ``eval()``
-        for validation while backward stages are still queued)."""
-        return tuple(m.training for m in self._modules)
+    def _layout_now(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """The layer's parameters (name and identity) and buffers (names)."""
+        m = self.module
+        return (
+            [(n, id(p)) for n, p in m.named_parameters(remove_duplicate=False)],
+            [n for n, b in m.named_buffers(remove_duplicate=False) if b is not None],
+        )
+
+    def structure(self) -> _Structure:
+        """The state of the layer's modules now (their attributes, hooks and
+        buffer tensors), for a call submitted now: the current one while
+        nothing changed (one comparison per module), an earlier one the layer
+        went back to (an adapter switched off and on again), else a new one.
+        Raises :class:`LayoutChanged` when the parameters or buffers changed."""
+        current = self._structures[0]
+        if current.holds():
+            return current
+        for k, earlier in enumerate(self._structures[1:], 1):
+            if earlier.holds():
+                self._structures.insert(0, self._structures.pop(k))
+                return earlier
+        self.check_layout()
+        new = _Structure(self)
+        log.debug("pipeline layer %d changed outside the pipeline: new replicas", self.index)
+        self._structures = [new, *self._structures[: _STRUCTURES - 1]]
+        return new
+
+    def layout_change(self) -> str | None:
+        """What changed in the layer's parameters or buffers since the engine
+        was built, or None."""
+        if self._structures[0].holds():  # (their tables are among its attributes)
+            return None
+        (params, buffers), (params_now, buffers_now) = self._layout, self._layout_now()
+        if params == params_now and buffers == buffers_now:
+            return None
+        gone = [n for n, _ in params if n not in dict(params_now)] + [
+            n for n in buffers if n not in buffers_now
+        ]
+        new = [n for n, _ in params_now if n not in dict(params)] + [
+            n for n in buffers_now if n not in buffers
+        ]
+        replaced = [n for n, i in params_now if n in dict(params) and dict(params)[n] != i]
+        parts = [
+            f"{what} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+            for what, names in (("added", new), ("removed", gone), ("replaced", replaced))
+            if names
+        ]
+        return "; ".join(parts) or "their order changed"
+
+    def check_layout(self) -> None:
+        change = self.layout_change()
+        if change is not None:
+            raise LayoutChanged(
+                f"the parameters or buffers of pipeline layer {self.index} "
+                f"({type(self.module).__name__}) changed after the engine was built ({change}); "
+                "close it and build a new engine (RoundPipeStrategy does so itself between "
+                "steps)"
+            )
 
     @property
     def has_state(self) -> bool:
         """Whether the layer has persistent buffers (e.g. running statistics)
         whose updates must come back to the host."""
         return any(self.persistent)
+
+
+_STRUCTURES = 4  # states of a layer kept with their replicas (a toggled adapter: 2)
+
+
+def _derived_attribute(hook: object) -> str | None:
+    """The attribute a forward pre-hook of torch's sets from the module's
+    weights on every call (pruning, the old-style ``weight_norm``), or None."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    if isinstance(hook, BasePruningMethod):
+        return hook._tensor_name
+    if isinstance(hook, WeightNorm):
+        return hook.name
+    return None
+
+
+def _attributes(module: nn.Module) -> dict[str, object]:
+    """A module's attributes as they are now, containers copied one level
+    (hook tables, parameter, buffer and submodule tables, an adapter's
+    per-adapter settings), so that a change inside one shows."""
+    return {
+        k: copy.copy(v) if isinstance(v, (dict, list, set)) else v
+        for k, v in module.__dict__.items()
+    }
+
+
+class _Structure:
+    """One state of a layer's modules, as replicas copy it: attributes, hooks,
+    submodules and buffer tensors. A worker's replica is made from
+    ``template``, a copy of the layer taken on the submitting thread with
+    empty stand-ins for its weights and buffers."""
+
+    def __init__(self, info: _LayerInfo) -> None:
+        module = info.module
+        self.modules = list(module.modules())
+        self._seen = [_attributes(m) for m in self.modules]
+        # attributes a forward pre-hook computes from the weights on every call
+        # (pruning's masked weight, weight_norm's weight): the host module never
+        # runs, so each call computes them there too (see refresh)
+        self._derived = [
+            (seen, m, hook, name)
+            for m, seen in zip(self.modules, self._seen, strict=True)
+            for hook in m._forward_pre_hooks.values()
+            if (name := _derived_attribute(hook)) is not None
+        ]
+        #: the host tensors of the layer's buffers now (a replaced buffer's new one)
+        self.buffers: list[torch.Tensor] = list(info.buffers)
+        for s in info.buffer_slots:
+            self.buffers[s.index] = module.get_submodule(s.path)._buffers[s.attr]
+        #: what replicas share with the host instead of copying (see below)
+        self.shared: dict[int, object] = {}
+        memo: dict[int, object] = {}
+        for p in module.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
+        for b in self.buffers:
+            memo[id(b)] = torch.empty(0)
+        # hooks are shared, not copied: one registered by a method of the
+        # user's objects (a callback, the LightningModule) runs on those
+        # objects, as it would without the pipeline, not on copies of them
+        for m in self.modules:
+            for name, value in m.__dict__.items():
+                if "hooks" in name and isinstance(value, dict):
+                    for hook in value.values():
+                        if callable(hook):
+                            self.shared[id(hook)] = hook
+                # a tensor attribute computed with autograd (pruning's masked
+                # weight, which its pre-hook computes again on every call) has
+                # no deep copy: its value is shared
+                elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    memo[id(value)] = value.detach()
+        memo.update(self.shared)
+        self.template = copy.deepcopy(module, memo)
+
+    def holds(self) -> bool:
+        """Whether every module's attributes are still what they were (the
+        train/eval flag aside: each call takes it with :meth:`modes`)."""
+        for seen, m, _, name in self._derived:
+            seen[name] = m.__dict__.get(name)
+        for m, seen in zip(self.modules, self._seen, strict=True):
+            now = m.__dict__
+            seen["training"] = now.get("training")
+            try:
+                if now != seen:
+                    return False
+            except Exception:  # a tensor attribute replaced: compared elementwise
+                return False
+        return True
+
+    def refresh(self) -> None:
+        """Compute the attributes the layer's forward pre-hooks derive from its
+        weights on the host module too, as its own forward would now (a
+        reader such as global pruning's importance sees the current value)."""
+        for _, m, hook, _ in self._derived:
+            hook(m, ())
+
+    def modes(self) -> tuple[bool, ...]:
+        """The train/eval flag of each of the layer's modules now. A call takes
+        them when it is submitted, so its tasks run in the mode the caller was
+        in, however late they start (the training loop may switch to ``eval()``
+        for validation while backward stages are still queued)."""
+        return tuple(m.training for m in self.modules)
 
 
 def _running_statistic(owner: nn.Module, attr: str) -> bool:
@@ -352,20 +517,16 @@ def _running_statistic(owner: nn.Module, attr: str) -> bool:
 
 
 class LayerReplica:
-    """A worker's private structural copy of one layer.
+    """A worker's private structural copy of one layer, in one state of its
+    modules (:class:`_Structure`).
 
     ``bind`` points its parameters and buffers at device tensors; ``unbind``
     drops them again so the device memory can be reused."""
 
-    def __init__(self, info: _LayerInfo, params: Sequence[_Param]) -> None:
-        memo: dict[int, object] = {}
-        for s in info.param_slots:
-            p = params[s.index].param
-            memo[id(p)] = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
-        for b in info.buffers:
-            memo[id(b)] = torch.empty(0)
-        self.module = copy.deepcopy(info.module, memo)
+    def __init__(self, info: _LayerInfo, structure: _Structure) -> None:
+        self.module = copy.deepcopy(structure.template, dict(structure.shared))
         self.info = info
+        self.structure = structure
         self._param_owners = [
             (self.module.get_submodule(s.path), s.attr, s.index) for s in info.param_slots
         ]
@@ -387,7 +548,7 @@ class LayerReplica:
         modes: Sequence[bool],
     ) -> None:
         """Point the replica at device tensors; ``modes``: the train/eval flag of
-        each submodule (:meth:`_LayerInfo.modes`) when the call was submitted."""
+        each submodule (:meth:`_Structure.modes`) when the call was submitted."""
         for replica, training in zip(self._modules, modes, strict=True):
             replica.training = training
         for owner, attr, idx in self._param_owners:
@@ -425,7 +586,7 @@ class LayerReplica:
         return None
 
     def current_buffers(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(self.info.buffers)
+        out: list[torch.Tensor | None] = [None] * len(self.structure.buffers)
         for owner, attr, idx in self._buffer_owners:
             out[idx] = owner._buffers[attr]
         return out  # type: ignore[return-value]

@@ -55,7 +55,7 @@ from .device import (
     is_out_of_memory,
     layer_seed,
 )
-from .host import LayerReplica, _Param
+from .host import _STRUCTURES, LayerReplica, _Param, _Structure
 from .nested import call_layer, flatten_tensors, map_tensors
 from .profiler import (
     LayerTimer,
@@ -275,7 +275,8 @@ class Worker:
         self.protocol = rt.protocol
         self._queue: deque[Job | None] = deque()
         self._cond = threading.Condition()
-        self._replicas: dict[int, LayerReplica] = {}
+        # each layer's replicas, one per state of its modules, the newest first
+        self._replicas: dict[int, list[LayerReplica]] = {}
         self._rng: dict[int, LayerRandomness] = {}
         self._checkpointing = False  # a layer with gradient checkpointing ran here
         self._prefetch: _Prefetch | None = None
@@ -345,8 +346,9 @@ class Worker:
                 except Exception:  # a broken device: the failure is reported already
                     log.debug("could not synchronize %s at exit", self.device, exc_info=True)
             self.courier.stop()
-            for rep in self._replicas.values():
-                rep.unbind()
+            for reps in self._replicas.values():
+                for rep in reps:
+                    rep.unbind()
             self._replicas.clear()
             self._prefetch = None
             self._ahead.clear()
@@ -419,10 +421,20 @@ class Worker:
         )
 
     # ---------------------------------------------------------------- task
-    def _replica(self, layer: int) -> LayerReplica:
-        rep = self._replicas.get(layer)
-        if rep is None:
-            rep = self._replicas[layer] = LayerReplica(self.host.layers[layer], self.host.params)
+    def _replica(self, layer: int, structure: _Structure) -> LayerReplica:
+        """This worker's copy of ``layer`` in the state a call saw it in (a
+        layer whose attributes or hooks changed outside the pipeline gets a
+        new one; the few latest are kept, for a state it goes back to)."""
+        reps = self._replicas.setdefault(layer, [])
+        for k, rep in enumerate(reps):
+            if rep.structure is structure:
+                if k:
+                    reps.insert(0, reps.pop(k))
+                return rep
+        rep = LayerReplica(self.host.layers[layer], structure)
+        reps.insert(0, rep)
+        del reps[_STRUCTURES:]
+        if layer not in self._rng:
             self._rng[layer] = LayerRandomness(self.device, f"layer {layer}")
         return rep
 
@@ -461,11 +473,12 @@ class Worker:
             )
             for p in params
         }
-        replicas = [self._replica(i) for i in range(t.start, t.stop)]
+        replicas = [self._replica(i, call.structures[i]) for i in range(t.start, t.stop)]
         nbuf = 0
         for rep in replicas:
-            bufs = [ctx.upload(b, ctx.weight_up, fresh=True) for b in rep.info.buffers]
-            nbuf += sum(b.numel() * b.element_size() for b in rep.info.buffers)
+            host_bufs = rep.structure.buffers
+            bufs = [ctx.upload(b, ctx.weight_up, fresh=True) for b in host_bufs]
+            nbuf += sum(b.numel() * b.element_size() for b in host_bufs)
             rep.bind(weights, bufs, call.modes[rep.info.index])
         if nbuf:
             self.rt.traffic.add(it, "buffers", nbuf)
@@ -485,7 +498,11 @@ class Worker:
                     self._prefetch_window(nxt, w)
             mb[0] = None
             _check_state(replicas, recomputed=call.train and t.kind == "forward")
-            if call.train and t.kind != "backward" and self.host.stage_has_state(t.start, t.stop):
+            if (
+                call.writes_state
+                and t.kind != "backward"
+                and self.host.stage_has_state(t.start, t.stop)
+            ):
                 self._write_buffers(job, replicas)
             if acc is not None:  # the task's last courier item: it ends the task
                 self._send_grads(job, params, acc)
@@ -677,7 +694,7 @@ class Worker:
         copies, nbytes = [], 0
         for rep in replicas:
             for host_buf, dev_buf, keep in zip(
-                rep.info.buffers, rep.current_buffers(), rep.info.persistent, strict=True
+                rep.structure.buffers, rep.current_buffers(), rep.info.persistent, strict=True
             ):
                 if keep and dev_buf is not None:
                     copies.append((host_buf, ctx.download(dev_buf, ctx.act_down)))

@@ -903,15 +903,45 @@ def test_evaluation_calls_between_steps_keep_the_running_statistics_order():
     with engine(layers, 2, 4, "1,1|1|1,1", microbatches_per_round=2, watchdog_timeout=20) as eng:
         for _ in range(2):
             eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            for layer in layers:
+                layer.eval()
             with torch.no_grad():
                 for _ in range(6):
                     eng.forward(x)
+            for layer in layers:
+                layer.train()
         eng.synchronize()
     for _ in range(2):  # the same running-statistics updates, micro-batch by micro-batch
         for j in range(4):
             nn.Sequential(*ref)(x[2 * j : 2 * j + 2])
     torch.testing.assert_close(layers[1].running_mean, ref[1].running_mean)
     torch.testing.assert_close(layers[1].running_var, ref[1].running_var)
+
+
+def test_forward_only_passes_in_training_mode_update_running_statistics_in_order():
+    """A forward-only pass in training mode updates batch norm's statistics
+    as the layers' own forward would (``update_bn``), micro-batch by
+    micro-batch across rounds and calls; a forward_backward of the iteration
+    a forward pass reserved leaves them alone (no second update)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)]
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with engine(layers, 2, 4, "1,1|1|1,1", microbatches_per_round=2, watchdog_timeout=20) as eng:
+        with torch.no_grad():
+            for _ in range(3):
+                eng.forward(x)
+        it = eng.reserve_iteration()
+        eng.forward(x, iteration=it)
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss, iteration=it)
+        eng.synchronize()
+    with torch.no_grad():
+        for _ in range(4):
+            for j in range(4):
+                nn.Sequential(*ref)(x[2 * j : 2 * j + 2])
+    torch.testing.assert_close(layers[1].running_mean, ref[1].running_mean)
+    torch.testing.assert_close(layers[1].running_var, ref[1].running_var)
+    assert int(layers[1].num_batches_tracked) == 16
 
 
 class FailsInBackward(torch.autograd.Function):
