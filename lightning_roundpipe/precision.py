@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .groups import ThreadGroups
-from .runtime.options import PRECISIONS
+from .runtime.options import PRECISION_ALIASES, PRECISIONS
 
 if TYPE_CHECKING:
     from .runtime import RoundPipeEngine
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED", "RoundPipePrecision"]
 
 SUPPORTED = tuple(PRECISIONS)
-_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 
 class RoundPipePrecision(Precision):
@@ -47,7 +46,7 @@ class RoundPipePrecision(Precision):
     def __init__(
         self, precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"] = "32-true"
     ) -> None:
-        precision = _ALIASES.get(precision, precision)
+        precision = PRECISION_ALIASES.get(precision, precision)
         if precision not in SUPPORTED:
             raise ValueError(
                 f"precision={precision!r} is not supported by the RoundPipe strategy; use one of "

@@ -556,7 +556,10 @@ def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     code, text = run_cli(path, "--gpu-memory", 1.25, "--seq", longest)
     assert "fits: yes" in text
     code, text = run_cli(path, "--gpu-memory", 1.25, "--seq", int(longest * 1.25))
-    assert "fits: NO" in text
+    assert "fits: NO (a stage's predicted peak, " in text and "a stage may use)" in text
+    assert "simulated step (as if it fitted): " in text
+    # Trainer(precision=...)'s short names are accepted, as the help says
+    assert run_cli(path, "--gpu-memory", 1.25, "--precision", "bf16")[0] == 0
     # LoRA: the base is frozen
     code, text = run_cli(path, "--gpu-memory", 1.25, "--lora-rank", 4, "--seq", 512)
     assert code == 0 and "trainable)" in text

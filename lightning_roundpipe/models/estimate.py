@@ -54,7 +54,7 @@ from ..runtime.host import (
     plan_staging_bytes,
     state_bytes,
 )
-from ..runtime.options import PRECISIONS
+from ..runtime.options import PRECISION_ALIASES, PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .attention import attention_heads
 from .causal_lm import CausalLMAdapter
@@ -354,6 +354,19 @@ class Estimate:
         host_ok = self.host_memory is None or self.host["total"] <= self.host_memory
         return max(self.stage_peaks) <= self.stage_limit and host_ok
 
+    def _overflow(self) -> str:
+        """What does not fit, and by how much."""
+        out = []
+        worst = max(self.stage_peaks)
+        if worst > self.stage_limit:
+            out.append(
+                f"a stage's predicted peak, {gib(worst)}, is over the {gib(self.stage_limit)} a "
+                "stage may use"
+            )
+        if self.host_memory is not None and self.host["total"] > self.host_memory:
+            out.append(f"host memory {gib(self.host['total'])} is over {gib(self.host_memory)}")
+        return "; ".join(out)
+
     def report(self) -> str:
         lines = [
             f"model: {self.model}, {self.parameters / 1e9:.3g}B parameters "
@@ -376,7 +389,7 @@ class Estimate:
             f"boundary activations {gib(self.host['activations'])}, page-locked gradient "
             f"staging {gib(self.host.get('staging', 0.0))})"
             + ("" if self.host_memory is None else f" of {gib(self.host_memory)}"),
-            f"fits: {'yes' if self.fits else 'NO'}",
+            "fits: yes" if self.fits else f"fits: NO ({self._overflow()})",
             f"longest sequence at micro-batch 1: {self.longest_seq} tokens "
             f"(bounded by {self.longest_bound}"
             + (
@@ -386,7 +399,8 @@ class Estimate:
                 f"{gib(self.device_longest_host)} of host memory"
             )
             + ")",
-            f"simulated step: {self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
+            f"simulated step{'' if self.fits else ' (as if it fitted)'}: "
+            f"{self.step_seconds:.3g} s, {self.tokens_per_second:.4g} tokens/s "
             f"(weight uploads need {self.upload_seconds:.3g} s per step on each GPU's link"
             + (
                 f"; the GPUs wait {self.copy_seconds:.3g} s in all for copies compute does not hide"
@@ -545,6 +559,7 @@ def estimate(
     ):
         if not value > 0:
             raise ValueError(f"{label} must be > 0, got {value!r}")
+    precision = PRECISION_ALIASES.get(precision, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]

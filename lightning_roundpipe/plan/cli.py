@@ -45,6 +45,10 @@ def _numbers(text: str) -> list[float]:
             raise argparse.ArgumentTypeError(
                 f"{tok!r} is not a number or VALUExCOUNT (e.g. 1.5 or 2x12)"
             ) from None
+        if k < 1:
+            raise argparse.ArgumentTypeError(
+                f"{tok!r}: the COUNT of VALUExCOUNT must be an integer >= 1"
+            )
         out.extend([v] * k)
     return out
 
@@ -68,6 +72,17 @@ def _positive(kind: type) -> Callable[[str], Any]:
 
 
 _count, _amount = _positive(int), _positive(float)
+
+
+def _time(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -98,15 +113,20 @@ def _costs(args: argparse.Namespace) -> LayerCosts:
     return LayerCosts(args.forward, args.backward, args.memory)
 
 
-def _limit(args: argparse.Namespace) -> float | None:
+def _limit(args: argparse.Namespace, costs: LayerCosts) -> float | None:
     lim = args.memory_limit
+    if lim is not None and costs.memory is None:
+        raise PlanError(
+            '--memory-limit needs the layers\' memory: give --memory (or a "memory" list in '
+            "--costs), or drop --memory-limit"
+        )
     return None if lim is None else (int(lim) if float(lim).is_integer() else lim)
 
 
 def _cmd_partition(args: argparse.Namespace, out) -> None:
     costs = _costs(args)
     t0 = time.perf_counter()
-    plan = partition(costs, args.devices, args.microbatches, memory_limit=_limit(args))
+    plan = partition(costs, args.devices, args.microbatches, memory_limit=_limit(args, costs))
     took = time.perf_counter() - t0
     n, m, s = args.devices, args.microbatches, plan.num_slots
     out.write(f"{plan}\n")
@@ -147,6 +167,7 @@ def format_table(results: Sequence[SimulationResult]) -> str:
 def _cmd_simulate(args: argparse.Namespace, out) -> None:
     costs = _costs(args)
     names = args.schedule or list(SCHEDULES)
+    every = "all" in names or not args.schedule  # (none named one by one)
     if "all" in names:
         names = list(SCHEDULES)
     # options of schedules that are not simulated would be ignored: refused
@@ -173,12 +194,12 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
             f"--round-size {args.round_size} is more than the {args.microbatches} micro-batches "
             "of an iteration (-M); a round holds at most all of them"
         )
-    results = []
+    results, skipped = [], []
     for name in names:
         rp = name == "roundpipe"
         plan = StagePlan.parse(args.plan, costs.num_layers) if (rp and args.plan) else None
-        results.append(
-            simulate(
+        try:
+            result = simulate(
                 name,
                 costs,
                 args.devices,
@@ -191,10 +212,17 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
                 stages_per_device=None
                 if rp or name in ("gpipe", "1f1b")
                 else args.stages_per_device,
-                memory_limit=_limit(args) if rp else None,
+                memory_limit=_limit(args, costs) if rp else None,
             )
-        )
+        except PlanError as exc:
+            if rp or not every:
+                raise
+            skipped.append(f"{name}: not simulated: {exc}")  # a baseline this case does not fit
+            continue
+        results.append(result)
     out.write(format_table(results) + "\n")
+    for line in skipped:
+        out.write(line + "\n")
     if args.png is not None:
         from .plot import plot_timeline
 
@@ -266,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stages", type=_ints, help="baselines: layers per stage, e.g. 4,3,3,3")
     s.add_argument("--stages-per-device", type=_count, help="looped baselines (default 2)")
     s.add_argument("--round-size", type=_count, help="RoundPipe micro-batches per round")
-    s.add_argument("--comm-time", type=float, default=0.0, help="activation hop time")
+    s.add_argument("--comm-time", type=_time, default=0.0, help="activation hop time")
     s.add_argument(
         "--async",
         dest="async_optimizer",

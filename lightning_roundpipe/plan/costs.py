@@ -38,8 +38,11 @@ def _as_values(
 ) -> tuple[float, ...] | None:
     if values is None:
         return None
-    if isinstance(values, (str, bytes)):
-        raise PlanError(f"LayerCosts.{name} must be a sequence of numbers, got a string")
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, Sequence)):
+        raise PlanError(
+            f"LayerCosts.{name} must be a list of numbers (one per layer), got "
+            f"{type(values).__name__} {values!r}"[:200]
+        )
     out = tuple(values)
     if n is not None and len(out) != n:
         raise PlanError(

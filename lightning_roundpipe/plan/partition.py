@@ -376,8 +376,6 @@ def _min_max_cut(
     pre = [0.0, *accumulate(values)]
     mem = None if memory is None or limit is None else [0.0, *accumulate(memory)]
     lo = max(pre[i + 1] - pre[i] for i in range(n))
-    cands = sorted({pre[j] - pre[i] for i in range(n) for j in range(i + 1, n + 1)})
-    cands = cands[bisect_left(cands, lo) :]
 
     def greedy(t: float) -> list[int]:
         out, i = [], 0
@@ -389,14 +387,22 @@ def _min_max_cut(
             i = j
         return out
 
-    a, b = 0, len(cands) - 1  # smallest t with at most num_parts parts
+    # the smallest t with at most num_parts parts, bisected down to adjacent
+    # floats: feasibility changes at a part's sum (a float), so this is the
+    # optimum exactly, without listing the O(n^2) contiguous sums (which made
+    # the frontier cubic in the layer count)
+    a, b = lo, pre[n]
+    if len(greedy(a)) <= num_parts:
+        b = a
     while a < b:
-        mid = (a + b) // 2
-        if len(greedy(cands[mid])) <= num_parts:
+        mid = a + (b - a) / 2
+        if mid <= a or mid >= b:
+            break
+        if len(greedy(mid)) <= num_parts:
             b = mid
         else:
-            a = mid + 1
-    counts = greedy(cands[a])
+            a = mid
+    counts = greedy(b)
     while len(counts) < num_parts:  # splitting a part never makes anything worse
         k = max(range(len(counts)), key=lambda i: (counts[i], -i))
         half = counts[k] // 2

@@ -29,6 +29,7 @@ and ordering; :meth:`Schedule.grid` draws devices as rows.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -367,8 +368,8 @@ class Clock:
     ) -> None:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise PlanError(f"num_devices must be an integer >= 1, got {num_devices!r}")
-        if not comm_time >= 0:
-            raise PlanError(f"comm_time must be >= 0, got {comm_time!r}")
+        if not (comm_time >= 0 and math.isfinite(comm_time)):
+            raise PlanError(f"comm_time must be finite and >= 0, got {comm_time!r}")
         if not optimizer_time >= 0:
             raise PlanError(f"optimizer_time must be >= 0, got {optimizer_time!r}")
         self.costs = costs

@@ -32,6 +32,7 @@ fill (the optimizer runs one step behind, so no flush separates them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -507,8 +508,8 @@ def simulate(
     ):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise PlanError(f"{name} must be an integer >= 1, got {val!r}")
-    if not comm_time >= 0:
-        raise PlanError(f"comm_time must be >= 0, got {comm_time!r}")
+    if not (comm_time >= 0 and math.isfinite(comm_time)):
+        raise PlanError(f"comm_time must be finite and >= 0, got {comm_time!r}")
     if isinstance(plan, str):
         plan = StagePlan.parse(plan, costs.num_layers)
     if schedule == "roundpipe":

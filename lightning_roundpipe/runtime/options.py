@@ -24,7 +24,15 @@ import torch
 from ..plan import PlanError
 from ..plan.schedule import Placement
 
-__all__ = ["NONFINITE", "PRECISIONS", "EngineOptions", "NonFinite", "Precision", "check_types"]
+__all__ = [
+    "NONFINITE",
+    "PRECISIONS",
+    "PRECISION_ALIASES",
+    "EngineOptions",
+    "NonFinite",
+    "Precision",
+    "check_types",
+]
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 #: the compute dtype (and master-copy dtype) of each supported precision
@@ -33,6 +41,14 @@ PRECISIONS: dict[str, torch.dtype] = {
     "bf16-mixed": torch.bfloat16,
     "bf16-true": torch.bfloat16,
     "16-mixed": torch.float16,
+}
+# the shorter names Trainer(precision=...) accepts
+PRECISION_ALIASES: dict[str | int, str] = {
+    "32": "32-true",
+    32: "32-true",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
 }
 NonFinite = Literal["raise", "skip", "ignore"]
 NONFINITE = ("raise", "skip", "ignore")

@@ -133,6 +133,57 @@ def test_bad_number_list_is_an_argparse_error(capsys):
     assert "is not a number or VALUExCOUNT" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--forward=1x-4,1x4", "--backward", "2x4"],
+            "the COUNT of VALUExCOUNT must be an integer",
+        ),
+        (["--forward", "1x4", "--backward", "2x4", "--comm-time", "inf"], "finite number >= 0"),
+    ],
+)
+def test_counts_and_times_that_mean_nothing_are_argparse_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", *args, "-N", "2", "-M", "4"])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_memory_limit_without_memory_and_a_scalar_cost_are_refused(capsys, tmp_path):
+    code, _ = run(
+        [
+            "partition",
+            "--forward",
+            "1x4",
+            "--backward",
+            "2x4",
+            "-N",
+            "2",
+            "-M",
+            "4",
+            "--memory-limit",
+            "1",
+        ]
+    )
+    assert code == 2
+    assert "--memory-limit needs the layers' memory: give --memory" in capsys.readouterr().err
+    path = tmp_path / "scalar.json"
+    path.write_text('{"forward": [1, 2], "backward": [1, 2], "memory": 7}')
+    code, _ = run(["partition", "--costs", str(path), "-N", "2", "-M", "4"])
+    assert code == 2
+    assert "LayerCosts.memory must be a list of numbers" in capsys.readouterr().err
+
+
+def test_simulating_every_schedule_skips_the_baselines_a_case_does_not_fit():
+    code, text = run(
+        ["simulate", "--forward", "1x12,3", "--backward", "2x12,6", "-N", "3", "-M", "4"]
+    )
+    assert code == 0
+    assert text.splitlines()[2].startswith("roundpipe")
+    assert "interleaved-1f1b: not simulated: interleaved-1f1b needs num_microbatches (4)" in text
+
+
 def test_module_entry_point():
     proc = subprocess.run(
         [

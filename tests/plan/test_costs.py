@@ -33,7 +33,11 @@ def test_unknown_memory_is_zero():
         ({"forward": [1], "backward": [float("inf")]}, r"backward\[0\]"),
         ({"forward": [1], "backward": [1], "memory": [1, 2]}, "memory has 2 entries"),
         ({"forward": [1], "backward": ["a"]}, r"backward\[0\] must be a number"),
-        ({"forward": "12", "backward": [1]}, "must be a sequence of numbers"),
+        ({"forward": "12", "backward": [1]}, "must be a list of numbers"),
+        (
+            {"forward": [1, 2], "backward": [1, 2], "memory": 7},
+            r"memory must be a list of numbers \(one per layer\), got int 7",
+        ),
     ],
 )
 def test_validation_messages(kwargs, match):
