@@ -92,7 +92,9 @@ class RoundPipeStrategy(ParallelStrategy):
         microbatches_per_round: micro-batches per round; ``None``/``"auto"``
             (default): the whole batch, so each stage's weights go up once per
             batch, unless a round's stage-boundary activations would exceed
-            ``activation_memory``; then the largest round that fits.
+            ``activation_memory`` (then the largest round that fits), or a
+            round of a multiple of the device count gives a simulated step
+            at least 1% shorter while hiding the weight uploads.
         activation_memory: host bytes one round's stage-boundary activations
             may take (default: a quarter of the host memory available at
             setup, less what the training state will take: master copies,
@@ -650,7 +652,7 @@ class RoundPipeStrategy(ParallelStrategy):
             n,
             m,
             plan=self.engine.plan,
-            microbatches_per_round=self.engine.microbatches_per_round,
+            microbatches_per_round=self.engine.planned_round_size(),
             async_optimizer=self.async_optimizer,
         )
         self._bubble = sim.async_bubble_ratio if self.async_optimizer else sim.bubble_ratio
