@@ -902,9 +902,12 @@ class RoundPipeStrategy(ParallelStrategy):
         or ``copy_`` in a hook, ``nn.init``) by its version counter, and
         Lightning's weight-averaging callbacks are handled; a change through
         ``.data`` (``p.data.copy_(w)``) is invisible to it. Call this after
-        making one. Waits for queued optimizer steps."""
+        making one. The workers' copies of the layers are made again too,
+        for an attribute object changed in place (a plain tensor attribute,
+        a field of a layer's config), which they follow only when the
+        attribute is assigned. Waits for queued optimizer steps."""
         if self.engine is not None:
-            self.engine.reload_weights()
+            self.engine.reload_weights(layers=True)
             self._note_weights()
 
     def _start_window(self) -> None:
@@ -1034,13 +1037,19 @@ class RoundPipeStrategy(ParallelStrategy):
             return
         changed = [] if evaluating else engine.trainable_changed()
         layout = engine.layout_changed()
+        if self._adapter is not None:
+            now = self._adapter.layers()
+            if len(now) != len(self.pipeline_layers) or any(
+                a is not b for a, b in zip(now, self.pipeline_layers, strict=False)
+            ):  # a layer of the stack replaced by another module (net[1] = nn.ReLU())
+                layout = [*layout, "a layer of the stack replaced, added or removed"]
         if not changed and not layout:
             return
         if engine.has_pending_gradients:
             what = (
                 f"requires_grad of {changed[0]} changed"
                 if changed
-                else f"the parameters or buffers of pipeline {layout[0]} changed"
+                else f"the pipeline's layers changed ({layout[0]})"
             )
             raise ValueError(
                 f"{what} in the middle of a gradient accumulation window; freeze, unfreeze "
@@ -1063,8 +1072,8 @@ class RoundPipeStrategy(ParallelStrategy):
             )
         if layout:
             rank_zero_info(
-                f"RoundPipe: the parameters or buffers of pipeline {'; '.join(layout[:3])}"
-                f"{' ...' if len(layout) > 3 else ''} changed; rebuilt the engine for them"
+                f"RoundPipe: the pipeline's layers changed ({'; '.join(layout[:3])}"
+                f"{' ...' if len(layout) > 3 else ''}); rebuilt the engine for them"
             )
 
     def _rebuild(self, resumed: dict[str, Tensor] | None) -> None:

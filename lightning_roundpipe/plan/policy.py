@@ -164,7 +164,7 @@ def choose_round(
         boundary_bytes: host bytes of one micro-batch's stage-boundary
             activations kept for the backward stages (None: unknown).
         budget: host bytes a round's activations may take (None: no limit).
-        num_devices: ``N``; with ``period``, rounds of ``N, 2N, ...`` below
+        num_devices: ``N``; with ``period``, rounds of ``N, 2N, 4N, ...`` below
             the largest that fits are candidates too.
         period: simulated time per iteration for a round size.
         hidden: whether a round size's compute hides every stage's weight
@@ -183,7 +183,10 @@ def choose_round(
         return largest
     base_t = period(mr)
     best, best_t = mr, base_t
-    for g in range((mr - 1) // n * n, 0, -n):
+    # N, 2N, 4N, ...: each a simulation (the asynchronous steady state of
+    # a large batch takes a good fraction of a second)
+    sizes = [n << k for k in range(mr.bit_length()) if n << k < mr]
+    for g in reversed(sizes):
         if hidden is not None and not hidden(g):
             continue
         t = period(g)

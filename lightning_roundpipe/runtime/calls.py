@@ -69,6 +69,8 @@ class Call:
     # calls, unless an earlier forward-only pass of the iteration did; forward-
     # only calls with a stateful layer in training mode), in micro-batch order
     writes_state: bool = False
+    # a forward-only pass of a reserved iteration: computed again for its backward
+    again: bool = False
 
 
 @dataclass(eq=False)

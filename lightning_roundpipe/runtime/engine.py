@@ -1181,11 +1181,15 @@ class RoundPipeEngine:
             if rt.trace is not None:
                 rt.trace.add_schedule(sched)
         rt.forget(call.serial - 4, call.iteration - 4, set(self._last_ordered.values()))
+        stateful = self._ordered if train else self._forward_ordered
         for index, task in enumerate(sched.tasks):
             job = Job(call, task, index)
             if task.ordered:
                 job.after = self._last_ordered.get(task.slot)
                 self._last_ordered[task.slot] = job.key
+            elif task.kind != "backward" and task.slot in stateful:
+                # reads the running statistics the slot's last writer leaves
+                job.after = self._last_ordered.get(task.slot)
             self._protocol.register(
                 call.window,
                 self._host.stage_params(task.start, task.stop),
@@ -1268,7 +1272,10 @@ class RoundPipeEngine:
                 for info, modes in zip(self._host.layers, call.modes, strict=True)
             )
             if call.writes_state and reserved:
+                # (one whose backward never came is forgotten after a while)
+                self._state_written = {i for i in self._state_written if i > iteration - 8}
                 self._state_written.add(iteration)
+            call.again = reserved  # its forward_backward computes these layers again
             self._submit(call, self._forward_slots, mbs, train=False)
         store, top = self._rt.store, self.plan.num_layers
         outs = [
@@ -1363,8 +1370,9 @@ class RoundPipeEngine:
             seed = loss_scale if later else float(scale) * loss_scale
             call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
             if iteration in self._state_written:  # by its forward-only pass
-                self._state_written.discard(iteration)
                 call.writes_state = False
+            # (a reserved pass whose backward never came: forgotten after a while)
+            self._state_written = {i for i in self._state_written if i > iteration}
             call.input_grad = input_grads
             if later:
                 call.gain = Gain(iteration, window)
@@ -1718,14 +1726,21 @@ class RoundPipeEngine:
         self._protocol.resume_after_window_zero()
         self._optimizer.resume_pending(0)
 
-    def reload_weights(self, params: Sequence[nn.Parameter] | None = None) -> None:
+    def reload_weights(
+        self, params: Sequence[nn.Parameter] | None = None, layers: bool = False
+    ) -> None:
         """Copy the parameters into their master copies again; call after
         changing parameters outside :meth:`step` (``load_state_dict``, a hook
         loading or clamping weights). The next forward computes with them.
 
         ``params``: only these (default: every one); the others keep the
-        weights the next window would have computed with."""
+        weights the next window would have computed with. ``layers``: the
+        workers also copy the layers again (an attribute object changed in
+        place: a plain tensor, a config's field)."""
         self.synchronize()
+        if layers:
+            for info in self._host.layers:
+                info.forget_structures()
         if params is None:
             self._training_masters = None
             self._newest = False

@@ -386,6 +386,11 @@ class _LayerInfo:
         ]
         return "; ".join(parts) or "their order changed"
 
+    def forget_structures(self) -> None:
+        """New replicas from the layer as it is now (an attribute object
+        changed in place, which the comparison of attributes cannot see)."""
+        self._structures = [_Structure(self)]
+
     def check_layout(self) -> None:
         change = self.layout_change()
         if change is not None:
@@ -404,6 +409,15 @@ class _LayerInfo:
 
 
 _STRUCTURES = 4  # states of a layer kept with their replicas (a toggled adapter: 2)
+
+
+def _refers_to(hook: object, modules: set[int]) -> bool:
+    """Whether a hook is one of the layer's modules, a method of one, or a
+    ``functools.partial`` holding one: such a hook belongs to the layer and
+    is copied with it (it must run on the replica, not on the host module)."""
+    held = [hook, getattr(hook, "__self__", None)]
+    held += [*getattr(hook, "args", ()), *getattr(hook, "keywords", {}).values()]
+    return any(id(x) in modules for x in held if x is not None)
 
 
 def _derived_attribute(hook: object) -> str | None:
@@ -462,11 +476,12 @@ class _Structure:
         # hooks are shared, not copied: one registered by a method of the
         # user's objects (a callback, the LightningModule) runs on those
         # objects, as it would without the pipeline, not on copies of them
+        own = {id(m) for m in self.modules}
         for m in self.modules:
             for name, value in m.__dict__.items():
                 if "hooks" in name and isinstance(value, dict):
                     for hook in value.values():
-                        if callable(hook):
+                        if callable(hook) and not _refers_to(hook, own):
                             self.shared[id(hook)] = hook
                 # a tensor attribute computed with autograd (pruning's masked
                 # weight, which its pre-hook computes again on every call) has

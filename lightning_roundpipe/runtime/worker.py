@@ -497,7 +497,7 @@ class Worker:
                 if nxt is not None:  # after the urgent activation upload
                     self._prefetch_window(nxt, w)
             mb[0] = None
-            _check_state(replicas, recomputed=call.train and t.kind == "forward")
+            _check_state(replicas, recomputed=call.again or (call.train and t.kind == "forward"))
             if (
                 call.writes_state
                 and t.kind != "backward"
@@ -689,6 +689,7 @@ class Worker:
 
     def _write_buffers(self, job: Job, replicas: list[LayerReplica]) -> None:
         """Running statistics back to the host, then the next round may read them."""
+        self.protocol.chaos("state")
         ctx = self.ctx
         ctx.act_down.wait_event(ctx.record(ctx.compute))
         copies, nbytes = [], 0

@@ -921,6 +921,35 @@ def test_evaluation_calls_between_steps_keep_the_running_statistics_order():
     torch.testing.assert_close(layers[1].running_var, ref[1].running_var)
 
 
+def test_an_evaluation_pass_reads_the_statistics_the_pass_before_it_wrote():
+    """A training-mode pass writes batch norm's statistics back after its
+    outputs are returned; an evaluation pass right after it, on the other
+    worker, waits for them instead of uploading the old ones (the write-back
+    is slowed down here, so a stale read would show every time)."""
+
+    def layers_():
+        torch.manual_seed(0)
+        return [nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4)]
+
+    def slow_statistics(point):
+        if point == "state":
+            time.sleep(0.02)
+
+    layers, ref = layers_(), nn.Sequential(*layers_())
+    with engine(layers, 2, 1, "|4|", chaos=slow_statistics) as eng:
+        for step in range(8):
+            x = torch.randn(16, 8) * (1 + step % 5)
+            for module in [*layers, ref]:
+                module.train()
+            with torch.no_grad():
+                ref(x)
+                eng.forward(x)
+            for module in [*layers, ref]:
+                module.eval()
+            with torch.no_grad():
+                torch.testing.assert_close(eng.forward(x), ref(x), atol=1e-5, rtol=1e-4)
+
+
 def test_forward_only_passes_in_training_mode_update_running_statistics_in_order():
     """A forward-only pass in training mode updates batch norm's statistics
     as the layers' own forward would (``update_bn``), micro-batch by

@@ -17,6 +17,84 @@ from lightning_roundpipe.runtime import LayoutChanged, RoundPipeEngine
 from .modules import VOCAB, CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
 
 
+class SideBranch(nn.Module):
+    """A hook that is a method of the layer adds a side branch (LoRA-like):
+    it belongs to the layer and must run on the worker's copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 16)
+        self.extra = nn.Linear(16, 16, bias=False)
+        self.base.register_forward_hook(self._add)
+
+    def _add(self, module, inputs, output):
+        return output + self.extra(inputs[0])
+
+    def forward(self, x):
+        return self.base(x)
+
+
+class WithSideBranch(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, extra=False)
+        torch.manual_seed(0)
+        branch = SideBranch()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), branch, nn.Tanh(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_hook_that_is_a_method_of_the_layer_runs_on_the_workers_copy(precision):
+    expected = _fit(WithSideBranch(), "auto", precision=precision)
+    got = _fit(WithSideBranch(), sync(), precision=precision)  # (bf16: a dtype error before)
+    tol = {} if precision == "32-true" else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, expected, **tol)
+    _fit(WithSideBranch(), RoundPipeStrategy(num_microbatches=2))  # async: no outside-grad error
+
+
+class Swap(L.Callback):
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch == 1:
+            module.net[1] = nn.ReLU()
+
+
+def test_a_layer_of_the_stack_replaced_during_the_fit_is_followed():
+    expected = _fit(SeqModule(extra=False), "auto", callbacks=[Swap()])
+    torch.testing.assert_close(_fit(SeqModule(extra=False), sync(), callbacks=[Swap()]), expected)
+
+
+class InPlaceScale(L.Callback):
+    """Changes a plain tensor attribute in place (not a buffer): invisible to
+    the comparison of attributes, so the callback asks for new copies."""
+
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch == 1:
+            module.net[1].scale.mul_(0.5)
+            if not isinstance(trainer.strategy, L.pytorch.strategies.SingleDeviceStrategy):
+                trainer.strategy.reload_weights()
+
+
+class ScaledByTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.ones(16)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class TensorAttribute(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(lr=0.1, extra=False)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), ScaledByTensor(), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_reload_weights_makes_new_copies_of_layers_changed_in_place():
+    expected = _fit(TensorAttribute(), "auto", callbacks=[InPlaceScale()])
+    got = _fit(TensorAttribute(), sync(), callbacks=[InPlaceScale()])
+    torch.testing.assert_close(got, expected)
+
+
 def sync(**kw):
     return RoundPipeStrategy(async_optimizer=False, num_microbatches=2, **kw)
 

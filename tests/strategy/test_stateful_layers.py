@@ -48,6 +48,16 @@ def test_spectral_norm_in_a_recomputed_stage_is_refused(parametrized):
         _fit(Spectral(parametrized), _sync("3|2|1,1,1"), seq_data(16))
 
 
+@pytest.mark.parametrize("parametrized", [False, True])
+def test_spectral_norm_in_the_last_stage_of_a_loss_computed_outside_is_refused(parametrized):
+    """The loss comes from the stack's outputs: a forward pass gives them,
+    and the backward computes the batch again, so spectral norm's power
+    iteration runs twice per step there too, even in the fused stage."""
+    buffer = r"parametrizations\.weight\.0\._u" if parametrized else "weight_u"
+    with pytest.raises(RuntimeError, match=rf"pipeline layer 2 .*changed its buffer {buffer}"):
+        _fit(Spectral(parametrized), _sync("2|3|2"), seq_data(16))
+
+
 class DynamicRope(CausalLM):
     def __init__(self) -> None:
         super().__init__(kind="llama")
