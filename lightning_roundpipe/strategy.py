@@ -107,7 +107,7 @@ class RoundPipeStrategy(ParallelStrategy):
             fewer, larger backward stages that recompute one layer at a time
             (a layered plan, ``"...|layered"``, or, where even their layer
             inputs would not fit the device, a rewalked one, ``"...|rewalk"``).
-        plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2,2"``, with
+        plan: a stage plan in compact form (``"7,7|1|3,3,3,3,2"`` for 15 layers, with
             ``"|layered"`` appended: backward stages that recompute one layer
             at a time; ``"|rewalk"``: and compute each layer's input again
             from the stage input instead of keeping it), or
@@ -153,12 +153,14 @@ class RoundPipeStrategy(ParallelStrategy):
         log_every_n_steps: how often the strategy logs its own metrics to the
             Trainer's logger (``roundpipe/step_time``, ``roundpipe/wait_fraction``:
             the share of the step the training loop spent waiting on the
-            pipeline, ``roundpipe/simulated_bubble``, ``roundpipe/slots``);
+            pipeline, ``roundpipe/simulated_bubble``, ``roundpipe/slots``,
+            ``roundpipe/transfer_gb_per_s``: host-device bytes per second);
             default: the Trainer's ``log_every_n_steps``; 0 turns it off.
         workers_per_device: pipeline workers per device (several workers may
             share one GPU, e.g. to test a many-GPU plan on one card).
         nonfinite: a NaN/inf loss or gradient (fp32/bf16) ``"raise"``-s before
-            the weights change, or ``"skip"``-s the step; fp16 always skips.
+            the weights change, ``"skip"``-s the step, or is ``"ignore"``-d
+            (stepped with, as plain training would); fp16 always skips.
         profile_iterations: training iterations whose per-layer times are
             measured (after one warm-up iteration); 0 turns profiling off.
         replan_margin: switch to the measured plan when its objective is better
@@ -415,6 +417,17 @@ class RoundPipeStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         if self._num_nodes > 1:
             self._join_servers()
+            return
+        env = self.cluster_environment
+        launched = env.world_size() if env is not None else 1
+        if launched > 1:  # (each process would train alone on all the data)
+            raise ValueError(
+                f"{launched} processes were launched ({type(env).__name__}) but "
+                "Trainer(num_nodes=1): RoundPipe runs one process per server that drives all of "
+                "its GPUs (devices=...). Launch one process (python train.py, or torchrun "
+                "--nproc-per-node=1), or, across servers, set num_nodes to the number of servers "
+                "with one process each"
+            )
 
     def _join_servers(self) -> None:
         """The process group of the servers (gloo: the tensors it carries live
@@ -1005,6 +1018,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self._evaluated = False
         self._start_window()
         first = not self._stack_called
+        if first and self.engine is not None:  # (hooks registered after setup: on_train_start)
+            ours = self.engine.own_gradient_hooks()
+            _refuse_gradient_hooks(self.lightning_module, self.pipeline_layers, ours)
         before = self.engine.iteration if self.engine is not None else 0
         if not self._retry.open:
             out = super().training_step(*args, **kwargs)
@@ -1176,6 +1192,9 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict once the queued optimizer step is applied
+        (what a checkpoint saves now); with the asynchronous optimizer, the
+        way for a per-batch hook to read settled weights."""
         self._drain()  # the optimizer copy holds the latest completed step
         return super().lightning_module_state_dict()
 
@@ -1383,16 +1402,22 @@ class _SettleUpdates(Callback):
             strategy.engine.refresh_derived()
 
 
-def _refuse_gradient_hooks(module: Any, layers: list[torch.nn.Module]) -> None:
+def _refuse_gradient_hooks(
+    module: Any, layers: list[torch.nn.Module], ours: set[int] | None = None
+) -> None:
     """Hooks on the gradients of pipeline parameters would never run: the
     pipeline computes those gradients on its workers' own copies of the
-    weights. Refused, naming them, rather than ignored."""
+    weights. Refused, naming them, rather than ignored. ``ours``: ids of the
+    engine's own hooks, left out."""
     inside = {id(p) for layer in layers for p in layer.parameters()}
+    ours = ours or set()
+
+    def hooked_by_user(p: torch.Tensor) -> bool:
+        tables = (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None))
+        return any(k not in ours for table in tables if table for k in table)
+
     hooked = [
-        name
-        for name, p in module.named_parameters()
-        if id(p) in inside
-        and (p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+        name for name, p in module.named_parameters() if id(p) in inside and hooked_by_user(p)
     ]
     if hooked:
         more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""

@@ -256,6 +256,33 @@ def test_one_process_per_server_is_required(monkeypatch):
         trainer.fit(CausalLM(), loader(lm_data()))
 
 
+def test_several_processes_on_one_server_are_refused(monkeypatch):
+    """torchrun --nproc-per-node=2 with the default num_nodes=1, the DDP
+    habit: each process would train alone on all the data; refused."""
+    values = dict(
+        TORCHELASTIC_RUN_ID="test",
+        RANK="0",
+        LOCAL_RANK="0",
+        GROUP_RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(),
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(ValueError, match=r"2 processes were launched \(TorchElasticEnvironment\)"):
+        trainer.fit(CausalLM(), loader(lm_data()))
+
+
 def test_bucket_size_is_validated():
     with pytest.raises(ValueError, match="reduce_bucket_bytes must be a positive number of bytes"):
         RoundPipeStrategy(reduce_bucket_bytes=0)

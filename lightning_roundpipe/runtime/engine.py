@@ -1502,6 +1502,11 @@ class RoundPipeEngine:
             if (change := info.layout_change()) is not None
         ]
 
+    def own_gradient_hooks(self) -> set[int]:
+        """Ids of the gradient hooks the engine put on the parameters (its
+        handles' ids, the keys of the parameters' hook tables)."""
+        return {h.id for h in self._rt.hooks}
+
     @property
     def has_pending_gradients(self) -> bool:
         """Whether the current window holds gradients a step has not taken

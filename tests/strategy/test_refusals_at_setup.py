@@ -24,6 +24,22 @@ def test_gradient_hooks_on_pipeline_parameters_are_refused(kind):
     torch.testing.assert_close(state(module), before)
 
 
+class HookedAtTrainStart(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(extra=False)
+
+    def on_train_start(self) -> None:  # after the strategy's setup
+        self.net[2].weight.register_hook(lambda grad: grad)
+
+
+def test_gradient_hooks_registered_when_training_starts_are_refused_at_the_first_step():
+    module = HookedAtTrainStart()
+    before = state(module)
+    with pytest.raises(ValueError, match=r"gradient hooks .* net\.2\.weight: .*would never run"):
+        _fit(module, RoundPipeStrategy(async_optimizer=False))
+    torch.testing.assert_close(state(module), before)
+
+
 def test_an_unwritable_trace_dir_is_refused_before_training(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
