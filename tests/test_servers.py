@@ -227,6 +227,22 @@ def two_server_trainer() -> L.Trainer:
     )
 
 
+def torchrun_rank_zero(monkeypatch, world_size: int, per_server: int) -> None:
+    """The environment torchrun gives its first process."""
+    values = dict(
+        TORCHELASTIC_RUN_ID="test",
+        RANK="0",
+        LOCAL_RANK="0",
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(per_server),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+
+
 def test_servers_without_a_rendezvous_are_refused(monkeypatch):
     for key in ("MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
@@ -238,18 +254,7 @@ def test_servers_without_a_rendezvous_are_refused(monkeypatch):
 def test_one_process_per_server_is_required(monkeypatch):
     """torchrun --nproc-per-node=2 on two servers: four processes for two
     servers, refused with what to change."""
-    values = dict(
-        TORCHELASTIC_RUN_ID="test",
-        RANK="0",
-        LOCAL_RANK="0",
-        GROUP_RANK="0",
-        WORLD_SIZE="4",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    for key, value in values.items():
-        monkeypatch.setenv(key, value)
+    torchrun_rank_zero(monkeypatch, world_size=4, per_server=2)
     trainer = two_server_trainer()
     assert trainer.world_size == 2
     with pytest.raises(ValueError, match="launch with torchrun --nproc-per-node=1"):
@@ -259,18 +264,7 @@ def test_one_process_per_server_is_required(monkeypatch):
 def test_several_processes_on_one_server_are_refused(monkeypatch):
     """torchrun --nproc-per-node=2 with the default num_nodes=1, the DDP
     habit: each process would train alone on all the data; refused."""
-    values = dict(
-        TORCHELASTIC_RUN_ID="test",
-        RANK="0",
-        LOCAL_RANK="0",
-        GROUP_RANK="0",
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    for key, value in values.items():
-        monkeypatch.setenv(key, value)
+    torchrun_rank_zero(monkeypatch, world_size=2, per_server=2)
     trainer = L.Trainer(
         strategy=RoundPipeStrategy(),
         accelerator="cpu",
