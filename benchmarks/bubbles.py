@@ -40,9 +40,11 @@ from lightning_roundpipe.plan import (
     LayerCosts,
     StagePlan,
     choose_plan,
+    choose_round,
     decoder_costs,
     partition,
     simulate,
+    simulated_period,
 )
 from lightning_roundpipe.plan.simulate import steady_async_bubble
 
@@ -159,6 +161,35 @@ def paper(path: Path = CASES) -> tuple[str, list[tuple[str, float, float]]]:
     return "\n".join(rows), results
 
 
+def paper_sync(path: Path = CASES) -> tuple[str, list[tuple[str, float, float]]]:
+    """One iteration (``roundpipe_sync``) of the paper's cases: the bubble
+    with whole-batch rounds and with the round the engine chooses
+    (:func:`~lightning_roundpipe.plan.choose_round` with the plan's simulated
+    step), against the reference's single-iteration figure."""
+    rows = [
+        "| model | reference | whole-batch rounds | ours | chosen round |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    results = []
+    m = 16  # (the reference's cases all have 16 micro-batches and 8 GPUs)
+    for c, costs, _ in paper_cases(path):
+        n, comm = c["num_gpus"], c["comm_time"]
+        assert c["num_microbatches"] == m
+        plan = choose_plan(costs, n, m, async_optimizer=False)
+
+        def step(g: int, plan: StagePlan = plan, costs: LayerCosts = costs, n: int = n) -> float:
+            return simulated_period(costs, plan, n, m, async_optimizer=False, round_size=g)
+
+        g = choose_round(m, num_devices=n, period=step).round_size
+        kw = {"plan": plan, "comm_time": comm}
+        whole = simulate("roundpipe", costs, n, m, **kw).bubble_ratio
+        ours = simulate("roundpipe", costs, n, m, microbatches_per_round=g, **kw).bubble_ratio
+        ref = c["result"]["bubble_ratio"]
+        rows.append(f"| {c['model']} | {ref:.2%} | {whole:.2%} | **{ours:.2%}** | {g} of {m} |")
+        results.append((c["model"], ref, ours))
+    return "\n".join(rows), results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--costs", type=Path, help="LayerCosts JSON (default: Qwen3-1.7B shapes)")
@@ -171,11 +202,14 @@ def main() -> None:
     paper_out = ""
     if args.cases.exists():
         table, _ = paper(args.cases)
+        sync_table, _ = paper_sync(args.cases)
         paper_out = (
             f"### Asynchronous steady-state bubble on the paper's models "
             f"({datetime.date.today()})\n\n`python benchmarks/bubbles.py --paper`: the "
             "reference's 8-GPU, 16-micro-batch cases (its per-layer times, its activation hop "
-            "time), simulated as our runtime lowers and runs them.\n\n" + table + "\n"
+            "time), simulated as our runtime lowers and runs them.\n\n" + table + "\n\n"
+            "One iteration with the synchronous optimizer (`roundpipe_sync`), against the "
+            "reference's single-iteration bubble:\n\n" + sync_table + "\n"
         )
     if args.paper:
         emit(paper_out, args.append)

@@ -56,6 +56,17 @@ def test_bubbles_benchmark_table(tmp_path):
     assert (tmp_path / "bubbles-roundpipe-n4.png").exists()
 
 
+def test_bubbles_synchronous_paper_table():
+    mod = load("bubbles")
+    if not mod.CASES.exists():
+        pytest.skip("the paper's reference cases are not beside the checkout")
+    table, results = mod.paper_sync()
+    assert table.splitlines()[0].startswith("| model | reference | whole-batch rounds")
+    assert len(results) == 5
+    for _, reference, ours in results:
+        assert ours <= reference + 0.02
+
+
 def test_overhead_benchmark_parts():
     mod = load("overhead")
     per_param, n = mod.host_bytes_per_param(64, 2)
