@@ -1052,13 +1052,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if engine is None:
             return
         changed = [] if evaluating else engine.trainable_changed()
-        layout = engine.layout_changed()
-        if self._adapter is not None:
-            now = self._adapter.layers()
-            if len(now) != len(self.pipeline_layers) or any(
-                a is not b for a, b in zip(now, self.pipeline_layers, strict=False)
-            ):  # a layer of the stack replaced by another module (net[1] = nn.ReLU())
-                layout = [*layout, "a layer of the stack replaced, added or removed"]
+        layout = self._layers_changed()
         if not changed and not layout:
             return
         if engine.has_pending_gradients:
@@ -1119,12 +1113,27 @@ class RoundPipeStrategy(ParallelStrategy):
             self._note_weights()
             self._evaluating = True
 
+    def _layers_changed(self) -> list[str]:
+        """What changed in the pipeline's layers that the engine cannot follow
+        (their parameters or buffers, a layer of the stack replaced by another
+        module: ``net[1] = nn.ReLU()``): a new engine is needed."""
+        if self.engine is None:
+            return []
+        changes = self.engine.layout_changed()
+        if self._adapter is not None:
+            now = self._adapter.layers()
+            if len(now) != len(self.pipeline_layers) or any(
+                a is not b for a, b in zip(now, self.pipeline_layers, strict=False)
+            ):
+                changes.append("a layer of the stack replaced, added or removed")
+        return changes
+
     def _evaluation_step(self) -> None:
         """Weights changed since the evaluation started (a weight-averaging
         callback swaps in its average when the validation epoch starts, after
         ``on_validation_start``) are what the evaluation computes with; a
         layer whose parameters or buffers changed, a new engine."""
-        if self.engine is not None and self.engine.layout_changed():
+        if self._layers_changed():
             self._follow_trainable(evaluating=True)
             self._newest_weights()
         self._follow_weights(everything=self._evaluating and self._averaging)

@@ -367,18 +367,15 @@ class _LayerInfo:
     def layout_change(self) -> str | None:
         """What changed in the layer's parameters or buffers since the engine
         was built, or None."""
-        if self._structures[0].holds():  # (their tables are among its attributes)
+        if self._structures[0].same_tables():
             return None
         (params, buffers), (params_now, buffers_now) = self._layout, self._layout_now()
         if params == params_now and buffers == buffers_now:
             return None
-        gone = [n for n, _ in params if n not in dict(params_now)] + [
-            n for n in buffers if n not in buffers_now
-        ]
-        new = [n for n, _ in params_now if n not in dict(params)] + [
-            n for n in buffers_now if n not in buffers
-        ]
-        replaced = [n for n, i in params_now if n in dict(params) and dict(params)[n] != i]
+        was, now = dict(params), dict(params_now)
+        gone = [n for n in was if n not in now] + [n for n in buffers if n not in buffers_now]
+        new = [n for n in now if n not in was] + [n for n in buffers_now if n not in buffers]
+        replaced = [n for n, i in now.items() if n in was and was[n] != i]
         parts = [
             f"{what} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
             for what, names in (("added", new), ("removed", gone), ("replaced", replaced))
@@ -443,6 +440,16 @@ def _attributes(module: nn.Module) -> dict[str, object]:
     }
 
 
+def _equal(now: dict[str, object], seen: dict[str, object]) -> bool:
+    """Dict equality, values by identity first (a C-level loop); a tensor
+    replaced by another is compared elementwise, which has no truth value:
+    unequal then."""
+    try:
+        return now == seen
+    except Exception:
+        return False
+
+
 class _Structure:
     """One state of a layer's modules, as replicas copy it: attributes, hooks,
     submodules and buffer tensors. A worker's replica is made from
@@ -499,12 +506,19 @@ class _Structure:
         for m, seen in zip(self.modules, self._seen, strict=True):
             now = m.__dict__
             seen["training"] = now.get("training")
-            try:
-                if now != seen:
-                    return False
-            except Exception:  # a tensor attribute replaced: compared elementwise
+            if not _equal(now, seen):
                 return False
         return True
+
+    def same_tables(self) -> bool:
+        """Whether every module's parameter, buffer and submodule tables are
+        still what they were (the cheap part of :meth:`holds`: the layout)."""
+        tables = ("_parameters", "_buffers", "_modules")
+        return all(
+            _equal(m.__dict__[t], seen[t])
+            for m, seen in zip(self.modules, self._seen, strict=True)
+            for t in tables
+        )
 
     def refresh(self) -> None:
         """Compute the attributes the layer's forward pre-hooks derive from its
