@@ -319,6 +319,17 @@ class CausalLMAdapter(_Adapter):
         self._moe_output = "router_logits" in (
             getattr(type(layout.base), "_can_record_outputs", None) or {}
         )
+        # numbers the model reads at every forward (a router coefficient or a
+        # logit scale a callback anneals): read again at every call
+        embed, head = self._layers[0], self._layers[-1]
+        self._numbers = [
+            (embed, "multiplier", target, family.embed_multiplier),
+            (embed, "dropout_rate", layout.base, family.embed_dropout_rate),
+            (head, "scale", target, family.logit_scale),
+            (head, "divisor", target, family.logit_divisor),
+            (head, "softcap", target, family.logit_softcap),
+            (head, "hidden_divisor", target, family.hidden_divisor),
+        ]
 
     def layers(self) -> list[nn.Module]:
         return self._layers
@@ -587,7 +598,24 @@ class CausalLMAdapter(_Adapter):
             )
         return bool(on)
 
+    def _read_numbers(self) -> None:
+        """The model's current scalars onto the pipeline layers (a changed one
+        makes the layer's replicas new: the engine compares the layers'
+        attributes at every call) and the router loss coefficient."""
+        for module, attr, root, path in self._numbers:
+            if path is None:
+                continue
+            value = _scalar(root, path)
+            if attr == "dropout_rate":
+                value = value or 0.0
+            if getattr(module, attr) != value:
+                setattr(module, attr, value)
+        aux = self.layout.family.router_aux
+        if aux:
+            self._aux_coef = float(getattr(self.target, aux.coef))
+
     def call(self, *args: Any, **kwargs: Any) -> Any:
+        self._read_numbers()
         a = self._arguments(args, kwargs)
         input_ids, inputs_embeds = a.get("input_ids"), a.get("inputs_embeds")
         attention_mask, position_ids = a.get("attention_mask"), a.get("position_ids")

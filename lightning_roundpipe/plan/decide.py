@@ -62,11 +62,13 @@ def initial_plan(
     async_optimizer: bool,
     memory_limit: int | None,
     size_limit: int | None = None,
+    round_size: int | None = None,
 ) -> StagePlan:
     """The plan to start with: ``given`` if its largest stage fits
     ``memory_limit`` (else :class:`PlanError` naming the stage), otherwise the
     plan with the shortest simulated step within both limits (the estimates
-    hold no activations, so both bound the same numbers)."""
+    hold no activations, so both bound the same numbers), with rounds of
+    ``round_size`` micro-batches when that is fixed."""
     if given is None:
         return choose_plan(
             estimates,
@@ -74,6 +76,7 @@ def initial_plan(
             num_microbatches,
             async_optimizer=async_optimizer,
             memory_limit=tightest(memory_limit, size_limit),
+            round_size=round_size,
         )
     if memory_limit is not None:
         need = given.stage_memory(estimates)

@@ -404,6 +404,7 @@ class RoundPipeEngine:
             async_optimizer=async_optimizer,
             memory_limit=limit,
             size_limit=size_limit,
+            round_size=self.options.microbatches_per_round,
         )
 
         # ---- state

@@ -18,6 +18,7 @@ from lightning_roundpipe.plan import (
     simulate,
     simulated_period,
 )
+from lightning_roundpipe.plan.policy import _arrangements
 from lightning_roundpipe.plan.simulate import steady_async_bubble
 
 BUBBLES = Path(__file__).resolve().parents[2] / "benchmarks" / "bubbles.py"
@@ -43,16 +44,29 @@ def test_frontier_trades_slots_for_slot_time():
     assert partition(costs, 8, 16) in plans
 
 
+def _step(costs, plan, n, m, asyn):
+    """A plan's simulated step as the engine runs it: with the asynchronous
+    optimizer the whole batch per round, without it the round
+    :func:`choose_round` picks for the plan."""
+    if asyn:
+        return simulated_period(costs, plan, n, m)
+
+    def period(g):
+        return simulated_period(costs, plan, n, m, async_optimizer=False, round_size=g)
+
+    return period(choose_round(m, num_devices=n, period=period).round_size)
+
+
 def test_the_chosen_plan_is_never_slower_than_the_formulas():
+    """The chosen plan, run as the engine runs it, against the formula's
+    plan in whole-batch rounds (the round choice comes on top of both)."""
     costs = LayerCosts.uniform(13, head_forward=3, head_backward=6)
     for n, m in [(2, 4), (4, 8), (8, 16)]:
         for asyn in (False, True):
             chosen = choose_plan(costs, n, m, async_optimizer=asyn)
             formula = partition(costs, n, m)
-            kw = {"async_optimizer": asyn}
-            assert simulated_period(costs, chosen, n, m, **kw) <= simulated_period(
-                costs, formula, n, m, **kw
-            ) * (1 + 1e-9)
+            whole = simulated_period(costs, formula, n, m, async_optimizer=asyn)
+            assert _step(costs, chosen, n, m, asyn) <= whole * (1 + 1e-9)
     assert choose_plan(costs, 4, 8, candidates=1) == partition(costs, 4, 8)
     with pytest.raises(PlanError, match="candidates must be an integer >= 1"):
         choose_plan(costs, 4, 8, candidates=0)
@@ -110,7 +124,10 @@ def test_a_smaller_round_is_taken_only_when_clearly_faster_and_hiding_its_upload
 def test_synchronous_rounds_bring_the_papers_bubbles_near_the_reference():
     """One iteration (roundpipe_sync) of the paper's cases: whole-batch
     rounds run the LM head's slot on one device for all 16 micro-batches;
-    the chosen rounds idle less, within two points of the reference's."""
+    the chosen rounds idle less, within 1.1 points of the reference's
+    (GPT-OSS-20B's 1 point is where our runtime places work; the reference's
+    own plan idles as much in our simulator), and Qwen3-1.7B's plan keeps its
+    lighter backward stages for the drain, as the reference's does."""
     n, m = 8, 16
     for case, costs, _ in paper_cases():
         comm = case["comm_time"]
@@ -124,7 +141,34 @@ def test_synchronous_rounds_bring_the_papers_bubbles_near_the_reference():
         ours = simulate("roundpipe", costs, n, m, microbatches_per_round=g, **kw).bubble_ratio
         whole = simulate("roundpipe", costs, n, m, **kw).bubble_ratio
         assert ours <= whole + 1e-9, case["model"]
-        assert ours <= case["result"]["bubble_ratio"] + 0.02, (case["model"], g, ours)
+        assert ours <= case["result"]["bubble_ratio"] + 0.011, (case["model"], g, ours)
+        if case["model"] == "Qwen3-1.7B":
+            assert ours <= case["result"]["bubble_ratio"] + 1e-4, (plan, g, ours)
+
+
+def test_other_orders_of_the_stages_keep_the_slot_time_and_the_memory_limit():
+    """Equal stages in another order (forward ones shortest first, backward
+    ones longest first) are tried only when that keeps the plan's slowest
+    slot and every stage within the memory limit."""
+    costs = LayerCosts.uniform(28, head_forward=3, head_backward=6)
+    plan = choose_plan(costs, 8, 16, async_optimizer=False)
+    assert list(plan.backward) == sorted(plan.backward, reverse=True), plan
+    # layers 3 and 4 are twice the others: with a limit of 3, stages of two
+    # layers may not hold both
+    sized = LayerCosts([1.0] * 6, [2.0] * 6, memory=[1, 1, 1, 2, 2, 1])
+    plan = StagePlan.parse("2,2,1|1|1,2,2")
+    assert [str(p) for p in _arrangements(plan, sized, None)] == [
+        "2,2,1|1|1,2,2",
+        "2,2,1|1|2,2,1",
+        "1,2,2|1|1,2,2",
+        "1,2,2|1|2,2,1",
+    ]
+    assert _arrangements(plan, sized, 3.0) == [plan]
+    slower = LayerCosts([1.0] * 5 + [9.0], [2.0] * 6)  # the fused head is the slowest slot
+    assert len(_arrangements(plan, slower, None)) == 4
+    uneven = LayerCosts([1.0, 1.0, 1.0, 3.0, 1.0, 1.0], [2.0] * 6)  # layer 3 is heavy
+    for q in _arrangements(plan, uneven, None):
+        assert q.max_stage_time(uneven) <= plan.max_stage_time(uneven)
 
 
 def test_a_round_hides_its_uploads_when_its_compute_is_long_enough():

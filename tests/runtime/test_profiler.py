@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.plan import partition
+from lightning_roundpipe.plan.policy import _arrangements
 from lightning_roundpipe.runtime import RoundPipeEngine
 
 
@@ -63,8 +64,10 @@ def test_a_slow_layer_gets_a_stage_of_its_own_after_replanning():
     assert plans[0] != plans[-1], "the measured plan should replace the size-based one"
     for st in stage_of(plans[-1], 4):
         assert (st.start, st.stop) == (4, 5), f"{st.label} shares the slow layer: {plans[-1]}"
-    # the measured plan is the partitioner's plan for the measured costs
-    assert plans[-1] == partition(costs, 2, 4, memory_limit=2 * LAYER_BYTES)
+    # the measured plan is the partitioner's plan for the measured costs, its
+    # stages perhaps in another order (near-equal measured times)
+    formula = partition(costs, 2, 4, memory_limit=2 * LAYER_BYTES)
+    assert plans[-1] in _arrangements(formula, costs, 2 * LAYER_BYTES), (plans[-1], formula)
 
 
 def test_same_measurements_give_the_same_plan():

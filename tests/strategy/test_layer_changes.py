@@ -162,6 +162,67 @@ def test_peft_disable_adapter_is_followed_within_a_step():
     torch.testing.assert_close(got["sync"], got["auto"], atol=1e-5, rtol=1e-4)
 
 
+class AnnealedNumbers(CausalLM):
+    """A model-level number the model reads at every forward, changed by the
+    module from the second step: a router loss coefficient, Cohere's logit
+    scale, Gemma 2's soft-capping (a config field)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers
+
+        small = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+        torch.manual_seed(0)
+        if kind == "qwen3_moe":
+            config = transformers.Qwen3MoeConfig(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                output_router_logits=True,
+                router_aux_loss_coef=0.001,
+                **small,
+            )
+            self.model = transformers.Qwen3MoeForCausalLM(config)
+        elif kind == "cohere":
+            self.model = transformers.CohereForCausalLM(
+                transformers.CohereConfig(logit_scale=0.5, **small)
+            )
+        else:
+            config = transformers.Gemma2Config(final_logit_softcapping=30.0, **small)
+            self.model = transformers.Gemma2ForCausalLM(config)
+        self.kind = kind
+
+    def on_train_batch_start(self, batch, batch_idx):
+        late = self.global_step >= 1
+        if self.kind == "qwen3_moe":
+            self.model.router_aux_loss_coef = 5.0 if late else 0.001
+        elif self.kind == "cohere":
+            self.model.logit_scale = 2.0 if late else 0.5
+        else:
+            self.model.config.final_logit_softcapping = 0.5 if late else 30.0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "cohere", "gemma2"])
+def test_model_numbers_changed_during_the_fit_are_read_at_every_call(kind):
+    # (the router loss is per micro-batch: one, to compare it with the default)
+    count = 1 if kind == "qwen3_moe" else 2
+    pipelined = RoundPipeStrategy(async_optimizer=False, num_microbatches=count)
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", pipelined)]:
+        module = AnnealedNumbers(kind)
+        cpu_trainer(strategy, max_steps=3).fit(module, loader(lm_data(24), 8))
+        got[name] = state(module)
+    torch.testing.assert_close(got["sync"], got["auto"], atol=1e-5, rtol=1e-4)
+
+
 class CountingHook(L.Callback):
     """Registers a forward hook, a method of this callback, when the second
     epoch starts: it must run on this object, not on a copy."""
