@@ -1153,7 +1153,23 @@ class RoundPipeEngine:
 
     def _submit(self, call: Call, slots: Any, mbs: list[Any], train: bool) -> None:
         """Lower the iteration, put the micro-batch inputs into the store and hand
-        every task to its worker. Caller holds ``self._lock``."""
+        every task to its worker. Caller holds ``self._lock``.
+
+        An exception once some tasks are handed out (a ``KeyboardInterrupt``
+        between two hand-offs) fails the engine: the handed-out tasks wait for
+        ones that never come, and a later wait for them would last until the
+        watchdog."""
+        rt = self._rt
+        before = rt.submitted
+        try:
+            self._hand_out(call, slots, mbs, train)
+        except BaseException as exc:
+            if rt.submitted != before:
+                rt.store.fail(exc)
+            raise
+
+    def _hand_out(self, call: Call, slots: Any, mbs: list[Any], train: bool) -> None:
+        """:meth:`_submit`'s work."""
         store, rt = self._rt.store, self._rt
         sched = lower(
             slots,
@@ -1612,7 +1628,14 @@ class RoundPipeEngine:
         if self.async_optimizer:
             self._optimizer.submit(job)
             return handle
-        self._wait_tasks()
+        try:
+            self._wait_tasks()
+        except BaseException as exc:
+            # (a KeyboardInterrupt in the wait) the window is closed and its
+            # update counted but will never run: waiting for it would last
+            # until the watchdog, so the engine fails
+            self._rt.store.fail(exc)
+            raise
         error: BaseException | None = None
         try:
             self._optimizer.run(job)

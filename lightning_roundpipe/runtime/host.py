@@ -450,6 +450,21 @@ def _equal(now: dict[str, object], seen: dict[str, object]) -> bool:
         return False
 
 
+def _copy_layer(info: _LayerInfo, memo: dict[int, object]) -> nn.Module:
+    """``copy.deepcopy`` of the layer with ``memo``; an attribute that cannot
+    be copied (a lock, an open file) is refused with what to change."""
+    try:
+        return copy.deepcopy(info.module, memo)
+    except Exception as exc:
+        raise TypeError(
+            f"pipeline layer {info.index} ({type(info.module).__name__}) cannot be copied "
+            f"for the workers: {type(exc).__name__}: {exc}. Each worker runs a private copy "
+            "of every pipeline layer (copy.deepcopy, weights aside); keep objects that cannot "
+            "be deep-copied (locks, open files, sockets) out of the layers' attributes, e.g. "
+            "on the LightningModule"
+        ) from exc
+
+
 class _Structure:
     """One state of a layer's modules, as replicas copy it: attributes, hooks,
     submodules and buffer tensors. A worker's replica is made from
@@ -475,11 +490,11 @@ class _Structure:
             self.buffers[s.index] = module.get_submodule(s.path)._buffers[s.attr]
         #: what replicas share with the host instead of copying (see below)
         self.shared: dict[int, object] = {}
-        memo: dict[int, object] = {}
+        fixed: dict[int, object] = {}
         for p in module.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
+            fixed[id(p)] = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
         for b in self.buffers:
-            memo[id(b)] = torch.empty(0)
+            fixed[id(b)] = torch.empty(0)
         # hooks are shared, not copied: one registered by a method of the
         # user's objects (a callback, the LightningModule) runs on those
         # objects, as it would without the pipeline, not on copies of them
@@ -494,9 +509,21 @@ class _Structure:
                 # weight, which its pre-hook computes again on every call) has
                 # no deep copy: its value is shared
                 elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                    memo[id(value)] = value.detach()
-        memo.update(self.shared)
-        self.template = copy.deepcopy(module, memo)
+                    fixed[id(value)] = value.detach()
+        memo = {**fixed, **self.shared}
+        self.template = _copy_layer(info, memo)
+        # a module outside the layer that an attribute refers to (a
+        # back-reference to the LightningModule) is shared too: a copy would
+        # duplicate all it holds (every other layer, the Trainer) per template
+        # and per worker, and the layer would act on the copy
+        outside = {
+            id(o): o
+            for o in memo.get(id(memo), ())  # (deepcopy keeps the originals it copied there)
+            if isinstance(o, nn.Module) and id(o) not in own
+        }
+        if outside:
+            self.shared.update(outside)
+            self.template = _copy_layer(info, {**fixed, **self.shared})
 
     def holds(self) -> bool:
         """Whether every module's attributes are still what they were (the

@@ -557,8 +557,12 @@ class OptimizerWorker:
                 if job is None or job.window < 0
                 else f"step {job.window}"
             )
-            err = OptimizerStepError(f"optimizer {step} failed: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
+            err: BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                err = exc  # an interrupt stays one (Lightning shuts down gracefully on it)
+            else:
+                err = OptimizerStepError(f"optimizer {step} failed: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
             if job is not None:
                 job.handle.error = err
                 job.handle.finish()

@@ -30,13 +30,77 @@ class Interrupted(SeqModule):
         return InterruptedSGD(self.parameters())
 
 
-@pytest.mark.parametrize("strategy", ["auto", "sync"])
+@pytest.mark.parametrize("strategy", ["auto", "sync", "async"])
 def test_an_interrupt_in_the_optimizer_step_shuts_down_like_lightning(strategy):
     before = {t.ident for t in threading.enumerate()}
-    chosen = strategy if strategy == "auto" else RoundPipeStrategy(async_optimizer=False)
+    chosen = (
+        strategy if strategy == "auto" else RoundPipeStrategy(async_optimizer=strategy == "async")
+    )
     trainer = cpu_trainer(chosen, max_steps=5)
     with pytest.raises(SystemExit):  # Lightning's answer to KeyboardInterrupt
         trainer.fit(Interrupted(extra=False), loader(seq_data(48), 8))
     assert trainer.interrupted
-    assert trainer.global_step == 2
+    # (the asynchronous step fails on the optimizer thread, after the loop
+    # counted it: the next step reports it)
+    assert trainer.global_step == (3 if strategy == "async" else 2)
+    assert {t.ident for t in threading.enumerate()} <= before
+
+
+ARMED = threading.Event()
+
+
+class ArmAtThirdBatch(SeqModule):
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 2:
+            ARMED.set()
+
+
+def _interrupt_when_armed(original, after: int = 1):
+    """``original`` raising KeyboardInterrupt at its ``after``-th call on the
+    main thread once the module armed it (Ctrl+C landing exactly there)."""
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        if ARMED.is_set() and threading.current_thread() is threading.main_thread():
+            calls[0] += 1
+            if calls[0] == after:
+                ARMED.clear()
+                raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize(
+    "where, strategy",
+    [("step wait", "sync"), ("hand-off", "sync"), ("hand-off", "async")],
+)
+def test_an_interrupt_mid_hand_off_or_in_the_steps_wait_ends_the_fit_at_once(
+    where, strategy, monkeypatch, caplog
+):
+    """Ctrl+C while the synchronous step waits for the backward stages, or
+    between two of a batch's task hand-offs: the pipeline fails at once
+    instead of the shutdown waiting for work that never comes until the
+    watchdog (600 s by default; 5 s here, after which the strategy logs
+    that the queued steps were not applied)."""
+    from lightning_roundpipe.runtime import RoundPipeEngine
+    from lightning_roundpipe.runtime.worker import Worker
+
+    if where == "step wait":
+        monkeypatch.setattr(
+            RoundPipeEngine,
+            "_wait_tasks",
+            _interrupt_when_armed(RoundPipeEngine._wait_tasks),
+        )
+    else:  # a few tasks into the third batch's hand-off
+        monkeypatch.setattr(Worker, "submit", _interrupt_when_armed(Worker.submit, after=3))
+    ARMED.clear()
+    before = {t.ident for t in threading.enumerate()}
+    chosen = RoundPipeStrategy(async_optimizer=strategy == "async", watchdog_timeout=5)
+    trainer = cpu_trainer(chosen, max_steps=5, devices=2)
+    with caplog.at_level("WARNING"), pytest.raises(SystemExit):
+        trainer.fit(ArmAtThirdBatch(extra=False), loader(seq_data(48), 8))
+    assert trainer.interrupted
+    assert not ARMED.is_set()  # (it was raised)
+    assert "not applied" not in caplog.text
     assert {t.ident for t in threading.enumerate()} <= before

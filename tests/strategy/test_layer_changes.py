@@ -320,3 +320,57 @@ def test_batch_norm_statistics_follow_replacements_and_passes_without_backward(c
         expected = {k: v for k, v in expected.items() if k.startswith("net.1.running")}
         got = {k: got[k] for k in expected}
     torch.testing.assert_close(got, expected)
+
+
+class Counting(nn.Module):
+    """Counts its forward passes on the module that owns it (a plain
+    back-reference, not a submodule)."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["owner"] = owner
+
+    def forward(self, x):
+        self.owner.passes += 1
+        return x
+
+
+class WithBackReference(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(extra=False)
+        self.passes = 0
+        layers = list(self.net)
+        self.net = nn.Sequential(*layers[:2], Counting(self), *layers[2:])
+
+
+def test_a_module_outside_the_layer_that_it_refers_to_is_shared_not_copied():
+    """Copying the back-reference would copy the LightningModule (every
+    other layer, the Trainer) into each layer copy, and the count would go
+    to the copies."""
+    module = WithBackReference()
+    trainer = cpu_trainer(sync(), max_steps=2)
+    trainer.fit(module, loader(seq_data(32), 8))
+    assert module.passes > 0
+    expected = _fit(WithBackReference(), "auto", max_steps=2)
+    torch.testing.assert_close(state(module), expected)
+
+
+class Locked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        with self.lock:
+            return x
+
+
+def test_a_layer_that_cannot_be_copied_is_refused_naming_it():
+    module = SeqModule(extra=False)
+    layers = list(module.net)
+    module.net = nn.Sequential(*layers[:3], Locked(), *layers[3:])
+    with pytest.raises(TypeError, match=r"pipeline layer 3 \(Locked\) cannot be copied") as err:
+        cpu_trainer(sync(), max_steps=1).fit(module, loader(seq_data(16), 8))
+    assert "keep objects that cannot be deep-copied" in str(err.value)
