@@ -42,7 +42,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -531,7 +531,17 @@ class RoundPipeStrategy(ParallelStrategy):
     def batch_to_device(
         self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
     ) -> Any:
-        return batch  # the engine uploads each micro-batch to the device that runs it
+        # the engine uploads each micro-batch to the device that runs it: the
+        # batch stays on the host, where the module's and the datamodule's
+        # transfer_batch_to_device / on_before_ / on_after_batch_transfer
+        # hooks still run (with the host as the device)
+        module = self.lightning_module
+        if module is None:
+            return batch
+        host = torch.device("cpu")
+        return module._apply_batch_transfer_handler(
+            batch, device=host, dataloader_idx=dataloader_idx
+        )
 
     @contextmanager
     @override
@@ -543,6 +553,12 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        if self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) is not supported by RoundPipe: batch norm layers "
+                "normalise each micro-batch on its own, not the batch across devices; set "
+                "sync_batchnorm=False, and num_microbatches=1 for whole-batch statistics"
+            )
         if self.trace_dir is not None:  # found out now, not after the whole fit
             try:
                 os.makedirs(self.trace_dir, exist_ok=True)
@@ -616,6 +632,7 @@ class RoundPipeStrategy(ParallelStrategy):
             _refuse_gradient_hooks(self.lightning_module, adapter.layers())
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
+        _warn_compiled(adapter.layers())
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         seed = self.seed if self.seed is not None else torch.initial_seed()
         try:
@@ -879,7 +896,7 @@ class RoundPipeStrategy(ParallelStrategy):
         seen = [(p._version, p.data_ptr()) for p in engine.parameters()]
         self._noted = (engine.steps_submitted, seen)
 
-    def _follow_weights(self, everything: bool = False) -> None:
+    def _follow_weights(self, everything: bool = False, evaluation: bool = False) -> None:
         """Parameters changed in place outside the optimizer step since the
         engine last saw them (a hook loading or clamping weights, a callback
         swapping in averaged ones) go into its master copies, so the next
@@ -888,13 +905,14 @@ class RoundPipeStrategy(ParallelStrategy):
         ``.data``, which PyTorch does not count). Under the asynchronous
         optimizer only while no step was queued since the engine last drained:
         a hook that changes weights between such points races the optimizer
-        thread, which writes them."""
+        thread, which writes them. ``evaluation``: for the evaluation alone
+        (an average swapped in), training goes on with its own weights."""
         engine, noted = self.engine, self._noted
         if engine is None or noted is None or engine.steps_submitted != noted[0]:
             return
         params = engine.parameters()
         if everything:
-            engine.reload_weights()
+            engine.reload_weights(evaluation=evaluation)
         else:
             changed = [
                 p
@@ -1136,7 +1154,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if self._layers_changed():
             self._follow_trainable(evaluating=True)
             self._newest_weights()
-        self._follow_weights(everything=self._evaluating and self._averaging)
+        self._follow_weights(everything=self._evaluating and self._averaging, evaluation=True)
         self._evaluating = False
 
     @override
@@ -1175,7 +1193,9 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.use_training_weights()
             self._evaluating = False
-            self._evaluated = self._averaging
+            # (asynchronous: the engine put the training weights back itself,
+            # the one-update-behind ones where the next window reads them)
+            self._evaluated = self._averaging and not self.async_optimizer
 
     @override
     def on_validation_end(self) -> None:
@@ -1409,6 +1429,25 @@ class _SettleUpdates(Callback):
         if strategy.engine is not None and not strategy.engine.layout_changed():
             # (global pruning ranks by the masked weights: the settled ones)
             strategy.engine.refresh_derived()
+
+
+def _warn_compiled(layers: list[nn.Module]) -> None:
+    """``Module.compile()`` on a pipeline layer's module is not carried to the
+    workers' copies (``copy.deepcopy`` drops it): say so."""
+    compiled = sorted(
+        {
+            type(m).__name__
+            for layer in layers
+            for m in layer.modules()
+            if getattr(m, "_compiled_call_impl", None) is not None
+        }
+    )
+    if compiled:
+        rank_zero_warn(
+            f"RoundPipe: modules of the pipeline layers were compiled with Module.compile() "
+            f"({', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''}); the workers "
+            "run private copies of the layers, which run uncompiled"
+        )
 
 
 def _refuse_gradient_hooks(

@@ -319,12 +319,28 @@ def check_config(target: nn.Module, layout: Layout, name: str) -> None:
     for setting in (*_GENERIC, *family.refused):
         _check_setting(name, config, setting)
     base = layout.base
-    if base._forward_hooks or base._forward_pre_hooks:
+    hooks = [*base._forward_hooks.values(), *base._forward_pre_hooks.values()]
+    if any(_profiler_label(h) for h in hooks):
+        raise ValueError(
+            f"{name}: Lightning's PyTorchProfiler labels every module's forward with hooks "
+            "(record_module_names=True, its default), which the RoundPipe pipeline does not "
+            "run (it calls the embedding, decoder layers and head itself, on worker threads); "
+            "use Trainer(profiler=PyTorchProfiler(record_module_names=False)): RoundPipe "
+            "labels every stage task with its own record_function range"
+        )
+    if hooks:
         raise ValueError(
             f"{name}: {type(base).__name__} has forward hooks, which the RoundPipe pipeline "
             "would not run (it calls the embedding, decoder layers and head itself); register "
             "them on those submodules instead, or remove them"
         )
+
+
+def _profiler_label(hook: Any) -> bool:
+    """Whether a forward hook is one of Lightning's PyTorchProfiler module
+    labels (a partial of a ``RegisterRecordFunction`` method)."""
+    owner = getattr(getattr(hook, "func", hook), "__self__", None)
+    return type(owner).__name__ == "RegisterRecordFunction"
 
 
 def router_recorder(base: nn.Module) -> tuple[type, int, str | None] | None:

@@ -503,6 +503,7 @@ class RoundPipeEngine:
         self._training_masters: dict[int, torch.Tensor] | None = None
         # evaluating with the newest weights (use_newest_weights)
         self._newest = False
+        self._reloaded_for_evaluation = False  # (see reload_weights)
         self._lock = threading.Lock()
         self._host = HostState(
             layers,
@@ -1697,11 +1698,17 @@ class RoundPipeEngine:
         themselves."""
         self._newest = False
         kept, self._training_masters = self._training_masters, None
+        if self._reloaded_for_evaluation:
+            # weights loaded for the evaluation only (an average swapped in and
+            # out again through .data): the parameters into every copy again
+            self._reloaded_for_evaluation = False
+            self._host.refresh_masters()
         if kept:
+            version = self._protocol.read_version(self._window)
             with torch.no_grad():
                 for p in self._host.params:
                     if p.index in kept:
-                        p.master.copy_(kept[p.index])
+                        p.master_for(version).copy_(kept[p.index])
 
     def stale_weights(self) -> list[torch.Tensor]:
         """The master copies (the weights the next window computes with; in
@@ -1756,7 +1763,10 @@ class RoundPipeEngine:
         self._optimizer.resume_pending(0)
 
     def reload_weights(
-        self, params: Sequence[nn.Parameter] | None = None, layers: bool = False
+        self,
+        params: Sequence[nn.Parameter] | None = None,
+        layers: bool = False,
+        evaluation: bool = False,
     ) -> None:
         """Copy the parameters into their master copies again; call after
         changing parameters outside :meth:`step` (``load_state_dict``, a hook
@@ -1765,11 +1775,24 @@ class RoundPipeEngine:
         ``params``: only these (default: every one); the others keep the
         weights the next window would have computed with. ``layers``: the
         workers also copy the layers again (an attribute object changed in
-        place: a plain tensor, a config's field)."""
+        place: a plain tensor, a config's field). ``evaluation``: the weights
+        are for an evaluation alone (a weight-averaging callback's average):
+        with the asynchronous optimizer the weights the next training window
+        reads are set aside, and :meth:`use_training_weights` puts them back
+        with the parameters (the training weights by then) everywhere else."""
         self.synchronize()
         if layers:
             for info in self._host.layers:
                 info.forget_structures()
+        if params is None and evaluation and self.async_optimizer:
+            if self._training_masters is None:
+                version = self._protocol.read_version(self._window)
+                self._training_masters = {
+                    p.index: p.master_for(version).clone() for p in self._host.params if p.trainable
+                }
+            self._reloaded_for_evaluation = True
+            self._host.refresh_masters()
+            return
         if params is None:
             self._training_masters = None
             self._newest = False

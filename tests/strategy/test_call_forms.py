@@ -195,3 +195,61 @@ def test_derivatives_other_than_the_losss_backward_are_refused_before_any_gradie
     with pytest.raises(RuntimeError, match=message):
         _fit(module, _sync(), steps=1, data=seq_data(8))
     torch.testing.assert_close(state(module), before)
+
+
+class Pairs:
+    """A custom batch type: the module's transfer hook turns it into tensors."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+
+
+class TransferHooks(L.LightningModule):
+    """Lightning's batch transfer hooks: a custom batch converted in
+    ``transfer_batch_to_device``, the targets changed in
+    ``on_after_batch_transfer`` (both run under the default strategy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.calls: list[str] = []
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.calls.append("transfer")
+        x = torch.stack([a for a, _ in batch.items]).to(device)
+        y = torch.stack([b for _, b in batch.items]).to(device)
+        return x, y
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.calls.append("after")
+        x, y = batch
+        return x, 2 * y + 1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_batch_transfer_hooks_run_with_the_host_as_the_device():
+    data = seq_data(32)
+
+    def batches():
+        return torch.utils.data.DataLoader(data, batch_size=8, collate_fn=Pairs)
+
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", RoundPipeStrategy(async_optimizer=False))]:
+        module = TransferHooks()
+        cpu_trainer(strategy, max_steps=4, limit_val_batches=1, val_check_interval=2).fit(
+            module, batches(), batches()
+        )
+        got[name] = (state(module), module.calls)
+    torch.testing.assert_close(got["sync"][0], got["auto"][0])
+    assert got["sync"][1] == got["auto"][1]

@@ -55,3 +55,36 @@ def test_a_model_with_nothing_trainable_is_refused():
     module.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter of the LightningModule requires a gradient"):
         _fit(module, RoundPipeStrategy())
+
+
+def test_lightnings_module_labelling_profiler_is_refused_naming_the_switch():
+    """PyTorchProfiler's default labels every module with forward hooks
+    (``RegisterRecordFunction``, entered here without starting a profiler),
+    which the pipeline does not run."""
+    from lightning.pytorch.profilers.pytorch import RegisterRecordFunction
+
+    from .modules import CausalLM, lm_data
+
+    module = CausalLM()
+    trainer = cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1)
+    with (
+        RegisterRecordFunction(module),
+        pytest.raises(ValueError, match=r"PyTorchProfiler\(record_module_names=False\)"),
+    ):
+        trainer.fit(module, loader(lm_data(16), 8))
+
+
+def test_sync_batchnorm_is_refused_naming_the_setting():
+    trainer = cpu_trainer(
+        RoundPipeStrategy(async_optimizer=False), max_steps=1, sync_batchnorm=True
+    )
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) is not supported by RoundPipe"):
+        trainer.fit(SeqModule(extra=False), loader(seq_data(16), 8))
+
+
+def test_a_compiled_layer_is_warned_about():
+    module = SeqModule(extra=False)
+    module.net[2].compile(backend="eager")
+    trainer = cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1)
+    with pytest.warns(UserWarning, match=r"compiled with Module.compile\(\) \(Linear\)"):
+        trainer.fit(module, loader(seq_data(16), 8))

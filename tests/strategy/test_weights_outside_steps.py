@@ -130,6 +130,26 @@ def test_validation_with_an_ema_callback_sees_the_average_and_training_goes_on()
     torch.testing.assert_close(got["sync"], got["auto"])
 
 
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_an_ema_callback_leaves_asynchronous_training_as_it_was(double_buffer):
+    """Its average, swapped in for each validation, is for the validation
+    alone: the training steps after it compute with the one-update-behind
+    weights, as without the callback."""
+    train = []
+    for callbacks in ([], [EMAWeightAveraging()]):
+        losses = Losses()
+        strategy = RoundPipeStrategy(num_microbatches=2, double_buffer=double_buffer)
+        _fit(
+            SeqModule(lr=0.05, extra=False),
+            strategy,
+            epochs=3,
+            validate=True,
+            callbacks=[*callbacks, losses],
+        )
+        train.append(losses.train)
+    torch.testing.assert_close(train[1], train[0])
+
+
 def test_an_asynchronous_fit_ends_on_the_ema_average_and_does_not_race_it():
     ends, averages = [], []
     for seed in (None, 1):
