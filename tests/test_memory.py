@@ -789,6 +789,49 @@ def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
     assert code == 2 and "a config JSON needs 'model_type'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+        # transformers' own validation, as an error line naming the file
+        ({"head_dim": None}, "Validation error for field 'head_dim'"),
+    ],
+)
+def test_estimate_refuses_config_sizes_that_make_no_model(tmp_path, capsys, extra, expected):
+    path = config_file(tmp_path, **extra)
+    code, _ = run_cli(path, "--gpu-memory", 24)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {path}: ") and expected in err, err
+
+
+def test_a_host_too_small_for_the_model_state_is_blamed_alone(tmp_path):
+    """No plan fits a host smaller than the model state: the plan shown is
+    the one the GPUs would run (not one squeezed for an impossible host
+    limit, with stages over the device), and only the host is named."""
+    path = config_file(tmp_path, num_hidden_layers=8)
+    args = (path, "--gpu-memory", 1.25, "--seq", 20000)
+    code, alone = run_cli(*args)
+    assert code == 0, alone
+    code, text = run_cli(*args, "--host-memory", 0.005)
+    assert code == 0, text
+
+    def line(out, start):
+        return next(x for x in out.splitlines() if x.startswith(start))
+
+    assert line(text, "plan: ") == line(alone, "plan: ")
+    assert line(text, "fits: ").startswith("fits: NO (host memory "), text
+    assert "predicted peak" not in line(text, "fits: ")
+
+
+def test_estimate_says_when_the_config_gives_no_position_limit(tmp_path):
+    code, text = run_cli(config_file(tmp_path, max_position_embeddings=0), "--gpu-memory", 24)
+    assert code == 0, text
+    assert "the config gives no max_position_embeddings; the search stopped at 1048576" in text
+    assert "past max_position_embeddings" not in text
+
+
 def test_estimate_prints_the_gradient_all_reduce_across_servers(tmp_path, capsys):
     path = config_file(tmp_path)
     args = (path, "--gpu-memory", 1.25, "--gpus", 2, "--seq", 256)

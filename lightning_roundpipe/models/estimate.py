@@ -125,14 +125,35 @@ def load_config(source: str) -> Any:
             raise ValueError(f"{source}: not a config JSON file ({exc})") from None
         if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{source}: a config JSON needs 'model_type'")
-        return transformers.AutoConfig.for_model(**data)
+        try:
+            config = transformers.AutoConfig.for_model(**data)
+        except ValueError:
+            raise
+        except Exception as exc:  # (transformers' own validation: its message says what)
+            raise ValueError(f"{source}: {type(exc).__name__}: {exc}") from exc
+        _check_sizes(config, source)
+        return config
     try:
-        return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     except OSError as exc:
         raise ValueError(
             f"{source!r} is neither a config JSON file nor a model whose config is in the "
             "local Hugging Face cache (nothing is downloaded); pass the path of its config.json"
         ) from exc
+    _check_sizes(config, source)
+    return config
+
+
+def _check_sizes(config: Any, source: str) -> None:
+    """A config's sizes must be positive (a negative width gives a tensor
+    error deep in building the model, a zero depth a meaningless estimate)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        value = getattr(text, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
 
 
 def _causal_lm_class(config: Any) -> Any:
@@ -658,7 +679,8 @@ def estimate(
             return True
         return room > 0 and boundary_bytes(plan, s, hidden, size) <= HOST_ACTIVATION_SHARE * room
 
-    ceiling = int(getattr(settings, "max_position_embeddings", 0) or 0) or 1 << 20
+    given_ceiling = int(getattr(settings, "max_position_embeddings", 0) or 0)
+    ceiling = given_ceiling or 1 << 20  # (none given: a million tokens)
     search = max(ceiling, 1 << 22)
     longest = longest_sequence(fits, 1, search)
     # which memory bounds it: the host, where the devices would take more
@@ -687,7 +709,10 @@ def estimate(
             seq = min(longest, ceiling)
         else:  # what the GPUs alone allow, were the host large enough
             seq = shown_at = max(1, min(device_longest or 1, ceiling))
-    decision = plan_at(seq, micro_batch, host=shown_at is None)
+    # (the model state alone over the host: no plan fits it; the devices' own
+    # plan is shown, and only the host is blamed)
+    host_fits = start_left is None or start_left > 0
+    decision = plan_at(seq, micro_batch, host=shown_at is None and host_fits)
     plan, peaks, room = decision.plan, decision.peaks, decision.memory_limit
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
     # a round's boundary values: a quarter of what the host leaves once the
@@ -798,7 +823,11 @@ def estimate(
             "padding or packed sequences give them the model's sequence x sequence mask instead"
         )
     if longest and longest >= ceiling:
-        notes.append(f"the longest sequence is past max_position_embeddings ({ceiling})")
+        notes.append(
+            f"the longest sequence is past max_position_embeddings ({ceiling})"
+            if given_ceiling
+            else f"the config gives no max_position_embeddings; the search stopped at {ceiling}"
+        )
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = trainable * OPTIMIZER_BYTES / (optimizer_gbps * 1e9)
