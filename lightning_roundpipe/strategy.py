@@ -659,6 +659,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 optimizer_state=0 if any(opt.state for opt in self.optimizers) else None,
                 parameter_names={p: n for n, p in self.lightning_module.named_parameters()},
                 spread_values=adapter.spread_values,
+                owners=_owners(self.lightning_module, adapter.layers()),
                 replicas=self._replicas,
                 chaos=self._chaos,  # tests: delays or faults at the hand-offs
             )
@@ -1217,6 +1218,10 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.synchronize()
             self.precision_plugin.merge_groups()
+            # in-place changes since the weights were last noted (a clamp in
+            # on_train_batch_end, an edit in on_validation_epoch_end) go into
+            # the master copies first: noting them alone would hide them
+            self._follow_weights()
             self._note_weights()
 
     @override
@@ -1429,6 +1434,28 @@ class _SettleUpdates(Callback):
         if strategy.engine is not None and not strategy.engine.layout_changed():
             # (global pruning ranks by the masked weights: the settled ones)
             strategy.engine.refresh_derived()
+
+
+def _owners(root: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The modules of ``root`` that hold a pipeline layer (``root`` itself,
+    the model, its layer list): ancestors in the module tree of each layer's
+    topmost modules in it (an adapter's layer wraps the model's own block)."""
+    parent: dict[int, nn.Module] = {}
+    for m in root.modules():
+        for child in m._modules.values():
+            if child is not None:
+                parent.setdefault(id(child), m)
+    found: dict[int, nn.Module] = {id(root): root}
+    for layer in layers:
+        own = {id(m) for m in layer.modules()}
+        for m in layer.modules():
+            up = parent.get(id(m))
+            if up is None or id(up) in own:
+                continue
+            while up is not None and id(up) not in found:
+                found[id(up)] = up
+                up = parent.get(id(up))
+    return list(found.values())
 
 
 def _warn_compiled(layers: list[nn.Module]) -> None:

@@ -289,6 +289,9 @@ class RoundPipeEngine:
         rules: tests only: the ordering rules' conditions (a
             :class:`~lightning_roundpipe.runtime.optimizer.Rules`, the
             default); a subclass with a rule removed shows what it prevents.
+        owners: modules that hold the layers (the LightningModule, the model,
+            its layer list): a layer attribute that refers back to one shares
+            it with the workers' copies of the layer instead of copying it.
     """
 
     def __init__(
@@ -325,6 +328,7 @@ class RoundPipeEngine:
         chaos: Callable[[str], None] | None = None,
         rules: Rules | None = None,
         spread_values: bool = True,
+        owners: Sequence[nn.Module] = (),
     ) -> None:
         # ---- validate everything before touching any state
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
@@ -510,6 +514,7 @@ class RoundPipeEngine:
             compute_dtype,
             pinned=devs[0].type == "cuda",
             copies=2 if self.double_buffer else 1,
+            owners=owners,
         )
         try:
             store = Store(watchdog_timeout)
@@ -587,7 +592,7 @@ class RoundPipeEngine:
         """An engine with ``options`` (validated when they were made);
         ``kwargs``: the arguments that are not options (``plan``, ``costs``,
         ``activation_estimate``, ``optimizer_state``, ``parameter_names``,
-        ``spread_values``, ``chaos``, ``rules``)."""
+        ``spread_values``, ``owners``, ``chaos``, ``rules``)."""
         return cls(layers, devices, num_microbatches, **options.as_kwargs(), **kwargs)
 
     def _outside_gradient_hooks(self, names: dict[int, str]) -> list[Any]:

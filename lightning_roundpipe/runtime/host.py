@@ -311,9 +311,17 @@ class LayoutChanged(ValueError):
 
 
 class _LayerInfo:
-    def __init__(self, index: int, module: nn.Module, params: dict[int, int]) -> None:
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        params: dict[int, int],
+        owners: Sequence[nn.Module] = (),
+    ) -> None:
         self.index = index
         self.module = module
+        #: modules that hold the layers (see RoundPipeEngine's ``owners``)
+        self.owners = owners
         self.param_slots = [
             _Slot(*_split_name(n), params[id(p)])
             for n, p in module.named_parameters(remove_duplicate=False)
@@ -450,6 +458,14 @@ def _equal(now: dict[str, object], seen: dict[str, object]) -> bool:
         return False
 
 
+def _apart(module: nn.Module, own: set[int]) -> bool:
+    """Whether ``module`` holds none of a layer's modules (``own``) and no
+    trainable weight."""
+    return not any(id(m) in own for m in module.modules()) and not any(
+        p.requires_grad for p in module.parameters()
+    )
+
+
 def _copy_layer(info: _LayerInfo, memo: dict[int, object]) -> nn.Module:
     """``copy.deepcopy`` of the layer with ``memo``; an attribute that cannot
     be copied (a lock, an open file) is refused with what to change."""
@@ -510,16 +526,20 @@ class _Structure:
                 # no deep copy: its value is shared
                 elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
                     fixed[id(value)] = value.detach()
+        # the modules that hold the layers (the LightningModule, the model)
+        # are shared, never copied: a back-reference to one would copy all it
+        # holds (every other layer, the Trainer) per template and per worker,
+        # and the layer would act on the copy
+        self.shared.update({id(o): o for o in info.owners if id(o) not in own})
         memo = {**fixed, **self.shared}
         self.template = _copy_layer(info, memo)
-        # a module outside the layer that an attribute refers to (a
-        # back-reference to the LightningModule) is shared too: a copy would
-        # duplicate all it holds (every other layer, the Trainer) per template
-        # and per worker, and the layer would act on the copy
+        # so is any other module an attribute refers to that has nothing the
+        # layer trains or is made of (a helper wrapping one of the layer's own
+        # modules, or holding trainable weights, is the layer's state: copied)
         outside = {
             id(o): o
             for o in memo.get(id(memo), ())  # (deepcopy keeps the originals it copied there)
-            if isinstance(o, nn.Module) and id(o) not in own
+            if isinstance(o, nn.Module) and id(o) not in own and _apart(o, own)
         }
         if outside:
             self.shared.update(outside)
@@ -679,6 +699,7 @@ class HostState:
         compute_dtype: torch.dtype,
         pinned: bool = False,
         copies: int = 1,
+        owners: Sequence[nn.Module] = (),
     ) -> None:
         if copies not in (1, 2):
             raise ValueError(f"copies must be 1 or 2, got {copies!r}")
@@ -734,7 +755,7 @@ class HostState:
                         p.data = hp.master
                         hp.shared = True
                 self.params.append(hp)
-        self.layers = [_LayerInfo(i, m, index) for i, m in enumerate(layers)]
+        self.layers = [_LayerInfo(i, m, index, owners) for i, m in enumerate(layers)]
         self._spans: dict[tuple[int, int], Span] = {}
         self._stage_params: dict[tuple[int, int], list[_Param]] = {}
 

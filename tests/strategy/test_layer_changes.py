@@ -5,6 +5,8 @@ during the fit, pruning (which renames weights and adds buffers), batch-norm
 statistics reset by replacing their tensors and updated by passes without a
 backward."""
 
+import threading
+
 import lightning as L
 import pytest
 import torch
@@ -331,7 +333,8 @@ class Counting(nn.Module):
         self.__dict__["owner"] = owner
 
     def forward(self, x):
-        self.owner.passes += 1
+        with self.owner.lock:
+            self.owner.passes += 1
         return x
 
 
@@ -339,6 +342,9 @@ class WithBackReference(SeqModule):
     def __init__(self) -> None:
         super().__init__(extra=False)
         self.passes = 0
+        # (cannot be deep-copied: the module is shared, never copied, not
+        # even once to find the reference)
+        self.lock = threading.Lock()
         layers = list(self.net)
         self.net = nn.Sequential(*layers[:2], Counting(self), *layers[2:])
 
@@ -358,8 +364,6 @@ def test_a_module_outside_the_layer_that_it_refers_to_is_shared_not_copied():
 class Locked(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        import threading
-
         self.lock = threading.Lock()
 
     def forward(self, x):
@@ -374,3 +378,42 @@ def test_a_layer_that_cannot_be_copied_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"pipeline layer 3 \(Locked\) cannot be copied") as err:
         cpu_trainer(sync(), max_steps=1).fit(module, loader(seq_data(16), 8))
     assert "keep objects that cannot be deep-copied" in str(err.value)
+
+
+class Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.tanh(self.inner(x))
+
+
+class ThroughAList(nn.Module):
+    """Calls its own linear through a helper kept in a plain list (out of
+    ``modules()``, as PEFT does): the helper is the layer's state, copied
+    with it, so the copy computes with the worker's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.view = [Wrapper(self.lin)]
+
+    def forward(self, x):
+        return self.view[0](x)
+
+
+class WithHelperInAList(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(extra=False)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), ThroughAList(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_helper_wrapping_the_layers_own_module_is_copied_with_it(asynchronous):
+    expected = _fit(WithHelperInAList(), "auto", max_steps=4)
+    strategy = RoundPipeStrategy(async_optimizer=asynchronous, num_microbatches=2)
+    got = _fit(WithHelperInAList(), strategy, max_steps=4)
+    if not asynchronous:
+        torch.testing.assert_close(got, expected)

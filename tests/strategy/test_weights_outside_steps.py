@@ -232,3 +232,56 @@ def test_an_optimizer_that_needs_a_closure_is_refused_before_training():
     with pytest.raises(ValueError, match=r"LBFGS\.step needs a closure.*AdamW, SGD"):
         _fit(module, _sync(), epochs=1)
     torch.testing.assert_close(state(module), before)
+
+
+class Clamp(L.Callback):
+    """The clamp of the section's example, after every batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        with torch.no_grad():
+            for p in pl_module.net.parameters():
+                p.clamp_(-0.1, 0.1)
+
+
+def test_a_change_before_a_checkpoint_is_saved_is_not_lost(tmp_path):
+    """Saving a checkpoint settles the engine and notes the weights' versions:
+    a clamp in on_train_batch_end just before (Lightning saves after the
+    other callbacks) still goes into the master copies."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        saving = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1, monitor=None)
+        module = SeqModule(lr=0.05, extra=False)
+        cpu_trainer(
+            strategy, max_steps=6, callbacks=[Clamp(), saving], enable_checkpointing=True
+        ).fit(module, loader(seq_data(48), 8))
+        got[name] = state(module)
+    torch.testing.assert_close(got["sync"], got["auto"])
+
+
+class ChangedAtValidationEnd(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, extra=False)
+
+    def on_validation_epoch_end(self):
+        with torch.no_grad():
+            self.net[4].weight.zero_()
+            self.net[4].bias.fill_(3.0)
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_a_change_in_an_end_of_epoch_validation_reaches_the_next_step(double_buffer):
+    """The end-of-epoch validation runs before on_train_epoch_end, where the
+    asynchronous strategy settles its queued update: the change made in the
+    validation is the weights the next epoch's first step computes with."""
+    losses = {}
+    for name, strategy in [
+        ("auto", "auto"),
+        ("async", RoundPipeStrategy(num_microbatches=2, double_buffer=double_buffer)),
+    ]:
+        record = Losses()
+        _fit(ChangedAtValidationEnd(), strategy, epochs=2, callbacks=[record], validate=True)
+        losses[name] = record.train
+    first = 4  # the second epoch's first batch (32 samples, batches of 8)
+    assert losses["async"][first] == pytest.approx(losses["auto"][first], rel=1e-4)
