@@ -36,6 +36,19 @@ __all__ = ["SUPPORTED", "RoundPipePrecision"]
 SUPPORTED = tuple(PRECISIONS)
 
 
+#: torch.amp.GradScaler's defaults, which RoundPipe's loss scaling uses
+_DEFAULT_SCALER = (2.0**16, 2.0, 0.5, 2000)
+
+
+def _scaler_settings(scaler: Any) -> tuple[float, float, float, int]:
+    return (
+        float(scaler.get_scale()),
+        float(scaler.get_growth_factor()),
+        float(scaler.get_backoff_factor()),
+        int(scaler.get_growth_interval()),
+    )
+
+
 class RoundPipePrecision(Precision):
     """Precision plugin for :class:`~lightning_roundpipe.RoundPipeStrategy`.
 
@@ -98,6 +111,27 @@ class RoundPipePrecision(Precision):
             return cls()
         if isinstance(plugin, RoundPipePrecision):
             return plugin
+        from lightning.pytorch.plugins.precision import (
+            DoublePrecision,
+            HalfPrecision,
+            MixedPrecision,
+        )
+
+        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
+            # (its hooks would not run: RoundPipe computes in its own precision)
+            raise ValueError(
+                f"the precision plugin {type(plugin).__name__} is not supported by RoundPipe, "
+                "which runs its own precision (RoundPipePrecision); choose it with "
+                "Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true' | '16-mixed')"
+            )
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and _scaler_settings(scaler) != _DEFAULT_SCALER:
+            raise ValueError(
+                f"a GradScaler with init_scale, growth_factor, backoff_factor, growth_interval "
+                f"= {_scaler_settings(scaler)} is not supported by RoundPipe, which scales fp16 "
+                f"losses itself with {_DEFAULT_SCALER} (torch's defaults); pass "
+                "Trainer(precision='16-mixed') without a plugin"
+            )
         name = getattr(plugin, "precision", "32-true")
         if type(plugin) is Precision:
             name = "32-true"

@@ -608,6 +608,12 @@ class RoundPipeStrategy(ParallelStrategy):
                 "backward through the pipeline once and steps afterwards. Return an optimizer "
                 "from configure_optimizers whose step takes no closure (AdamW, SGD, ...)"
             )
+        if isinstance(opt, torch.optim.SparseAdam):
+            raise ValueError(
+                "torch.optim.SparseAdam needs sparse gradients, and RoundPipe accumulates every "
+                "gradient densely in host memory (an nn.Embedding(sparse=True) gets a dense "
+                "one); use an optimizer for dense gradients (Adam, AdamW, SGD, Adagrad)"
+            )
         owned = {id(p) for p in module.parameters()}
         for group in opt.param_groups:
             for p in group["params"]:
@@ -633,6 +639,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
         _warn_compiled(adapter.layers())
+        _warn_low_precision(adapter.layers(), self.precision_plugin.precision)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         seed = self.seed if self.seed is not None else torch.initial_seed()
         try:
@@ -1456,6 +1463,29 @@ def _owners(root: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
                 found[id(up)] = up
                 up = parent.get(id(up))
     return list(found.values())
+
+
+def _warn_low_precision(layers: list[nn.Module], precision: str) -> None:
+    """Under ``"32-true"`` every weight goes up and computes in fp32: bf16 or
+    fp16 parameters (a model loaded with ``dtype=torch.bfloat16``) compute
+    differently than they would with the default strategy: say so."""
+    if precision != "32-true":
+        return
+    low = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for layer in layers
+            for p in layer.parameters()
+            if p.is_floating_point() and p.dtype != torch.float32
+        }
+    )
+    if low:
+        rank_zero_warn(
+            f"RoundPipe: pipeline parameters in {', '.join(low)} under precision='32-true' are "
+            "uploaded and computed in fp32 (the compute dtype), not in their own dtype as with "
+            "the default strategy; use Trainer(precision='bf16-true') to compute a bf16 model "
+            "in bf16, or 'bf16-mixed' for bf16 compute with an fp32 optimizer copy"
+        )
 
 
 def _warn_compiled(layers: list[nn.Module]) -> None:

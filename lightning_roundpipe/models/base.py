@@ -222,6 +222,15 @@ class SequentialAdapter(_Adapter):
     spread_values = False  # (each child takes the previous one's output whole)
 
     def __init__(self, target: nn.Sequential, name: str) -> None:
+        if type(target).forward is not nn.Sequential.forward:
+            # (its children would be run as a plain chain, without its forward)
+            raise ValueError(
+                f"{name}: {type(target).__name__} is an nn.Sequential with its own forward; the "
+                "RoundPipe pipeline runs an nn.Sequential's children as a plain chain, each "
+                "taking the previous one's output, so that forward would not run. Move its "
+                "extra work into the children (a residual block as one child), or give "
+                "layers= the path of a plain nn.Sequential"
+            )
         self.target = target
         self.name = name
 
@@ -232,8 +241,13 @@ class SequentialAdapter(_Adapter):
         return [(type(c).__name__, type(c).__name__) for c in self.target]
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
+        if not args and set(kwargs) == {"input"}:  # (nn.Sequential.forward's own name)
+            args, kwargs = (kwargs["input"],), {}
         if kwargs or len(args) != 1:
-            raise TypeError(f"{self.name} (nn.Sequential) takes one input")
+            raise TypeError(
+                f"{self.name} (nn.Sequential) takes one input, as nn.Sequential.forward does; "
+                f"got {len(args)} positional and keyword {sorted(kwargs)}"
+            )
         (x,) = args
         # autograd decides, not the mode: a model in eval() (as from_pretrained
         # returns it) trains with its dropout off, as in plain PyTorch

@@ -488,7 +488,9 @@ class CausalLMAdapter(_Adapter):
         total = sum(counts)
         if total:
             return [c / total for c in counts]
-        if self.engine is not None and self.engine.nonfinite == "raise":
+        engine = self.engine
+        # (fp16: the loss scaler skips the step, as Lightning's GradScaler does)
+        if engine is not None and engine.nonfinite == "raise" and not engine.scaler.enabled:
             raise NonFiniteError(
                 f"{self.name}: the batch has no labelled token (every label is -100), so its "
                 "loss is NaN, as the model itself returns it; the weights were not updated. "
@@ -685,7 +687,9 @@ class CausalLMAdapter(_Adapter):
                 )
             logits = self._outputs_with_backward(inputs)
             return self._output(as_tuple, logits=_keep(logits, logits_to_keep))
-        out = engine.forward(inputs)
+        # (the head's logits are batch-first; its router statistics, one row
+        # per micro-batch, are put together as they are)
+        out = engine.forward(inputs, per_microbatch=True)
         aux = None
         if isinstance(out, dict):  # router statistics of every micro-batch
             aux = balance_loss(*(out[k] for k in ROUTER_KEYS), self._experts)

@@ -1267,10 +1267,15 @@ class RoundPipeEngine:
             self._iteration += 1
             return it
 
-    def forward(self, inputs: Any, iteration: int | None = None) -> Any:
+    def forward(
+        self, inputs: Any, iteration: int | None = None, per_microbatch: bool = False
+    ) -> Any:
         """Forward-only pass through every layer (no autograd), in the layers'
         current train/eval mode; returns the last layer's outputs for the whole
-        batch (micro-batch outputs concatenated along dimension 0).
+        batch (micro-batch outputs concatenated along dimension 0; a tensor
+        whose first dimension is not its micro-batch's size is refused unless
+        ``per_microbatch``: values of each micro-batch, such as router
+        statistics, concatenated as they are).
 
         ``iteration`` selects the dropout masks (use :meth:`reserve_iteration`
         to match a later ``forward_backward``); by default a separate counter is
@@ -1282,7 +1287,7 @@ class RoundPipeEngine:
         reserved iteration then leaves them alone (its forward computes the
         batch again for the gradients)."""
         self._check()
-        _, mbs = self._split(inputs, training=False)
+        bsz, mbs = self._split(inputs, training=False)
         m = len(mbs)
         with self._lock:
             reserved = iteration is not None
@@ -1309,7 +1314,9 @@ class RoundPipeEngine:
             )
             for j in range(m)
         ]
-        return merge_microbatches(outs)
+        # (torch.tensor_split's sizes: the first bsz % m one larger)
+        sizes = [bsz // m + (j < bsz % m) for j in range(m)]
+        return merge_microbatches(outs, None if per_microbatch else sizes)
 
     def forward_backward(
         self,

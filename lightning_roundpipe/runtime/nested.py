@@ -10,7 +10,7 @@ micro-batch splitter uses); mappings pytree does not know (a tokenizer's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,28 +39,40 @@ def _as_tree(value: Any) -> Any:
     )
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``value``, keeping the structure (one
-    pass: this runs for every stage and micro-batch)."""
+def map_tensors(
+    fn: Callable[[torch.Tensor], Any], value: Any, _done: dict[int, Any] | None = None
+) -> Any:
+    """Apply ``fn`` to every distinct tensor in ``value``, keeping the
+    structure (one pass: this runs for every stage and micro-batch). A tensor
+    found twice (a layer returning ``(h, h)``) maps to one result, so a copy
+    keeps them one tensor, as a later layer's in-place write expects."""
+    done: dict[int, Any] = {} if _done is None else _done
 
     def visit(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return fn(x)
+            key = id(x)
+            if key not in done:
+                done[key] = fn(x)
+            return done[key]
         if _foreign_mapping(x):
-            return map_tensors(fn, dict(x))
+            return map_tensors(fn, dict(x), done)
         return x
 
     return pytree.tree_map(visit, value, is_leaf=_foreign_mapping)
 
 
-def flatten_tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in ``value``, in a deterministic order."""
+def flatten_tensors(value: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every distinct tensor in ``value`` (one found twice, once), in a
+    deterministic order: the order :func:`map_tensors` visits them in."""
+    seen: set[int] = set() if _seen is None else _seen
     out: list[torch.Tensor] = []
     for x in pytree.tree_leaves(value, is_leaf=_foreign_mapping):
         if isinstance(x, torch.Tensor):
-            out.append(x)
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
         elif _foreign_mapping(x):
-            out.extend(flatten_tensors(dict(x)))
+            out.extend(flatten_tensors(dict(x), seen))
     return out
 
 
@@ -92,13 +104,16 @@ def split_microbatches(value: Any, num_microbatches: int, batch_size: int) -> li
     ]
 
 
-def merge_microbatches(values: list[Any]) -> Any:
+def merge_microbatches(values: list[Any], sizes: Sequence[int] | None = None) -> Any:
     """Inverse of :func:`split_microbatches` for outputs: tensors with a batch
     dimension are concatenated along it; other values are taken from the
-    first micro-batch, as are 0-d tensors equal in all of them (a value given
+    first micro-batch, as are tensors equal in all of them (a value given
     to every micro-batch). One micro-batch's outputs come back as they are.
     Differing 0-d tensors (each a value of its whole micro-batch, a reduction)
-    are refused: the unsplit batch's value cannot be put together from them."""
+    are refused: the unsplit batch's value cannot be put together from them;
+    so are differing tensors whose first dimension is not each micro-batch's
+    size (``sizes``, when given: a batch-wise reduction, a sequence-first
+    value), which concatenating would put together wrongly."""
     if len(values) == 1:
         return values[0]
     flat = [pytree.tree_flatten(_as_tree(v)) for v in values]
@@ -117,6 +132,17 @@ def merge_microbatches(values: list[Any]) -> Any:
                 "of the unsplit batch cannot be put together. Return per-sample values (the "
                 "batch dimension first) and reduce them outside the layer stack, or use "
                 "num_microbatches=1"
+            )
+        if sizes is not None and any(p.shape[0] != n for p, n in zip(parts, sizes, strict=True)):
+            if all(p.shape == first.shape and torch.equal(p, first) for p in parts[1:]):
+                return first  # the same in every micro-batch: a value given to all
+            raise ValueError(
+                f"the last pipeline layer returned a tensor of shape {tuple(first.shape)} for a "
+                f"micro-batch of {sizes[0]} samples: its first dimension is not the batch, so "
+                f"the outputs of {len(parts)} micro-batches cannot be put together into the "
+                "unsplit batch's. Return batch-first values (per-sample, the batch dimension "
+                "first: transpose sequence-first outputs, reduce over the batch outside the "
+                "layer stack), or use num_microbatches=1"
             )
         return torch.cat(parts, dim=0)
 

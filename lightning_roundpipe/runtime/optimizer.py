@@ -340,6 +340,11 @@ class Protocol:
             self._notify()
 
 
+#: below this a loss scale cannot keep an fp16 gradient (fp16's smallest
+#: subnormal): overflows have more than one cause then
+_SMALLEST_SCALE = 2.0**-24
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16 (the scale that produced a gradient is the
     one that unscales it; overflow skips the step and halves the scale; the
@@ -366,6 +371,13 @@ class LossScaler:
         if overflow:
             self.scale *= self.backoff_factor
             self._good = 0
+            if self.scale < _SMALLEST_SCALE:
+                raise NonFiniteError(
+                    f"fp16 loss scaling: overflows in a row brought the loss scale to "
+                    f"{self.scale:.3g}, below 2^-24: the loss or the gradients are not finite "
+                    "at any scale (a weight or the data holds NaN or inf); the last steps were "
+                    "skipped"
+                )
         else:
             self._good += 1
             if self._good >= self.growth_interval:
@@ -558,8 +570,10 @@ class OptimizerWorker:
                 else f"step {job.window}"
             )
             err: BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                err = exc  # an interrupt stays one (Lightning shuts down gracefully on it)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, NonFiniteError)):
+                # an interrupt stays one (Lightning shuts down gracefully on it);
+                # a non-finite gradient is reported as in synchronous mode
+                err = exc
             else:
                 err = OptimizerStepError(f"optimizer {step} failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
@@ -744,11 +758,13 @@ def use_fused(optimizer: torch.optim.Optimizer) -> bool:
     The default per-tensor and multi-tensor paths are ~10x slower on the host
     (``benchmarks/optimizer.py``); the fused kernel computes the same update.
     Optimizers that are not Adam/AdamW, use ``differentiable``/``capturable``,
-    or whose parameters are not fp32/bf16 CPU tensors are left alone. Returns
+    or whose parameters are not fp32/fp64 CPU tensors are left alone. Returns
     whether the optimizer now runs fused."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
-    ok_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    # (bf16/fp16 parameters: the fused kernel rounds differently from the
+    # default path, so it would not be the same update)
+    ok_dtypes = (torch.float32, torch.float64)
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("capturable"):
             return False

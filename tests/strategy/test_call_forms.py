@@ -253,3 +253,108 @@ def test_batch_transfer_hooks_run_with_the_host_as_the_device():
         got[name] = (state(module), module.calls)
     torch.testing.assert_close(got["sync"][0], got["auto"][0])
     assert got["sync"][1] == got["auto"][1]
+
+
+class Residual(nn.Sequential):
+    """An nn.Sequential whose own forward adds a residual around each child."""
+
+    def forward(self, x):
+        for m in self:
+            x = x + m(x)
+        return x
+
+
+def test_an_nn_sequential_with_its_own_forward_is_refused():
+    from .modules import SeqModule
+
+    module = SeqModule(extra=False)
+    module.net = Residual(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"Residual is an nn\.Sequential with its own forward"):
+        cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1).fit(
+            module, loader(seq_data(16), 8)
+        )
+
+
+class Duplicate(nn.Module):
+    def forward(self, h):
+        return h, h
+
+
+class WritesOne(nn.Module):
+    """Writes the first of two entries in place; the second is the same
+    tensor, so it changes too (legal: Linear keeps its input, not output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, pair):
+        a, b = pair
+        a.mul_(2)
+        return self.lin(a) + b
+
+
+class AliasedEntries(L.LightningModule):
+    def __init__(self, shape: str = "same") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), Duplicate(), WritesOne(), nn.Tanh(), nn.Linear(16, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(input=x), y)  # (Sequential's own keyword)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("plan", [None, "1,1,1,1|1|1,1,1,1"])
+def test_one_tensor_passed_twice_between_layers_stays_one_tensor(plan):
+    expected = AliasedEntries()
+    cpu_trainer("auto", max_steps=2).fit(expected, loader(seq_data(32), 8))
+    got = AliasedEntries()
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2, plan=plan or "auto")
+    cpu_trainer(strategy, max_steps=2).fit(got, loader(seq_data(32), 8))
+    torch.testing.assert_close(state(got), state(expected))
+
+
+class BatchMean(nn.Module):
+    def forward(self, h):
+        return h.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("last", ["mean over the batch", "sequence first"])
+def test_outputs_whose_first_dimension_is_not_the_batch_are_refused(last):
+    net = nn.Sequential(nn.Linear(8, 4), BatchMean() if last == "mean over the batch" else Swap01())
+    engine_module = _Evaluated(net)
+    with pytest.raises(ValueError, match="its first dimension is not the batch"):
+        cpu_trainer(RoundPipeStrategy(async_optimizer=False, num_microbatches=2)).predict(
+            engine_module, loader(seq_data(16), 8)
+        )
+
+
+class Swap01(nn.Module):
+    def forward(self, h):
+        return h.unsqueeze(1).expand(-1, 3, -1).transpose(0, 1)
+
+
+class _Evaluated(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+
+def test_sparse_adam_is_refused_naming_the_dense_gradients():
+    class SparseEmbedding(AliasedEntries):
+        def configure_optimizers(self):
+            return torch.optim.SparseAdam(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="SparseAdam needs sparse gradients"):
+        cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1).fit(
+            SparseEmbedding(), loader(seq_data(16), 8)
+        )

@@ -1,0 +1,80 @@
+"""Precision settings RoundPipe does not run as asked are refused or warned
+about; fp16 loss scaling that cannot recover says why; the fused Adam kernel
+is used only where it computes the same update."""
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.precision import RoundPipePrecision
+from lightning_roundpipe.runtime.optimizer import LossScaler, NonFiniteError, use_fused
+
+from .modules import SeqModule, cpu_trainer, loader, seq_data
+
+
+def test_a_custom_precision_plugin_is_refused():
+    class Halving(MixedPrecision):
+        def pre_backward(self, tensor, module):
+            return super().pre_backward(tensor / 2, module)
+
+    with pytest.raises(ValueError, match="the precision plugin Halving is not supported"):
+        RoundPipePrecision.from_plugin(Halving("bf16-mixed", "cpu"))
+
+
+def test_a_grad_scaler_with_other_settings_is_refused():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    with pytest.raises(ValueError, match=r"= \(8.0, 2.0, 0.5, 2\) is not supported"):
+        RoundPipePrecision.from_plugin(MixedPrecision("16-mixed", "cpu", scaler=scaler))
+    default = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    assert RoundPipePrecision.from_plugin(default).precision == "16-mixed"
+
+
+def test_a_loss_scale_that_overflows_below_any_use_says_why():
+    scaler = LossScaler(enabled=True)
+    with pytest.raises(NonFiniteError, match="not finite at any scale"):
+        for _ in range(60):  # 2^16 halved 40 times is below 2^-24
+            scaler.update(overflow=True)
+    assert scaler.scale < 2.0**-24
+
+
+def test_the_fused_adam_kernel_is_used_for_fp32_weights_only():
+    fp32 = torch.nn.Linear(2, 2)
+    assert use_fused(torch.optim.AdamW(fp32.parameters()))
+    bf16 = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assert not use_fused(torch.optim.AdamW(bf16.parameters()))
+
+
+class Bf16Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.lin(x.to(self.lin.weight.dtype)).float()
+
+
+def test_low_precision_weights_under_32_true_are_warned_about():
+    module = SeqModule(extra=False)
+    module.net[2] = Bf16Linear()
+    trainer = cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1)
+    with pytest.warns(UserWarning, match="parameters in bfloat16 under precision='32-true'"):
+        trainer.fit(module, loader(seq_data(16), 8))
+
+
+class NaNGradientOnce(SeqModule):
+    """A finite loss whose gradient is not finite, at the second step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 1:
+            return loss + 0 * self.net(batch[0] * float("inf")).sum().nan_to_num(0.0)
+        return loss
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_non_finite_gradient_raises_the_same_error_in_both_modes(asynchronous):
+    strategy = RoundPipeStrategy(async_optimizer=asynchronous, nonfinite="raise")
+    module = NaNGradientOnce(extra=False)
+    with pytest.raises(NonFiniteError, match="not finite"):
+        cpu_trainer(strategy, max_steps=4).fit(module, loader(seq_data(48), 8))
