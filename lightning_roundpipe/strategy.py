@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import itertools
 import logging
 import os
 import time
@@ -467,6 +468,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self.world_size,
             store=store,
             bucket_bytes=self.reduce_bucket_bytes,
+            prefix=_join_prefix(),
         )
         log.info(
             "RoundPipe: replica %d of %d (one per server), gradients averaged over gloo",
@@ -576,7 +578,44 @@ class RoundPipeStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self._retry.reset()
         self.precision_plugin.carried = None  # (a checkpoint's counters come after setup)
+        if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._check_same_settings(trainer)
         self._build_engine(trainer)
+
+    def _check_same_settings(self, trainer: Any) -> None:
+        """Servers whose models or settings differ would reduce mismatched
+        gradient buckets (gloo aborts the process, or worse, the sizes agree
+        and other layers' gradients are averaged): compared with rank 0's
+        before anything is reduced, naming what differs."""
+        module = self.lightning_module
+        mine = {
+            "trainable parameters (name, shape)": [
+                (n, tuple(p.shape)) for n, p in module.named_parameters() if p.requires_grad
+            ],
+            "reduce_bucket_bytes": self.reduce_bucket_bytes,
+            "async_optimizer": self.async_optimizer,
+            "precision": self.precision_plugin.precision,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        }
+        if any(getattr(m, "track_running_stats", False) for m in module.modules()):
+            rank_zero_warn(
+                "RoundPipe: running statistics (batch norm) are not synchronised between "
+                "servers: each keeps those of its own data, which its validation uses; rank "
+                "0's are the ones its checkpoints hold"
+            )
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        first = everyone[0]
+        for rank, theirs in enumerate(everyone):
+            for key, value in first.items():
+                if theirs[key] != value:
+                    raise ValueError(
+                        f"the servers were started with different models or settings: {key} "
+                        f"differs between rank 0 and rank {rank} ("
+                        f"{_difference(value, theirs[key])}); start every server "
+                        "with the same model, the same trainable parameters and the same "
+                        "strategy and Trainer settings"
+                    )
 
     def _check_optimizers(self) -> None:
         module = self.lightning_module
@@ -1441,6 +1480,29 @@ class _SettleUpdates(Callback):
         if strategy.engine is not None and not strategy.engine.layout_changed():
             # (global pruning ranks by the masked weights: the settled ones)
             strategy.engine.refresh_derived()
+
+
+def _difference(ours: Any, theirs: Any) -> str:
+    """Two servers' values of a setting, for an error message: of two lists,
+    the first entry that differs (or the lengths)."""
+    if isinstance(ours, list) and isinstance(theirs, list):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+            if a != b:
+                return f"entry {i}: {a!r} against {b!r}"
+        return f"{len(ours)} entries against {len(theirs)}"
+    return f"{ours!r} against {theirs!r}"
+
+
+_JOINS = itertools.count()
+
+
+def _join_prefix() -> str:
+    """The rendezvous store keys' prefix of this joining of the servers: the
+    same on every server (each runs the same fits in order) and new for each
+    fit and each restart of the launcher, so an earlier fit's failure report
+    (left in the store, which outlives the fit) is not taken for this one's."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"roundpipe/{restart}.{next(_JOINS)}/"
 
 
 def _owners(root: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:

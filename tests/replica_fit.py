@@ -81,6 +81,35 @@ def run_out_of_memory_once() -> None:
     worker.Worker._layers = layers
 
 
+class _StopEverywhere(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("the first fit stopped on purpose")
+
+
+def stopped_fit(args: argparse.Namespace) -> None:
+    """A fit every server stops with the same exception, which the script
+    catches (a pruned trial, a retry loop): the next fit of these processes
+    must not take its failure report for a new one."""
+    strategy = RoundPipeStrategy(async_optimizer=args.async_, watchdog_timeout=args.watchdog)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=args.nodes,
+        max_steps=3,
+        callbacks=[_StopEverywhere()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(Replica(None, None, None, False), DataLoader(lm_data(n=16, pad=False), 4))
+    except RuntimeError as exc:
+        assert "stopped on purpose" in str(exc), exc
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -97,16 +126,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--watchdog", type=float, default=60.0)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--clip", type=float, default=0.05)
+    parser.add_argument("--rank1-bucket", type=int, help="reduce_bucket_bytes on rank 1")
+    parser.add_argument(
+        "--stopped-fit-first",
+        action="store_true",
+        help="first a fit that every server stops with an exception, caught",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # two servers share this machine's cores
+    if args.stopped_fit_first:
+        stopped_fit(args)
     L.seed_everything(0)
     module = Replica(args.fail_at, args.kill_at, args.hang_at, not args.no_log)
     init = [p.detach().clone() for p in module.parameters()]
+    rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
     strategy = RoundPipeStrategy(
         async_optimizer=args.async_,
         num_microbatches=2,
         watchdog_timeout=args.watchdog,
-        reduce_bucket_bytes=8192,  # several buckets even for this small model
+        # several buckets even for this small model
+        reduce_bucket_bytes=args.rank1_bucket if args.rank1_bucket and rank == 1 else 8192,
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -121,7 +160,6 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
     if args.oom_once and rank == 1:
         run_out_of_memory_once()
     try:

@@ -191,6 +191,26 @@ def test_a_server_that_raises_is_named_by_the_others(tmp_path):
     assert time.monotonic() - t0 < 60  # well within the watchdog timeout
 
 
+def test_a_fit_after_a_stopped_one_is_not_failed_by_its_report(tmp_path):
+    """Every server stops a first fit with an exception the script catches;
+    the second fit of the same processes trains (the failure reports left in
+    the rendezvous store are the first fit's, under their own keys)."""
+    codes = servers(tmp_path, "--stopped-fit-first", "--no-log", "--watchdog", "60")
+    assert codes == [0, 0], logs(tmp_path)
+
+
+def test_servers_started_with_different_settings_are_refused_naming_it(tmp_path):
+    """Different reduce buckets would reduce mismatched tensors (gloo aborts
+    the process without a Python error): refused on every server first."""
+    codes = servers(tmp_path, "--rank1-bucket", "1", "--no-log", "--watchdog", "60")
+    assert codes == [1, 1], logs(tmp_path)
+    for rank in (0, 1):
+        message = error(tmp_path, rank)
+        assert "reduce_bucket_bytes differs between rank 0 and rank 1 (8192 against 1)" in (
+            message
+        ), message
+
+
 def test_a_killed_server_is_named_by_the_others(tmp_path):
     """Server 1 is killed (SIGKILL) between steps; server 0 fails in its next
     collective (the logged loss is reduced across servers) naming rank 1."""

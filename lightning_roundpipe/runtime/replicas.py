@@ -47,7 +47,6 @@ __all__ = ["GradientReducer", "ReplicaError", "Replicas"]
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "roundpipe/"
 # seconds between looks at the all-reduces in flight: small next to a bucket's
 # transfer (25 MiB take ~20 ms even at 10 Gb/s)
 _POLL = 0.002
@@ -73,6 +72,9 @@ class Replicas:
         bucket_bytes: gradient bytes per all-reduce (whole layers; a larger
             layer is one bucket).
         heartbeat: seconds between heartbeats.
+        prefix: the store keys' prefix: the same on every replica, and new
+            for every joining (a failure reported in an earlier fit of the
+            same processes, or before a restart, stays under its own).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Replicas:
         store: Any = None,
         bucket_bytes: int = 25 * 2**20,
         heartbeat: float = 1.0,
+        prefix: str = "roundpipe/",
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not a rank of {world_size} replicas")
@@ -93,6 +96,7 @@ class Replicas:
         self.store = store
         self.bucket_bytes = bucket_bytes
         self.heartbeat = heartbeat
+        self.prefix = prefix
         self._beats = 0
         self._last_beat = 0.0
         self._last_poll = 0.0
@@ -114,11 +118,11 @@ class Replicas:
             return
         self._last_beat = now
         self._beats += 1
-        self._call(lambda: self.store.set(f"{_PREFIX}alive/{self.rank}", str(self._beats)))
+        self._call(lambda: self.store.set(f"{self.prefix}alive/{self.rank}", str(self._beats)))
 
     def progress(self, window: int) -> None:
         """Tell the others this replica closed ``window`` (for diagnoses)."""
-        self._call(lambda: self.store.set(f"{_PREFIX}window/{self.rank}", str(window)))
+        self._call(lambda: self.store.set(f"{self.prefix}window/{self.rank}", str(window)))
 
     def _read(self, kind: str, others: bool = True) -> dict[int, bytes | None]:
         """Each rank's ``kind`` key (``alive``, ``window``, ``failed``), None
@@ -127,7 +131,7 @@ class Replicas:
         for r in range(self.world_size):
             if others and r == self.rank:
                 continue
-            key = f"{_PREFIX}{kind}/{r}"
+            key = f"{self.prefix}{kind}/{r}"
             has = self._call(lambda key=key: self.store.check([key]))
             out[r] = self._call(lambda key=key: self.store.get(key)) if has else None
         return out
@@ -135,15 +139,15 @@ class Replicas:
     def report_failure(self, message: str) -> None:
         """Record why this replica stopped, for the others' errors (first
         report per rank wins)."""
-        key = f"{_PREFIX}failed/{self.rank}"
+        key = f"{self.prefix}failed/{self.rank}"
         if self._call(lambda: self.store.check([key])):
             return
-        order = self._call(lambda: self.store.add(f"{_PREFIX}failures", 1))
+        order = self._call(lambda: self.store.add(f"{self.prefix}failures", 1))
         self._call(lambda: self.store.set(key, f"{order or 0}|{message}"))
 
     def failures(self) -> dict[int, str]:
         """What other replicas reported, first failure first, by rank."""
-        if not self._call(lambda: self.store.add(f"{_PREFIX}failures", 0)):
+        if not self._call(lambda: self.store.add(f"{self.prefix}failures", 0)):
             return {}
         found = []
         for r, raw in self._read("failed").items():
@@ -187,7 +191,7 @@ class Replicas:
         reported = self._reported()
         if reported:
             return reported
-        if self._call(lambda: self.store.add(f"{_PREFIX}failures", 0)) is None:
+        if self._call(lambda: self.store.add(f"{self.prefix}failures", 0)) is None:
             return (
                 "the rendezvous store is unreachable: the server hosting it (rank 0's, or "
                 "its launcher) stopped"
