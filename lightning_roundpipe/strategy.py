@@ -1434,6 +1434,7 @@ class RoundPipeStrategy(ParallelStrategy):
         Lightning's DDP leaves it, for whatever runs after the fit)."""
         replicas, self._replicas = self._replicas, None
         if replicas is not None and self._distributed():
+            replicas.report_finished()  # (a server still training names it)
             dist.destroy_process_group(replicas.group)
 
 

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--clip", type=float, default=0.05)
     parser.add_argument("--rank1-bucket", type=int, help="reduce_bucket_bytes on rank 1")
+    parser.add_argument("--rank1-steps", type=int, help="max_steps on rank 1")
     parser.add_argument(
         "--stopped-fit-first",
         action="store_true",
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator="cpu",
         devices=2,
         num_nodes=args.nodes,
-        max_steps=args.steps,
+        max_steps=args.rank1_steps if args.rank1_steps and rank == 1 else args.steps,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip or None,  # clipped: the norm must be the global one
         logger=False,

@@ -211,6 +211,16 @@ def test_servers_started_with_different_settings_are_refused_naming_it(tmp_path)
         ), message
 
 
+def test_a_server_that_finished_early_is_named_as_finished(tmp_path):
+    """Unequal steps (a user error): the server still training says the
+    other finished, not that it died or hangs."""
+    # (rank 1's checkpoint after its fit then waits for rank 0 in vain)
+    codes = servers(tmp_path, "--rank1-steps", "2", "--no-log", "--watchdog", "15")
+    assert codes[0] == 1, logs(tmp_path)
+    message = error(tmp_path, 0)
+    assert "replica rank 1 finished its fit while this one goes on" in message, message
+
+
 def test_a_killed_server_is_named_by_the_others(tmp_path):
     """Server 1 is killed (SIGKILL) between steps; server 0 fails in its next
     collective (the logged loss is reduced across servers) naming rank 1."""

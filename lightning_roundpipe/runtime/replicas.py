@@ -145,6 +145,11 @@ class Replicas:
         order = self._call(lambda: self.store.add(f"{self.prefix}failures", 1))
         self._call(lambda: self.store.set(key, f"{order or 0}|{message}"))
 
+    def report_finished(self) -> None:
+        """Record that this replica's fit ended (for the others' errors, when
+        they go on: the servers took different numbers of steps)."""
+        self._call(lambda: self.store.set(f"{self.prefix}finished/{self.rank}", "1"))
+
     def failures(self) -> dict[int, str]:
         """What other replicas reported, first failure first, by rank."""
         if not self._call(lambda: self.store.add(f"{self.prefix}failures", 0)):
@@ -155,6 +160,16 @@ class Replicas:
                 order, _, message = raw.decode().partition("|")
                 found.append((int(order or 0), r, message))
         return {r: message for _, r, message in sorted(found)}
+
+    def _finished(self) -> str:
+        ranks = [r for r, raw in self._read("finished").items() if raw is not None]
+        if not ranks:
+            return ""
+        return (
+            f"replica rank {', '.join(map(str, ranks))} finished its fit while this one goes "
+            "on: the servers took different numbers of optimizer steps (max_steps, epochs, or "
+            "uneven data per server; every server must take the same steps)"
+        )
 
     def _reported(self) -> str:
         return "; ".join(f"replica rank {r} failed: {m}" for r, m in self.failures().items())
@@ -194,12 +209,16 @@ class Replicas:
         if self._call(lambda: self.store.add(f"{self.prefix}failures", 0)) is None:
             return (
                 "the rendezvous store is unreachable: the server hosting it (rank 0's, or "
-                "its launcher) stopped"
+                "its launcher) stopped, or finished its fit (if it ended normally, the servers "
+                "took different numbers of steps)"
             )
+        finished = self._finished()
+        if finished:
+            return finished
         before = self._read("alive")
         time.sleep(3 * self.heartbeat + 0.5)
         after = self._read("alive")
-        reported = self._reported()
+        reported = self._reported() or self._finished()
         if reported:
             return reported
         still = [r for r in before if before[r] == after.get(r)]
