@@ -493,6 +493,8 @@ class RoundPipeEngine:
         self._serial = 0
         self._window = 0
         self._window_scale: dict[int, float] = {}
+        # (the first window and the loss scale this engine's windows start from)
+        self._scale_start: tuple[int, float] | None = None
         self.wait_seconds = 0.0  # time the caller's thread spent waiting on the pipeline
         self._last_schedule: tuple[Call, Schedule] | None = None
         self._last_train: Schedule | None = None
@@ -1389,13 +1391,18 @@ class RoundPipeEngine:
                 )
         labs = [None if y is None else self._to_host(y, cast=False) for y in labs]
         self._maybe_replan()
+        # (the window only changes in step(), on this thread; waited for
+        # outside the lock)
+        starting = self._window_scale.get(self._window)
+        if starting is None:
+            starting = self._scale_for(self._window)
         with self._lock:
             if iteration is None:
                 iteration = self._iteration
                 self._iteration += 1
             window = self._window
             # the loss scale a window starts with unscales all of its gradients
-            loss_scale = self._window_scale.setdefault(window, self.scaler.scale)
+            loss_scale = self._window_scale.setdefault(window, starting)
             self._window_has_grads = True
             seed = loss_scale if later else float(scale) * loss_scale
             call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
@@ -1485,6 +1492,30 @@ class RoundPipeEngine:
             self._calls += 1
         self._optimizer.submit(_Job(-1, fn, 1.0, None, None, handle))
         return handle
+
+    def _scale_for(self, window: int) -> float:
+        """The fp16 loss scale ``window`` starts with. Asynchronous: the scale
+        after update ``window - 2``, the last one its weights hold (waited
+        for: its tasks wait for that update anyway), so which steps an
+        overflow skips does not depend on the threads' timing; the engine's
+        first two windows start with the scale it started with. Otherwise
+        the current scale (every earlier update is done)."""
+        scaler = self.scaler
+        if not scaler.enabled or not self.async_optimizer:
+            return scaler.scale
+        if self._scale_start is None:
+            self._scale_start = (window, scaler.scale)
+        first, start = self._scale_start
+        prior = window - 2
+        if prior < first:
+            return start
+        store = self._rt.store
+        self._wait(
+            lambda: store.wait_until(
+                lambda: prior in scaler.after, f"the loss scale after optimizer step {prior}"
+            )
+        )
+        return scaler.after[prior]
 
     def counters(self) -> dict[str, Any]:
         """What a run that continues on another engine goes on with: the next

@@ -364,6 +364,9 @@ class LossScaler:
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self._good = 0
+        #: the scale after each recent update, by its window (asynchronous
+        #: windows start with the one after the last update their weights hold)
+        self.after: dict[int, float] = {}
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:
@@ -677,6 +680,8 @@ class OptimizerWorker:
         job.handle.grad_norm = norm
         job.handle.skipped = not finite
         with proto.cond:
+            self.scaler.after[w] = self.scaler.scale
+            self.scaler.after.pop(w - 4, None)
             # the weight copies are due before anyone sees the step as applied
             if after:
                 self._pending = (w, list(self.host.params))

@@ -78,3 +78,54 @@ def test_a_non_finite_gradient_raises_the_same_error_in_both_modes(asynchronous)
     module = NaNGradientOnce(extra=False)
     with pytest.raises(NonFiniteError, match="not finite"):
         cpu_trainer(strategy, max_steps=4).fit(module, loader(seq_data(48), 8))
+
+
+class OverflowAtThirdStep(SeqModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1e30 if self.global_step == 2 else loss
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_asynchronous_fp16_windows_start_with_the_scale_after_their_weights_update(
+    delay, monkeypatch
+):
+    """Window w starts with the loss scale after update w - 2 (the last its
+    weights hold), however late the optimizer thread's overflow check: the
+    skipped steps and scales do not depend on timing."""
+    import time
+
+    import lightning_roundpipe.runtime.optimizer as optimizer
+
+    check = optimizer.all_finite
+
+    def slow(t):
+        time.sleep(delay)
+        return check(t)
+
+    monkeypatch.setattr(optimizer, "all_finite", slow)
+    seen = []
+    run = optimizer.OptimizerWorker.run
+
+    def record(self, job):
+        run(self, job)
+        seen.append((job.window, job.scale, job.handle.skipped))
+
+    monkeypatch.setattr(optimizer.OptimizerWorker, "run", record)
+    trainer = cpu_trainer(
+        RoundPipeStrategy(num_microbatches=2),
+        max_steps=6,
+        plugins=[RoundPipePrecision("16-mixed")],
+    )
+    trainer.fit(OverflowAtThirdStep(extra=False), loader(seq_data(48), 8))
+    full = 2.0**16
+    # window 2 overflows and halves the scale; window 3 started from update
+    # 1's scale, window 4 from update 2's (halved)
+    assert seen == [
+        (0, full, False),
+        (1, full, False),
+        (2, full, True),
+        (3, full, False),
+        (4, full / 2, False),
+        (5, full / 2, False),
+    ]
