@@ -254,12 +254,23 @@ class RoundPipePrecision(Precision):
             engine.step(self._clipped(optimizer, self._groups.queued_step(**kwargs)))
         else:
 
-            def prepare() -> None:
+            def prepare() -> dict[str, Any] | None:
                 self._clip_now = True  # the hooks clip these gradients themselves
                 try:
                     self._after_closure(model, optimizer)
                 finally:
                     self._clip_now = False
+                # parameters outside the pipeline: their gradients count in the
+                # overflow and non-finite checks as the pipeline's do
+                inside = {id(p) for p in engine.parameters()}
+                names = {id(p): n for n, p in model.named_parameters()}
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        g = p.grad
+                        if id(p) in inside or g is None or bool(torch.isfinite(g).all()):
+                            continue
+                        return {"nonfinite": names.get(id(p), "a parameter outside the pipeline")}
+                return None
 
             engine.step(step, prepare=prepare).wait()
         return result

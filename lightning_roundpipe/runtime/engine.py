@@ -1627,7 +1627,7 @@ class RoundPipeEngine:
         *,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
-        prepare: Callable[[], dict[str, float] | None] | None = None,
+        prepare: Callable[[], dict[str, Any] | None] | None = None,
     ) -> StepHandle:
         """Close the current window and apply an update on the host.
 
@@ -1641,8 +1641,11 @@ class RoundPipeEngine:
         ``prepare``, if given, runs on the same thread just before clipping, with
         the window's (unscaled) gradients in ``.grad``; it may inspect or change
         them and may return ``{"clip_grad_norm": x}`` or ``{"clip_grad_value": x}``
-        to set the clipping. After ``fn`` the gradients are released (``.grad``
-        is ``None`` between steps, as after ``zero_grad(set_to_none=True)``).
+        to set the clipping, and ``{"nonfinite": name}`` when a gradient
+        outside the pipeline (``name``'s) is not finite: the step then counts
+        as an overflow (fp16) or a non-finite step (``nonfinite``). After ``fn``
+        the gradients are released (``.grad`` is ``None`` between steps, as
+        after ``zero_grad(set_to_none=True)``).
 
         Returns a :class:`StepHandle` (``wait()``, ``grad_norm``: the total norm
         before clipping, ``skipped``: fp16 overflow, ``result``: what ``fn``

@@ -449,7 +449,7 @@ class _Job:
     handle: StepHandle
     # called with the window's gradients in .grad, before clipping; may return
     # clipping options (the strategy runs Lightning's pre-step hooks here)
-    prepare: Callable[[], dict[str, float] | None] | None = None
+    prepare: Callable[[], dict[str, Any] | None] | None = None
     skip: bool = False  # a non-finite gradient outside the buffers (input gradients)
 
 
@@ -655,6 +655,19 @@ class OptimizerWorker:
                     raise HookError(exc) from exc
                 clip_norm = clip.get("clip_grad_norm", clip_norm)
                 clip_value = clip.get("clip_grad_value", clip_value)
+                outside = clip.get("nonfinite")  # (a parameter outside the pipeline)
+                if (
+                    outside is not None
+                    and finite
+                    and (self.scaler.enabled or self.nonfinite != "ignore")
+                ):
+                    finite = False
+                    if not self.scaler.enabled and self.nonfinite == "raise":
+                        raise NonFiniteError(
+                            f"non-finite gradient (inf or NaN) in {outside} in optimizer step "
+                            f"{w}; the weights were not updated. Set nonfinite='skip' to skip "
+                            "such steps, or look for the cause (learning rate, data, precision)"
+                        )
             if finite:
                 params = [p.param for p in trainable if p.param.grad is not None]
                 if clip_norm is not None:

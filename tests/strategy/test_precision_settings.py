@@ -129,3 +129,29 @@ def test_asynchronous_fp16_windows_start_with_the_scale_after_their_weights_upda
         (4, full / 2, False),
         (5, full / 2, False),
     ]
+
+
+class NaNOutsideGradient(SeqModule):
+    """The parameter outside the pipeline gets a NaN gradient at the second
+    step, while the loss stays finite."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 1:
+            # forward: 0; backward: 0 * inf, NaN (torch.where's known trap)
+            unused = (self.extra.weight * float("inf")).sum()
+            loss = loss + torch.where(torch.tensor(True), torch.zeros(()), unused)
+        return loss
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_non_finite_gradient_outside_the_pipeline_counts(nonfinite):
+    module = NaNOutsideGradient(extra=True)
+    strategy = RoundPipeStrategy(async_optimizer=False, nonfinite=nonfinite)
+    trainer = cpu_trainer(strategy, max_steps=4)
+    if nonfinite == "raise":
+        with pytest.raises(NonFiniteError, match=r"in extra\.weight in optimizer step 1"):
+            trainer.fit(module, loader(seq_data(48), 8))
+    else:
+        trainer.fit(module, loader(seq_data(48), 8))
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
