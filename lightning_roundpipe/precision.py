@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .groups import ThreadGroups
+from .runtime.optimizer import all_finite
 from .runtime.options import PRECISION_ALIASES, PRECISIONS
 
 if TYPE_CHECKING:
@@ -103,6 +104,22 @@ class RoundPipePrecision(Precision):
         self.carried = dict(state_dict)
         if self.engine is not None and self.engine.iteration == 0:
             self.engine.continue_from(self.carried)
+
+    def _outside(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+        """The optimizer's parameters that are not the pipeline's (found once
+        per engine, optimizer and parameter count: the check runs at every
+        step)."""
+        engine = self.engine
+        assert engine is not None
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        key = (id(engine), id(optimizer), count)
+        if self.__dict__.get("_outside_key") != key:
+            inside = {id(p) for p in engine.parameters()}
+            self._outside_params = [
+                p for g in optimizer.param_groups for p in g["params"] if id(p) not in inside
+            ]
+            self._outside_key = key
+        return self._outside_params
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:
@@ -262,13 +279,9 @@ class RoundPipePrecision(Precision):
                     self._clip_now = False
                 # parameters outside the pipeline: their gradients count in the
                 # overflow and non-finite checks as the pipeline's do
-                inside = {id(p) for p in engine.parameters()}
-                names = {id(p): n for n, p in model.named_parameters()}
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        g = p.grad
-                        if id(p) in inside or g is None or bool(torch.isfinite(g).all()):
-                            continue
+                for p in self._outside(optimizer):
+                    if p.grad is not None and not all_finite(p.grad):
+                        names = {id(q): n for n, q in model.named_parameters()}
                         return {"nonfinite": names.get(id(p), "a parameter outside the pipeline")}
                 return None
 

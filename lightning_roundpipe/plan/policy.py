@@ -151,14 +151,13 @@ def choose_plan(
     # (which the runtime keeps where smaller ones would expose uploads). Only
     # the best plan's: each is a simulation, and the asynchronous steady
     # state of a large model takes a good part of a second
-    arranged = _arrangements(best, costs, memory_limit)
-    if len(arranged) > 1 and rounds_open:
-        best_t = step(best)
-    if len(arranged) > 1:
-        for plan in arranged[1:]:
-            t = step(plan)
-            if t < best_t * (1 - 1e-9):
-                best, best_t = plan, t
+    others = _arrangements(best, costs, memory_limit)[1:]
+    if others and rounds_open:
+        best_t = step(best)  # (compared with its own round too)
+    for plan in others:
+        t = step(plan)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = plan, t
     return best
 
 

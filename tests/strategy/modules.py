@@ -44,20 +44,22 @@ def state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+#: the tiny sizes of the test causal LMs (any family's config takes them)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
 def hf_model(kind: str = "qwen3", layers: int = 3, **config) -> nn.Module:
     """A tiny causal LM; ``config``: settings over the tiny defaults."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    kw.update(config)
+    kw = {**TINY, "num_hidden_layers": layers, **config}
     torch.manual_seed(0)
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **kw))

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import CausalLM, cpu_trainer, lm_data, loader, seq_data, state
+from .modules import CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
 
 
 def _fit(module, strategy, *, steps=2, precision="32-true", data=None, val=False):
@@ -204,15 +204,13 @@ class Pairs:
         self.items = items
 
 
-class TransferHooks(L.LightningModule):
+class TransferHooks(SeqModule):
     """Lightning's batch transfer hooks: a custom batch converted in
     ``transfer_batch_to_device``, the targets changed in
     ``on_after_batch_transfer`` (both run under the default strategy)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        super().__init__(lr=0.05, extra=False)
         self.calls: list[str] = []
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
@@ -225,17 +223,6 @@ class TransferHooks(L.LightningModule):
         self.calls.append("after")
         x, y = batch
         return x, 2 * y + 1
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def test_batch_transfer_hooks_run_with_the_host_as_the_device():
@@ -265,8 +252,6 @@ class Residual(nn.Sequential):
 
 
 def test_an_nn_sequential_with_its_own_forward_is_refused():
-    from .modules import SeqModule
-
     module = SeqModule(extra=False)
     module.net = Residual(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     with pytest.raises(ValueError, match=r"Residual is an nn\.Sequential with its own forward"):

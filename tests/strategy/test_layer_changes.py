@@ -16,7 +16,7 @@ from torch import nn
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.runtime import LayoutChanged, RoundPipeEngine
 
-from .modules import VOCAB, CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
+from .modules import TINY, VOCAB, CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
 
 
 class SideBranch(nn.Module):
@@ -173,15 +173,7 @@ class AnnealedNumbers(CausalLM):
         super().__init__()
         import transformers
 
-        small = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-        )
+        small = {**TINY, "num_hidden_layers": 2, "head_dim": 8}
         torch.manual_seed(0)
         if kind == "qwen3_moe":
             config = transformers.Qwen3MoeConfig(
