@@ -673,6 +673,7 @@ class RoundPipeStrategy(ParallelStrategy):
         devices = [d for d in devices for _ in range(self.workers_per_device)]
         n = len(devices)
         adapter = find_adapter(self.lightning_module, self.layers)
+        _refuse_prefix_tuning(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_gradient_hooks(self.lightning_module, adapter.layers())
         if self.async_optimizer and trainer is not None and self.optimizers:
@@ -721,7 +722,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self.pipeline_layers = adapter.layers()
         self.microbatches = m
-        adapter.attach(self.engine)
+        adapter.attach(self.engine, self.lightning_module)
         self._restore.append(adapter.detach)
         sim = simulate(
             "roundpipe",
@@ -1568,6 +1569,22 @@ def _warn_compiled(layers: list[nn.Module]) -> None:
             f"({', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''}); the workers "
             "run private copies of the layers, which run uncompiled"
         )
+
+
+def _refuse_prefix_tuning(module: Any) -> None:
+    """PEFT's prefix tuning hands the model a key-value cache of its prompt,
+    which the pipeline's layers cannot take: refused at setup in both modes
+    (the asynchronous optimizer's refusal of its prompt parameters pointed at
+    roundpipe_sync, which then refused the cache)."""
+    for name, m in module.named_modules():
+        config = getattr(m, "active_peft_config", None) if hasattr(m, "peft_config") else None
+        if getattr(config, "peft_type", None) == "PREFIX_TUNING":  # (a str enum)
+            raise TypeError(
+                f"{name or 'the module'} uses PEFT prefix tuning, which passes the model a "
+                "key-value cache (past_key_values) of its prompt; RoundPipe's pipeline keeps no "
+                "such cache. Use prompt tuning or P-tuning (with strategy='roundpipe_sync'), "
+                "LoRA, or strategy='auto' for prefix tuning"
+            )
 
 
 def _refuse_gradient_hooks(

@@ -1882,6 +1882,75 @@ def test_lora_on_attention_and_experts_trains_like_the_default_strategy():
     assert mod.grads_down and set(mod.grads_down) == {4 * trainable}
 
 
+def test_a_peft_causal_lm_task_model_trains_like_the_default_strategy():
+    """``LoraConfig(task_type="CAUSAL_LM")`` wraps the model in
+    ``PeftModelForCausalLM``, which passes ``return_dict=None``: the config's
+    setting, as transformers reads it (it was taken as ``False``: a tuple
+    came back and ``.loss`` failed)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(tiny("llama"), config)
+    assert isinstance(model, peft.PeftModelForCausalLM)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    trains_like_the_default_strategy(LM(model))
+    ids, mask, _ = lm_data(4).tensors
+    plain = tiny("llama")
+    with torch.no_grad():
+        expected = plain(input_ids=ids, attention_mask=mask, return_dict=None)
+        got = attached(plain, lambda: plain(input_ids=ids, attention_mask=mask, return_dict=None))
+        as_tuple = attached(plain, lambda: plain(input_ids=ids, return_dict=False))
+    torch.testing.assert_close(got.logits, expected.logits)
+    assert isinstance(as_tuple, tuple)
+
+
+def test_peft_adaption_prompt_runs_in_the_pipeline_like_the_default_strategy():
+    """PEFT's AdaptionPrompt (LLaMA-Adapter) keeps the model's forward as its
+    own attribute (``self.forward = model.forward``), taken before the
+    strategy routes the model's calls to the pipeline: the whole model ran on
+    the loop's thread (sync), or was refused (async). The wrapper is pointed
+    at the pipeline too, and put back afterwards."""
+    peft = pytest.importorskip("peft")
+    config = peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=1, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(tiny("llama"), config)
+    assert "forward" in model.base_model.__dict__
+    with torch.no_grad():  # the gates start at zero: make the prompts matter at once
+        for name, p in model.named_parameters():
+            if "adaption_gate" in name:
+                p.fill_(0.5)
+    mod = trains_like_the_default_strategy(LM(model))
+    assert mod.grads_down and all(mod.grads_down)  # the adapters' gradients came down
+    wrapper = mod.model.base_model  # (the copy that ran in the pipeline)
+    assert wrapper.forward.__self__ is wrapper.model  # put back
+    assert wrapper.forward.__func__ is type(wrapper.model).forward
+
+
+@pytest.mark.parametrize("feature", ["adapter_names", "alora"])
+def test_peft_per_sample_arguments_are_refused_with_what_to_do(feature):
+    """PEFT hands every adapted layer values for each sample of the whole
+    batch (a mixed-adapter batch's ``adapter_names=``, activated LoRA's
+    offsets) through hooks; per micro-batch they failed inside a worker with
+    PEFT's own length or shape error."""
+    peft = pytest.importorskip("peft")
+    extra = {"alora_invocation_tokens": [5]} if feature == "alora" else {}
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM", **extra
+    )
+    model = peft.get_peft_model(tiny("llama"), config)
+    model.add_adapter("b", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    model.eval()  # (PEFT takes adapter_names= in evaluation only)
+    ids, mask, _ = lm_data(4).tensors
+    ids[:, 3] = 5  # the invocation token: activated LoRA adapts what follows it
+    kwargs = {"adapter_names": ["default", "b"] * 2} if feature == "adapter_names" else {}
+    what = "adapter_names=" if feature == "adapter_names" else "activated LoRA"
+    refused = pytest.raises(ValueError, match=f"PEFT's {what}.*model.set_adapter")
+    with torch.no_grad(), attached_engine(model.get_base_model()), refused:
+        model(input_ids=ids, attention_mask=mask, **kwargs)
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "solar_open"])
 def test_lora_on_experts_with_stages_on_two_threads_trains_like_the_default_strategy(kind):
     """PEFT's LoRA on the experts' parameters (chosen by "all-linear" for

@@ -143,7 +143,10 @@ class _Adapter(ABC):
             start = i
         return ", ".join(parts)
 
-    def attach(self, engine: RoundPipeEngine) -> None:
+    def attach(self, engine: RoundPipeEngine, root: nn.Module | None = None) -> None:
+        """Calls of the target go to the pipeline from now on. ``root``: the
+        module holding it (the LightningModule), searched for wrappers that
+        keep the target's forward as their own attribute."""
         self.engine = engine
         adapter = self
 
@@ -151,9 +154,22 @@ class _Adapter(ABC):
             return adapter.call(*args, **kwargs)
 
         self.target.forward = forward  # instance attribute shadows the class method
+        # a wrapper that took the target's bound forward as its own before we
+        # patched it (``self.forward = model.forward``: PEFT's AdaptionPrompt)
+        # would call around the pipeline: it is pointed at ours too
+        self._holders = [
+            (m, m.__dict__["forward"])
+            for m in (root.modules() if root is not None else ())
+            if m is not self.target and _bound_to(m.__dict__.get("forward"), self.target)
+        ]
+        for m, _ in self._holders:
+            m.forward = forward
 
     def detach(self) -> None:
         self.target.__dict__.pop("forward", None)
+        for m, original in getattr(self, "_holders", ()):
+            m.forward = original
+        self._holders = []
         self.engine = None
 
     def boundary_estimate(self, dtype: torch.dtype) -> Callable[[Any], int] | None:
@@ -193,6 +209,14 @@ class _Adapter(ABC):
         # in the dtype the last layer computed in, as the model would return it
         # (bf16 logits under bf16 precision: half the host memory of fp32 ones)
         return _from_pipeline(out, engine, it, inputs, backward)
+
+
+def _bound_to(method: Any, target: nn.Module) -> bool:
+    """Whether ``method`` is ``target``'s own class ``forward``, bound to it."""
+    return (
+        getattr(method, "__self__", None) is target
+        and getattr(method, "__func__", None) is type(target).forward
+    )
 
 
 def _give_factor(engine: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:

@@ -626,8 +626,12 @@ class CausalLMAdapter(_Adapter):
             # the model's own check, with its message (the Llama family's)
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         self._check_call(a)
-        # return_dict=False (or the config's return_dict): the model's tuple form
-        as_tuple = not a.get("return_dict", getattr(self.layout.config, "return_dict", True))
+        # return_dict=False (or, when not given or None as PEFT's wrapper passes
+        # it, the config's return_dict): the model's tuple form
+        as_tuple = a.get("return_dict")
+        if as_tuple is None:
+            as_tuple = getattr(self.layout.config, "return_dict", True)
+        as_tuple = not as_tuple
         # the batch tensor: token ids, or embeddings (split into micro-batches
         # along dim 0 like the ids; floating, so uploaded in the compute dtype)
         batch = input_ids if input_ids is not None else inputs_embeds

@@ -503,6 +503,9 @@ class RoundPipeEngine:
         self._bandwidth: float | None = None
         self._window_has_grads = False
         self._jobs = 0
+        # the thread running a synchronous step (its hooks may save a checkpoint:
+        # synchronize() then must not wait for the step it is called from)
+        self._stepping: int | None = None
         self._calls = 0  # calls queued on the optimizer thread
         # while evaluating with the newest weights: the master copies the next
         # training window computes with (asynchronous mode), by parameter index
@@ -1608,10 +1611,14 @@ class RoundPipeEngine:
         # with two master copies nothing holds back an update's weight copies:
         # they are done too, so the master copies are settled afterwards
         copies = self._protocol.double_buffer
+        # called from a synchronous step's own hooks (on_before_optimizer_step
+        # saving a checkpoint): that step has not run yet and cannot until this
+        # returns; the parameters hold the weights before it, as with Lightning
+        jobs = self._jobs - (self._stepping == threading.get_ident())
         self._wait(
             lambda: self._rt.store.wait_until(
                 lambda: (
-                    opt.applied >= self._jobs
+                    opt.applied >= jobs
                     and opt.calls_done >= self._calls
                     and (not copies or opt.copies_done())
                 ),
@@ -1684,6 +1691,7 @@ class RoundPipeEngine:
             self._rt.store.fail(exc)
             raise
         error: BaseException | None = None
+        self._stepping = threading.get_ident()
         try:
             self._optimizer.run(job)
         except EngineFailure:
@@ -1700,10 +1708,16 @@ class RoundPipeEngine:
                 f"optimizer step {window} failed: {type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc
+        finally:
+            self._stepping = None
         if error is not None:
-            # the window's gradients are gone and its weight copies never ran: the
-            # next window could not start, so later calls fail at once with this
-            self._rt.store.fail(error)
+            if not job.settled:
+                # the window's gradients are gone and its weight copies never ran: the
+                # next window could not start, so later calls fail at once with this
+                self._rt.store.fail(error)
+            # else the step failed after taking its gradients (a hook, a non-finite
+            # gradient, the optimizer itself) and was settled as a skipped one:
+            # the engine is whole, so an on_exception checkpoint can still be saved
             raise error
         return handle
 

@@ -438,6 +438,29 @@ def _derived_attribute(hook: object) -> str | None:
     return None
 
 
+# PEFT's hooks that hand every adapted layer per-sample values of the whole
+# batch (mixed-adapter batches: adapter_names=; activated LoRA's offsets)
+_WHOLE_BATCH_HOOKS = {
+    "_adapter_names_pre_forward_hook": "adapter_names= (a different adapter per sample)",
+    "_alora_offsets_pre_forward_hook": "activated LoRA (alora_invocation_tokens)",
+}
+
+
+def _refuse_whole_batch_hook(hook: object, info: _LayerInfo, module: nn.Module) -> None:
+    """Refuse a hook that passes a layer per-sample values of the whole batch:
+    the pipeline runs each layer once per micro-batch."""
+    name = getattr(getattr(hook, "func", hook), "__name__", "")
+    what = _WHOLE_BATCH_HOOKS.get(name)
+    if what is not None:
+        raise ValueError(
+            f"PEFT's {what} is not supported with RoundPipe: PEFT hands every adapted "
+            f"layer (here {type(module).__name__} in pipeline layer {info.index}) values "
+            "for each sample of the whole batch, and the pipeline runs layers once per "
+            "micro-batch. Use one adapter per call (model.set_adapter) and a plain LoRA "
+            "config, or strategy='auto' for this model"
+        )
+
+
 def _attributes(module: nn.Module) -> dict[str, object]:
     """A module's attributes as they are now, containers copied one level
     (hook tables, parameter, buffer and submodule tables, an adapter's
@@ -456,6 +479,34 @@ def _equal(now: dict[str, object], seen: dict[str, object]) -> bool:
         return now == seen
     except Exception:
         return False
+
+
+def _refuse_special_parameters(index: int, layer: nn.Module) -> None:
+    """Master copies hold a parameter's values in the compute dtype and the
+    workers rebind them as plain ``nn.Parameter``s: a parameter subclass
+    carrying more than its values (a quantized weight's scales and packing,
+    a lazy module's placeholder) or an integer parameter would compute
+    something else on the workers. Refused, naming it."""
+    for name, p in layer.named_parameters():
+        kind = type(p)
+        if kind is nn.Parameter and (p.is_floating_point() or p.is_complex()):
+            continue
+        what = (
+            f"of type {kind.__module__}.{kind.__name__}"
+            if kind is not nn.Parameter
+            else f"of dtype {p.dtype}"
+        )
+        hint = (
+            "a lazy module's parameter: run one forward (or build the module with its sizes) "
+            "before training"
+            if isinstance(p, nn.parameter.UninitializedParameter)
+            else "quantized bases (bitsandbytes 4-/8-bit as in QLoRA, torchao, GPTQ, AWQ) are "
+            "not supported: load the base model in bf16 (torch_dtype=torch.bfloat16) for LoRA"
+        )
+        raise TypeError(
+            f"pipeline layer {index} ({type(layer).__name__}) has parameter {name!r} {what}; "
+            f"RoundPipe keeps plain floating-point nn.Parameters only ({hint})"
+        )
 
 
 def _apart(module: nn.Module, own: set[int]) -> bool:
@@ -519,6 +570,7 @@ class _Structure:
             for name, value in m.__dict__.items():
                 if "hooks" in name and isinstance(value, dict):
                     for hook in value.values():
+                        _refuse_whole_batch_hook(hook, info, m)
                         if callable(hook) and not _refers_to(hook, own):
                             self.shared[id(hook)] = hook
                 # a tensor attribute computed with autograd (pruning's masked
@@ -714,6 +766,8 @@ class HostState:
         unique: list[nn.Parameter] = []
         index: dict[int, int] = {}
         self._first: list[int] = []  # first parameter index introduced by each layer
+        for k, layer in enumerate(layers):
+            _refuse_special_parameters(k, layer)
         for layer in layers:
             layer.to("cpu")
             self._first.append(len(unique))

@@ -451,6 +451,9 @@ class _Job:
     # clipping options (the strategy runs Lightning's pre-step hooks here)
     prepare: Callable[[], dict[str, Any] | None] | None = None
     skip: bool = False  # a non-finite gradient outside the buffers (input gradients)
+    # synchronous mode: the step failed after taking its gradients and was
+    # counted as a skipped one (weight copies done): the engine is whole
+    settled: bool = False
 
 
 class NonFiniteError(FloatingPointError):
@@ -633,6 +636,10 @@ class OptimizerWorker:
                     f"in optimizer step {w}; the weights were not updated. Set nonfinite='skip' to "
                     "skip such steps, or look for the cause (learning rate, data, precision)"
                 )
+        except NonFiniteError:
+            self._release(w, trainable)
+            self._settle_failed(job)
+            raise
         except BaseException:
             self._release(w, trainable)  # a failed step holds no gradients either
             raise
@@ -687,11 +694,22 @@ class OptimizerWorker:
                 )
             else:
                 log.warning("non-finite gradient in step %d: step skipped (nonfinite='skip')", w)
-        finally:
+        except BaseException:
             self._release(w, trainable)
+            self._settle_failed(job)
+            raise
+        self._release(w, trainable)
         self.scaler.update(overflow=not finite)
         job.handle.grad_norm = norm
         job.handle.skipped = not finite
+        self._applied(w)
+        job.handle.finish()
+
+    def _applied(self, w: int) -> None:
+        """Step ``w`` counts as applied; its weight copies follow (in
+        synchronous mode before this returns)."""
+        proto = self.protocol
+        after = proto.rules.copies_after_step
         with proto.cond:
             self.scaler.after[w] = self.scaler.scale
             self.scaler.after.pop(w - 4, None)
@@ -700,9 +718,26 @@ class OptimizerWorker:
                 self._pending = (w, list(self.host.params))
             self.applied += 1
             proto.cond.notify_all()
-        job.handle.finish()
         if after and not proto.async_mode:
             self._copy_ready(block=True)
+
+    def _settle_failed(self, job: _Job) -> None:
+        """Synchronous mode: a step that failed after taking its gradients (a
+        user hook, a non-finite gradient with ``nonfinite="raise"``, the
+        optimizer's own step) counts as a skipped step, its weights copied as
+        they are, so the engine stays whole for what Lightning does next (an
+        ``OnExceptionCheckpoint`` saving the weights, as the default strategy
+        would). The loss scale is left as it was. In asynchronous mode the
+        thread stops and the engine fails."""
+        if self.protocol.async_mode:
+            return
+        try:
+            job.handle.skipped = True
+            self._applied(job.window)
+        except BaseException:
+            return  # (the copies failed too: the engine fails with the error)
+        job.settled = True
+        job.handle.finish()
 
     def _release(self, w: int, trainable: list[_Param]) -> None:
         """The step's gradients are released as soon as it is done (as zero_grad

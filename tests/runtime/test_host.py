@@ -277,3 +277,32 @@ def test_the_available_host_memory_heeds_a_containers_limit(tmp_path):
     # no meminfo: the free pages, still capped by the container
     capped = host.host_available(str(tmp_path / "missing"), group)
     assert capped is not None and capped <= 2 * 2**30 + 2**28
+
+
+class ScaledParameter(torch.nn.Parameter):
+    """Stands in for a quantized weight (bitsandbytes' Params4bit): a
+    parameter subclass carrying more than its values."""
+
+
+@pytest.mark.parametrize("kind", ["subclass", "integer", "lazy"])
+def test_parameters_that_are_more_than_floating_values_are_refused(kind):
+    """(a 4-bit QLoRA base failed inside a worker: the workers rebind plain
+    nn.Parameters from the master copies, which lose a quantized weight's
+    packing and scales)"""
+    layer = torch.nn.Linear(4, 4) if kind != "lazy" else torch.nn.LazyLinear(4)
+    if kind == "subclass":
+        layer.weight = ScaledParameter(layer.weight.detach(), requires_grad=False)
+    elif kind == "integer":
+        layer.weight = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    before = layer.weight
+    expected = {
+        "subclass": r"'weight' of type .*ScaledParameter; .*quantized bases .* bf16",
+        "integer": r"'weight' of dtype torch.int8; .*quantized",
+        "lazy": r"'weight' of type .*UninitializedParameter; .*run one forward",
+    }[kind]
+    with pytest.raises(
+        TypeError,
+        match=r"pipeline layer 1 \(" + type(layer).__name__ + r"\) has parameter " + expected,
+    ):
+        host.HostState([torch.nn.Linear(4, 4), layer], torch.float32)
+    assert layer.weight is before  # nothing was moved

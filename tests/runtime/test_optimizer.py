@@ -442,8 +442,10 @@ class HookFailed(Exception):
 @pytest.mark.parametrize("where", ["prepare", "step"])
 def test_a_failed_step_releases_its_gradients_and_fails_fast(async_mode, where):
     """The hook's own exception (sync) or one naming the step (async) reaches the
-    caller; the step's gradients are released; later calls fail at once, with
-    the same error."""
+    caller; the step's gradients are released. Async: later calls fail at
+    once, with the same error. Sync: the step counts as a skipped one and the
+    engine goes on (an OnExceptionCheckpoint can save; it failed again with the
+    hook's error), from the weights the failed step left."""
     layers = transformer(num_blocks=1)
     params = params_of(layers)
     opt = torch.optim.SGD(params, lr=0.1)
@@ -458,6 +460,7 @@ def test_a_failed_step_releases_its_gradients_and_fails_fast(async_mode, where):
         raise HookFailed("step exploded")
 
     ids, labels = lm_batch(4)
+    before = [p.detach().clone() for p in params]
     eng = RoundPipeEngine(layers, [CPU] * 2, 2, async_optimizer=async_mode)
     try:
         eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
@@ -476,13 +479,19 @@ def test_a_failed_step_releases_its_gradients_and_fails_fast(async_mode, where):
         assert seen == [len(params)]  # the hook saw every gradient
         assert all(p.grad is None for p in params)
         assert eng.host_memory()["step_grads"] == 0
-        later = (
-            "hook exploded"
-            if where == "prepare" and not async_mode
-            else f"optimizer step 0 failed: HookFailed: {where.replace('prepare', 'hook')} exploded"
-        )
-        with pytest.raises((HookFailed, RuntimeError), match=later):
+        if async_mode:
+            later = (
+                f"optimizer step 0 failed: HookFailed: {where.replace('prepare', 'hook')} exploded"
+            )
+            with pytest.raises(RuntimeError, match=later):
+                eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+        else:
+            for p, b in zip(params, before, strict=True):
+                assert torch.equal(p, b)  # (neither failure changed a weight)
+            eng.synchronize()  # nothing waits for the failed step
             eng.forward_backward(ids, labels=labels, loss_fn=lm_loss)
+            assert not eng.step(opt.step).skipped
+            assert any(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
     finally:
         eng.close()
     assert not eng._optimizer._grads

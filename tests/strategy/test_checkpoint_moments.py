@@ -1,15 +1,18 @@
 """Checkpoints saved at the less usual moments resume exactly: after an
-evaluation that followed the fit, after a fit stopped by an exception, and a
-fit after evaluating from a checkpoint starts from nothing of it; the fused
-optimizer kernel survives a resume and stays out of the checkpoint."""
+evaluation that followed the fit, after a fit stopped by an exception, from
+``on_before_optimizer_step`` (inside a synchronous step) and from
+``OnExceptionCheckpoint`` after that hook failed; a fit after evaluating from
+a checkpoint starts from nothing of it; the fused optimizer kernel survives a
+resume and stays out of the checkpoint."""
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import DropoutSeq, cpu_trainer, loader, seq_data, state
+from .modules import DropoutSeq, SeqModule, cpu_trainer, loader, seq_data, state
 
 
 class Evaluated(DropoutSeq):
@@ -78,6 +81,73 @@ def test_a_checkpoint_saved_after_a_failed_async_fit_resumes_exactly(tmp_path):
     assert saved["global_step"] == 5 and "roundpipe_stale_weights" in saved
     resumed = resume(tmp_path / "failed.ckpt", "async", same=True)
     torch.testing.assert_close(resumed, state(straight))
+
+
+class BeforeStep(L.Callback):
+    """At step 2's ``on_before_optimizer_step``: saves a checkpoint, reads the
+    state dict and clamps a weight (``reload_weights``), or raises."""
+
+    def __init__(self, path, fail: bool = False) -> None:
+        self.path, self.fail = path, fail
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step != 2:
+            return
+        if self.fail:
+            raise RuntimeError("failed on purpose")
+        trainer.save_checkpoint(self.path)
+        self.weights = {
+            k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()
+        }
+        with torch.no_grad():
+            module.net[0].weight.clamp_(-0.1, 0.1)
+        if hasattr(trainer.strategy, "reload_weights"):  # (not the default strategy)
+            trainer.strategy.reload_weights()
+
+
+def test_a_checkpoint_saved_before_an_optimizer_step_holds_the_weights_before_it(tmp_path):
+    """(roundpipe_sync waited for the step it was called from: a hang until
+    the watchdog)"""
+    saved, final = {}, {}
+    for kind in ("auto", "sync", "async"):
+        hook = BeforeStep(tmp_path / f"{kind}.ckpt")
+        module = SeqModule(extra=False)
+        plan = (
+            "auto"
+            if kind == "auto"
+            else RoundPipeStrategy(
+                async_optimizer=kind == "async", num_microbatches=4, watchdog_timeout=30.0
+            )
+        )
+        cpu_trainer(plan, max_epochs=1, callbacks=[hook]).fit(module, data())
+        saved[kind] = torch.load(tmp_path / f"{kind}.ckpt", weights_only=False)
+        assert saved[kind]["global_step"] == 2
+        torch.testing.assert_close(saved[kind]["state_dict"], hook.weights)
+        final[kind] = state(module)
+    torch.testing.assert_close(saved["sync"]["state_dict"], saved["auto"]["state_dict"])
+    torch.testing.assert_close(final["sync"], final["auto"])  # the clamp was trained from
+
+
+def test_a_failed_pre_step_hook_leaves_roundpipe_sync_able_to_save_on_exception(tmp_path):
+    """(the step's failure failed the engine: OnExceptionCheckpoint raised the
+    hook's exception again and wrote nothing)"""
+    saved = {}
+    for kind in ("auto", "sync"):
+        folder = tmp_path / kind
+        trainer = cpu_trainer(
+            "auto" if kind == "auto" else strategy(kind),
+            max_epochs=1,
+            enable_checkpointing=True,
+            callbacks=[OnExceptionCheckpoint(folder), BeforeStep(None, fail=True)],
+        )
+        with pytest.raises(RuntimeError, match="failed on purpose"):
+            trainer.fit(SeqModule(extra=False), data())
+        saved[kind] = torch.load(folder / "on_exception.ckpt", weights_only=False)
+    assert saved["sync"]["global_step"] == saved["auto"]["global_step"] == 2
+    torch.testing.assert_close(saved["sync"]["state_dict"], saved["auto"]["state_dict"])
+    torch.testing.assert_close(
+        saved["sync"]["optimizer_states"][0]["state"], saved["auto"]["optimizer_states"][0]["state"]
+    )
 
 
 def test_a_fit_after_evaluating_a_checkpoint_starts_from_its_weights_only(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import SeqModule, cpu_trainer, loader, seq_data, state
+from .modules import CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
 
 
 def _fit(module, strategy):
@@ -88,3 +88,21 @@ def test_a_compiled_layer_is_warned_about():
     trainer = cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1)
     with pytest.warns(UserWarning, match=r"compiled with Module.compile\(\) \(Linear\)"):
         trainer.fit(module, loader(seq_data(16), 8))
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_peft_prefix_tuning_is_refused_in_both_modes(async_optimizer):
+    """(async refused its prompt parameters saying "use roundpipe_sync",
+    which then refused the key-value cache at the first step)"""
+    peft = pytest.importorskip("peft")
+    module = CausalLM("llama")
+    config = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    module.model = peft.get_peft_model(module.model, config)
+    before = state(module)
+    with pytest.raises(
+        TypeError, match=r"model uses PEFT prefix tuning.*prompt tuning or P-tuning"
+    ):
+        cpu_trainer(RoundPipeStrategy(async_optimizer=async_optimizer), max_steps=1).fit(
+            module, loader(lm_data(8), 4)
+        )
+    torch.testing.assert_close(state(module), before)
