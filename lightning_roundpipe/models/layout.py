@@ -216,8 +216,9 @@ def layout_problem(module: nn.Module) -> str | None:
     missing = [p for p in family.module_paths() if _child(module, p) is None]
     if family.lm_head in missing:
         return (
-            f"a {cls} (model_type {model_type!r}) without an LM head; RoundPipe pipelines the "
-            f"causal LMs (*ForCausalLM) of {_supported()}"
+            f"a {cls} (model_type {model_type!r}) without an LM head; RoundPipe pipelines "
+            f"causal LMs: pass the {family.name} model with its head (its *ForCausalLM "
+            "class, e.g. from AutoModelForCausalLM), not the bare decoder"
         )
     found = ", ".join(module._modules) or "none"
     base = _child(module, family.base)
