@@ -88,22 +88,30 @@ class FineTune(L.LightningModule):
         return torch.optim.AdamW(params, lr=self.hparams.lr)
 
 
-def main(argv: list[str] | None = None, lora: bool = False) -> L.Trainer:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(
+    argv: list[str] | None = None, lora: bool = False, description: str | None = None
+) -> L.Trainer:
+    parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
     parser.add_argument("--family", choices=["qwen3", "llama"], default="qwen3")
     parser.add_argument("--model-path", help="local directory with weights (from_pretrained)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--devices", type=int, default=None)
+    if lora:
+        parser.add_argument("--save", help="directory to save the trained LoRA adapter in")
     args = parser.parse_args(argv)
     L.seed_everything(0)
     gpu = torch.cuda.is_available()
     devices = args.devices or (torch.cuda.device_count() if gpu else 2)
+    data = TinyTextData(batch_size=8)
+    data.setup("fit")
     trainer = L.Trainer(
         strategy=RoundPipeStrategy(num_microbatches=max(4, devices)),
         accelerator="gpu" if gpu else "cpu",
         devices=devices,
         precision="bf16-mixed" if gpu else "32-true",
         max_steps=args.steps,
+        # the epochs the steps take (else the progress bar shows "Epoch 0/-2")
+        max_epochs=-(-args.steps // max(1, len(data.train_dataloader()))),
         limit_val_batches=2,
         val_check_interval=max(1, args.steps // 2),
         enable_checkpointing=False,
@@ -113,7 +121,9 @@ def main(argv: list[str] | None = None, lora: bool = False) -> L.Trainer:
     # host holds it once); full fine-tuning keeps fp32 weights for the optimizer
     base = "bfloat16" if lora and gpu else "float32"
     module = FineTune(args.family, args.model_path, lora, base_dtype=base)
-    trainer.fit(module, TinyTextData(batch_size=8))
+    trainer.fit(module, data)
+    if lora and args.save:
+        module.model.save_pretrained(args.save)  # the adapter alone (PEFT's format)
     return trainer
 
 

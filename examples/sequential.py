@@ -57,15 +57,17 @@ def main(argv: list[str] | None = None) -> L.Trainer:
     parser.add_argument("--devices", type=int, default=3)
     args = parser.parse_args(argv)
     L.seed_everything(0)
+    loader = data()
     trainer = L.Trainer(
         strategy="roundpipe_sync",
         accelerator="cpu",
         devices=args.devices,
         max_steps=args.steps,
+        max_epochs=-(-args.steps // len(loader)),  # (else the progress bar shows "Epoch 0/-2")
         enable_checkpointing=False,
         logger=False,
     )
-    trainer.fit(Regressor(), data())
+    trainer.fit(Regressor(), loader)
     return trainer
 
 

@@ -368,6 +368,13 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
         else:
             _cmd_simulate(args, out)
     except (PlanError, ImportError, OSError, ValueError) as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        message = str(exc)
+        if args.command != "estimate":  # the strategy's options, as this command's flags
+            message = message.replace(
+                "Raise the memory limit (device_memory_limit) or shrink the micro-batch "
+                "(raise num_microbatches)",
+                "Raise --memory-limit, or give the --memory of a smaller micro-batch",
+            )
+        sys.stderr.write(f"error: {message}\n")
         return 2
     return 0

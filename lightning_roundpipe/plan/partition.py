@@ -175,8 +175,11 @@ def _candidates(costs: LayerCosts) -> list[float]:
     (the costliest single layer's forward+backward) to running everything fused."""
     pre = costs.prefix
     n = costs.num_layers
-    both = pre.both
-    lo = max(both[i + 1] - both[i] for i in range(n))
+    both, fwd = pre.both, pre.fwd
+    # a forward stage is measured on the forward prefix sums, whose one-layer
+    # difference can round a step above the forward+backward one (a layer
+    # with no backward time): the cheapest feasible slot time covers both
+    lo = max(max(both[i + 1] - both[i], fwd[i + 1] - fwd[i]) for i in range(n))
     hi = both[n] - both[0]
     seen: set[float] = set()
     for p in (pre.fwd, both):
@@ -194,7 +197,8 @@ def _slot_counter(costs: LayerCosts, cands: list[float], limit: float | None):
         s = slots.get(k)
         if s is None:
             packed = _pack(costs, cands[k], limit)
-            assert packed is not None, "candidates start at a feasible slot time"
+            if packed is None:  # (the candidates start at a feasible slot time)
+                raise PlanError(f"internal: no plan with slot time {cands[k]!r}; please report")
             s = slots[k] = packed[0] + 1 + packed[2]
         return s
 
@@ -305,15 +309,20 @@ def _pack_linear(costs: LayerCosts, t: float, limit: float | None) -> StagePlan 
     def fits(p: Sequence[float], a: int, b: int, bound: float) -> bool:
         return p[b] - p[a] <= bound
 
+    def held(a: int, b: int) -> bool:
+        # one layer always fits (check_memory saw it alone; a prefix difference
+        # can round a layer equal to the limit just above it)
+        return b - a == 1 or fits(mem, a, b, lim)
+
     top = n
-    while top > 0 and fits(both, top - 1, n, t) and fits(mem, top - 1, n, lim):
+    while top > 0 and fits(both, top - 1, n, t) and held(top - 1, n):
         top -= 1
     if top == n:
         return None
     forward, i = [], 0
     while i < top:
         j = i
-        while j < top and fits(fwd, i, j + 1, t) and fits(mem, i, j + 1, lim):
+        while j < top and fits(fwd, i, j + 1, t) and held(i, j + 1):
             j += 1
         if j == i:
             return None
@@ -322,7 +331,7 @@ def _pack_linear(costs: LayerCosts, t: float, limit: float | None) -> StagePlan 
     backward, i = [], top
     while i > 0:
         j = i
-        while j > 0 and fits(both, j - 1, i, t) and fits(mem, j - 1, i, lim):
+        while j > 0 and fits(both, j - 1, i, t) and held(j - 1, i):
             j -= 1
         if j == i:
             return None

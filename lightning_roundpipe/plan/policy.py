@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .costs import LayerCosts, PlanError
-from .partition import frontier
+from .partition import _check_counts, frontier
 from .schedule import Placement
 from .simulate import simulate, steady_async_bubble
 from .stages import Stage, StagePlan
@@ -109,6 +109,7 @@ def choose_plan(
     """
     if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
         raise PlanError(f"candidates must be an integer >= 1, got {candidates!r}")
+    _check_counts(num_devices, num_microbatches)
     n, m = num_devices, num_microbatches
     c = n * (n - 1)
     plans = frontier(costs, memory_limit)
@@ -233,6 +234,7 @@ def choose_round(
     one micro-batch. Then, with ``period``, the smallest step among the
     candidates, the larger round winning within ``gain`` (fewer uploads).
     """
+    _check_counts(1 if num_devices is None else num_devices, num_microbatches)
     largest = _largest_round(num_microbatches, boundary_bytes, budget)
     n, mr = num_devices, largest.round_size
     if period is None or n is None or mr <= n:
@@ -274,7 +276,7 @@ def _largest_round(m: int, boundary_bytes: int | None, budget: int | None) -> Ro
     need = m * boundary_bytes
     if need <= budget:
         return RoundChoice(m, need, budget, "whole batch: its activations fit the budget")
-    mr = max(1, budget // max(1, boundary_bytes))
+    mr = int(max(1, budget // max(1, boundary_bytes)))
     return RoundChoice(
         int(mr),
         int(mr * boundary_bytes),

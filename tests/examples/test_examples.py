@@ -84,13 +84,29 @@ def test_lightning_cli_yaml_config_runs(strategy, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["finetune_hf", "lora_peft"])
-def test_hugging_face_examples_train(name):
+def test_hugging_face_examples_train(name, tmp_path):
     pytest.importorskip("transformers")
+    argv = ["--steps", "6", "--devices", "2"]
     if name == "lora_peft":
         pytest.importorskip("peft")
-    trainer = load(name).main(["--steps", "6", "--devices", "2"])
-    assert trainer.global_step == 6
+        argv += ["--save", str(tmp_path / "adapter")]
+    trainer = load(name).main(argv)
+    assert trainer.global_step == 6 and trainer.max_epochs >= 1
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    if name == "lora_peft":  # the trained adapter, in PEFT's format
+        from safetensors.torch import load_file
+
+        saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+        model = trainer.lightning_module.model
+        trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        assert saved and len(saved) == len(trained)
+        for name_, value in saved.items():
+            match = [
+                p
+                for n, p in trained.items()
+                if n.replace(".default", "").endswith(name_.split("base_model.model.", 1)[-1])
+            ]
+            assert match and torch.equal(match[0].detach(), value), name_
 
 
 def test_sequential_example_learns():

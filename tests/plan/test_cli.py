@@ -237,3 +237,13 @@ def test_simulate_refuses_options_no_simulated_schedule_uses(extra, message, cap
     code, _ = run(args + extra)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_layer_over_the_memory_limit_is_refused_naming_the_flags(capsys):
+    argv = "partition --forward 1x4,3 --backward 2x4,6 -N 2 -M 4 --memory 1x5 --memory-limit 0.5"
+    code, _ = run(argv.split())
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "layer 0 needs 1 of device memory" in err
+    assert "Raise --memory-limit, or give the --memory of a smaller micro-batch" in err
+    assert "device_memory_limit" not in err  # (the strategy's option, not a flag here)

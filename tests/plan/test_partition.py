@@ -161,6 +161,34 @@ def test_a_layer_whose_memory_is_the_limit_fits_whatever_the_prefix_sums_round_t
             assert max(plan.stage_memory(costs)) <= limit * (1 + 1e-12)
 
 
+def test_the_reference_partitioner_takes_a_layer_equal_to_the_limit_too():
+    costs = LayerCosts([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], memory=[0.1, 0.2, 0.1])
+    # (it failed an assertion: its scan had no one-layer rule)
+    assert str(partition_exhaustive(costs, 2, 4, memory_limit=0.2)) == "1,1|1|1,1"
+
+
+def test_layers_without_backward_time_partition_optimally():
+    """A forward stage is measured on the forward prefix sums, whose one-layer
+    difference rounds above the forward+backward one when a layer has no
+    backward time: the cheapest slot time was taken from the latter alone
+    and the partitioner failed an assertion."""
+    costs = LayerCosts([0.1, 0.2, 0.0], [0.1, 0.0, 0.1])
+    assert costs.prefix.fwd[2] - costs.prefix.fwd[1] > costs.prefix.both[2] - costs.prefix.both[1]
+    rng = random.Random(3)
+    cases = [(costs, 2, 4)]
+    for _ in range(300):
+        layers = rng.randint(1, 6)
+        f = [rng.choice([0.0, rng.uniform(0.1, 3)]) for _ in range(layers)]
+        b = [rng.choice([0.0, rng.uniform(0.1, 6)]) for _ in range(layers)]
+        cases.append((LayerCosts(f, b), rng.randint(1, 4), rng.randint(1, 8)))
+    for c, n, m in cases:
+        plan = partition(c, n, m)
+        key = (plan.objective(c, n, m), plan.max_stage_time(c))
+        best = brute_force(c, n, m, None)
+        assert key[0] <= best[0] * (1 + 1e-9) + 1e-12
+        frontier(c)
+
+
 def test_figure1_case_balances_forward_stages():
     costs = LayerCosts.uniform(13, head_forward=3, head_backward=6)
     plan = partition(costs, 4, 8)

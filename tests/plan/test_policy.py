@@ -96,6 +96,12 @@ def test_the_round_is_the_whole_batch_unless_its_activations_exceed_the_budget()
     assert choose_round(16, boundary_bytes=1000, budget=100).round_size == 1  # at least one
     with pytest.raises(PlanError, match="budget must be > 0 bytes"):
         choose_round(4, boundary_bytes=10, budget=0)
+    assert "2 of 5 micro-batches" in choose_round(5, boundary_bytes=3, budget=7.5).reason
+    for m in (0, -1, 2.5):  # (returned rounds of 0, -1 and 2.5 micro-batches)
+        with pytest.raises(PlanError, match="num_microbatches must be an integer >= 1"):
+            choose_round(m)
+    with pytest.raises(PlanError, match="num_devices must be an integer >= 1"):
+        choose_plan(LayerCosts([1.0], [2.0]), 0, 4)  # (one layer: returned before any check)
 
 
 def test_a_smaller_round_is_taken_only_when_clearly_faster_and_hiding_its_uploads():
