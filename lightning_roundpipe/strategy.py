@@ -144,7 +144,10 @@ class RoundPipeStrategy(ParallelStrategy):
             holds it next to the rest of the training state (else off, with a
             warning); ``False`` saves the memory; ``True`` keeps it regardless;
             with ``async_optimizer=False`` it is refused.
-        optimizer_threads: intra-op threads for the optimizer thread.
+        optimizer_threads: intra-op threads (``torch.set_num_threads``) the
+            optimizer thread sets while the engine runs; torch shares the count
+            between all threads but the main one (CPU device workers too);
+            restored when the engine closes.
         fuse_optimizer: switch Adam/AdamW to torch's fused CPU kernel (same
             update, several times faster on the host).
         seed: base seed for dropout masks; default: torch's initial seed (set

@@ -214,10 +214,14 @@ class LayerRandomness:
             return
         gen = torch.Generator()
         gen.manual_seed(seed)
+        start = generator_state(gen)
         mode = _SeededOps(gen)
         with mode:
             yield
-        self.random[training] = mode.used
+        # random only if something drew: ops tagged random that draw nothing
+        # (CPU attention without dropout) would keep the layer in the dispatch
+        # mode for good, at about twice its compute time
+        self.random[training] = mode.used and not torch.equal(start, generator_state(gen))
 
 
 class _NullEvent:

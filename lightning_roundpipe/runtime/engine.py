@@ -229,9 +229,11 @@ class RoundPipeEngine:
             :meth:`expect_activations`) count this many times over when
             planning (default 1). The strategy sets it after a stage whose
             activations were predicted ran out of device memory.
-        optimizer_threads: intra-op threads for the asynchronous optimizer
-            thread (``torch.set_num_threads`` there); default: unchanged. Keep
-            some cores for the device workers.
+        optimizer_threads: intra-op threads (``torch.set_num_threads``) set
+            by the asynchronous optimizer thread while the engine runs; default:
+            unchanged. Torch shares that count between all threads but the main
+            one, so the CPU device workers and gradient couriers use it too; the
+            previous count is restored when the engine closes.
         profile_iterations: iterations whose per-layer forward/backward times
             are measured after a discarded warm-up iteration (0: no profiling).
         replan_margin: once measurements exist, switch to the partitioner's plan

@@ -534,8 +534,18 @@ class OptimizerWorker:
         self.submit(None)
 
     def _main(self) -> None:
+        previous = torch.get_num_threads()
         if self.threads is not None:
+            # (torch's intra-op count is shared by every thread but the main
+            # one: the device workers get it too; put back when the thread ends)
             torch.set_num_threads(self.threads)
+        try:
+            self._loop()
+        finally:
+            if self.threads is not None:
+                torch.set_num_threads(previous)
+
+    def _loop(self) -> None:
         job: _Job | None = None
         try:
             while True:

@@ -178,6 +178,26 @@ def test_dropout_results_do_not_depend_on_device_count_or_plan():
             torch.testing.assert_close(a, b)
 
 
+def test_a_layer_is_seeded_only_when_it_draws_random_numbers():
+    """CPU attention is tagged as a random op even without dropout; counted as
+    random, a layer ran in the seeding dispatch mode for good, at about twice
+    its compute time. What counts is whether the layer's generator moved."""
+    from lightning_roundpipe.runtime.device import LayerRandomness
+
+    q = torch.randn(2, 2, 8, 4)
+
+    def attend(p: float) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+
+    for p, random in ((0.0, False), (0.5, True)):
+        rng = LayerRandomness(torch.device("cpu"), "attention")
+        with rng(seed=7, training=True):
+            out = attend(p)
+        assert rng.random == {True: random}
+        torch.manual_seed(7)  # as if the default generator had been seeded so
+        torch.testing.assert_close(out, attend(p))
+
+
 def test_no_dropout_transformer_matches_plain_full_batch():
     layers = transformer(dropout=0.0)
     for m in layers[0].modules():

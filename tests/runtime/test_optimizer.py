@@ -717,3 +717,53 @@ def check_partly_frozen(double_buffer, devices=2, device=CPU, dropout=0.1, **tol
 @pytest.mark.parametrize("double_buffer", [True, False], ids=["two-copies", "one-copy"])
 def test_a_partly_frozen_model_matches_the_reference(double_buffer):
     check_partly_frozen(double_buffer)
+
+
+_THREADS_PROBE = """
+import torch
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+seen = []
+
+class Probe(torch.nn.Linear):
+    def forward(self, x):
+        seen.append(torch.get_num_threads())
+        return super().forward(x)
+
+def run(threads):
+    seen.clear()
+    layers = [Probe(4, 4) for _ in range(3)]
+    engine = RoundPipeEngine(
+        layers, ["cpu"] * 2, 2, async_optimizer=True, optimizer_threads=threads,
+        profile_iterations=0,
+    )
+    with engine as eng:
+        opt = torch.optim.SGD([p for l in layers for p in l.parameters()], lr=0.1)
+        for _ in range(3):
+            x, y = torch.randn(4, 4), torch.randn(4, 4)
+            eng.forward_backward(x, labels=y, loss_fn=torch.nn.functional.mse_loss)
+            eng.step(opt.step)
+        eng.synchronize()
+    return sorted(set(seen))
+
+before = run(None)
+run(1)
+print(before, run(None))
+"""
+
+
+def test_the_optimizer_threads_count_is_put_back_when_the_engine_closes():
+    """(torch shares the count between all threads but the main one: an
+    engine with optimizer_threads=1 left every later engine's CPU workers on
+    one thread). In a process of its own: the tests' OMP_NUM_THREADS hides it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = out.stdout.strip().splitlines()[-1].split("] [")
+    assert before + "]" == "[" + after
