@@ -311,11 +311,12 @@ class TraceRecorder:
     and a Chrome/Perfetto trace. CPU workers read the wall clock; CUDA workers
     record timing events on their compute stream, resolved when the trace is
     read (no synchronization while recording). Keeps the last ``keep``
-    iterations."""
+    training iterations and the last ``keep`` evaluation calls."""
 
     def __init__(self, keep: int = 8) -> None:
         self._lock = threading.Lock()
-        self._ops: list[tuple] = []
+        # iteration (negative: an evaluation call) -> its operations, oldest first
+        self._ops: dict[int, list[tuple]] = {}
         self.schedules: dict[int, Any] = {}  # training iteration -> its lowered Schedule
         self.keep = keep
         self._t0 = time.perf_counter()
@@ -347,14 +348,18 @@ class TraceRecorder:
         start: Any,
         end: Any,
     ) -> None:
+        op = (device_index, device, iteration, label, stage, microbatch, kind, start, end)
         with self._lock:
-            self._ops.append(
-                (device_index, device, iteration, label, stage, microbatch, kind, start, end)
-            )
-            iterations = sorted({op[2] for op in self._ops if op[2] >= 0})
-            if len(iterations) > self.keep:
-                cut = iterations[-self.keep]
-                self._ops = [op for op in self._ops if op[2] >= cut or op[2] < 0]
+            ops = self._ops.get(iteration)
+            if ops is not None:
+                ops.append(op)
+                return
+            self._ops[iteration] = [op]
+            # a new iteration: drop the oldest of its kind beyond `keep` (training
+            # iterations count up, evaluation calls down; both arrive in order)
+            kind_of = [it for it in self._ops if (it >= 0) == (iteration >= 0)]
+            for it in sorted(kind_of, key=abs)[: -self.keep]:
+                del self._ops[it]
 
     def add_schedule(self, schedule: Any) -> None:
         """Keep a training iteration's lowered schedule (with its prediction)."""
@@ -375,7 +380,7 @@ class TraceRecorder:
         ``task`` (``"0.F2@1:0-3"``), ``stage``, ``microbatch``, ``kind`` and
         ``start``/``end`` in seconds since the recorder started."""
         with self._lock:
-            ops = list(self._ops)
+            ops = [op for group in self._ops.values() for op in group]
         out = []
         for idx, dev, it, label, stage, mb, kind, a, b in ops:
             out.append(

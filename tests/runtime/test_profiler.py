@@ -291,3 +291,20 @@ def test_size_based_costs_count_the_experts_a_token_visits():
     floor = 1e-3 * max(active_parameters(dense), active_parameters(moe))
     assert costs.forward[1] == pytest.approx(total - expert_params * 6 / 8 + floor)
     assert costs.weight_bytes[1] == 4 * total  # every expert goes up
+
+
+def test_the_trace_keeps_the_last_training_iterations_and_evaluation_calls():
+    """(evaluation calls were never dropped, and every recorded operation
+    sorted all the kept ones: time and memory grew with each validation)"""
+    from lightning_roundpipe.runtime.profiler import TraceRecorder
+
+    cpu = torch.device("cpu")
+    rec = TraceRecorder(keep=3)
+    for it in range(10):
+        for mb in range(4):
+            rec.add(0, cpu, it, f"{it}.F1@0:{mb}", "F1", mb, "F", float(it), it + 0.5)
+        rec.add(1, cpu, -1 - it, f"eval {it}", "F1", 0, "F", it + 0.6, it + 0.7)
+    ops = rec.operations()
+    assert sorted({o["iteration"] for o in ops}) == [-10, -9, -8, 7, 8, 9]
+    assert len(ops) == 3 * 4 + 3
+    assert [o["start"] for o in ops] == sorted(o["start"] for o in ops)
