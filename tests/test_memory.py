@@ -6,6 +6,7 @@ anything runs; the predicted peak follows a fit's measured peak memory on CPU;
 ``python -m lightning_roundpipe.plan estimate`` from a config file."""
 
 import copy
+import dataclasses
 import json
 import sys
 
@@ -306,6 +307,34 @@ def test_on_cuda_the_attention_backward_adds_its_workspace_split_when_tiled():
             at_attention = max(c0 + c1 * seq + c2 * seq**2 for c0, c1, c2 in w.attention)
             assert b == pytest.approx(max(a, at_attention + work))
             assert a <= b <= a + work
+
+
+def test_the_dense_mask_a_stage_builds_is_counted_once_per_stage():
+    """A padded (or packed) batch makes the stage build a boolean
+    ``(batch, 1, sequence, sequence)`` mask under SDPA, and eager attention
+    always one in the compute dtype, kept through the stage's run outside
+    any layer: no probe saw it (a third short of a one-block bf16 stage's
+    peak at 32K padded tokens). Counted in every block's transient bytes,
+    of which a stage counts its largest: once."""
+    seq, mb = 4096, 2
+    for attention, padded, element in (("sdpa", False, 0), ("sdpa", True, 1), ("eager", False, 4)):
+        model = tiny("llama")
+        model.config._attn_implementation = attention
+        adapter = CausalLMAdapter(model, "model")
+        act = adapter.activation_model(torch.float32, {}, loss=False, mask=padded)
+        blocks = len(act.saved) - 2
+        kind = [("full_attention", element)] if element else [None]
+        assert act.masks == (None, *kind * blocks, None), attention
+        without = dataclasses.replace(act, masks=())
+        diff = [
+            b - a
+            for a, b in zip(
+                without.transient_bytes(seq, mb), act.transient_bytes(seq, mb), strict=True
+            )
+        ]
+        assert diff == [0, *[mb * seq * seq * element] * blocks, 0]
+        once = act.stage_peak(1, 1 + blocks, seq, mb) - without.stage_peak(1, 1 + blocks, seq, mb)
+        assert once == mb * seq * seq * element
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")

@@ -407,6 +407,18 @@ def test_families_with_their_own_blocks_train_chunked_and_tiled_like_untiled(kin
     assert count.chunked == 3 * 2 and count.tiled >= 3 * 2 * 2
 
 
+def test_checkpointed_blocks_run_whole_and_train_like_untiled(monkeypatch):
+    """transformers' gradient checkpointing recomputes a block in its backward,
+    outside the pipeline's call: tiled in the forward and whole in the
+    recompute, the checkpoint found other saved tensors and the first step
+    failed (tiles come on by themselves at long sequences). The loss is
+    still chunked."""
+    model = tiny("llama")
+    model.gradient_checkpointing_enable()
+    count = same_training(model, monkeypatch, "32-true")
+    assert count.chunked == 3 * 2 and count.tiled == count.norms == 0
+
+
 def test_a_tiled_block_drawing_random_numbers_trains_reproducibly(monkeypatch):
     """PhiMoE's sparsemixer draws random numbers while training: its tiles
     replay them in their recompute (inside the workers' seeded random

@@ -392,6 +392,8 @@ class CausalLMAdapter(_Adapter):
         out = {}
         if loss:
             out["loss_chunk"] = max(1, int(budget // (self._vocab * (2 * size + 12))))
+        if any(d.checkpointed() for d in self._layers[1:-1]):
+            return out  # (checkpointed blocks run whole: see _Decoder.checkpointed)
         hidden = int(self.layout.config.hidden_size)
         per_token = self._mlp_width * size or 16 * hidden
         out["mlp_tile"] = max(1, int(budget // per_token))

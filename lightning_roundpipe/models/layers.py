@@ -597,7 +597,7 @@ class _Decoder(nn.Module):
         if (
             self.kind != "sliding_attention"
             or not self.tiled_sliding
-            or (getattr(self.layer, "gradient_checkpointing", False) and self.layer.training)
+            or self.checkpointed()
             or attention_mask is not None
             or packed
             or self.always_mask
@@ -748,6 +748,29 @@ class _Decoder(nn.Module):
                 carried[f"{SHARED_KV_PREFIX}{kind}:value"] = v.view_as(v)
         return _boundary(h, position_ids, attention_mask, packed, {**stats, **carried}, tiles)
 
+    def mask_element(self, mask: bool, packed: bool, element: int) -> int:
+        """Bytes per ``(query, key)`` pair of the dense mask a stage builds once
+        for this layer's kind (:meth:`_mask`, kept for the stage's whole run)
+        with a padding ``mask`` or ``packed`` sequences, 0 if none: a boolean
+        mask under SDPA (without padding or packing it lets the kernel mask
+        causally: none), a mask in the compute dtype (``element`` bytes)
+        under eager attention."""
+        pad = torch.ones(1, 1) if mask else None
+        if self.kind in MASKLESS_KINDS or self.kind in RECURRENT_KINDS:
+            return 0
+        if self._sliding_window(pad, packed) is not None:
+            return 0  # (attention over query tiles, with masks of its own)
+        if getattr(self.config, "_attn_implementation", None) != "sdpa":
+            return element
+        dense = mask or packed or self.always_mask or self.kind in INDEXED_KINDS
+        return 1 if dense else 0
+
+    def checkpointed(self) -> bool:
+        """Whether transformers checkpoints the block (gradient checkpointing,
+        training): its backward recomputes it outside this layer's call, so
+        nothing may run differently inside the call (tiles, sliding tiles)."""
+        return bool(getattr(self.layer, "gradient_checkpointing", False) and self.layer.training)
+
     @contextlib.contextmanager
     def _tiled_mlp(self, hidden_states: torch.Tensor, tile: int | None) -> Iterator[None]:
         """While the block runs, its per-token work runs over sequence tiles
@@ -768,8 +791,9 @@ class _Decoder(nn.Module):
         this layer's own copy of the block (each worker has one), for the call."""
         tokens = hidden_states.shape[:-1].numel()
         # (a block whose hidden states have more dimensions than batch,
-        # sequence and hidden size, as DeepSeek-V4's streams, runs whole)
-        if not tile or tokens <= tile or hidden_states.dim() != 3:
+        # sequence and hidden size, as DeepSeek-V4's streams, runs whole; so
+        # does a checkpointed one: its recompute would run untiled)
+        if not tile or tokens <= tile or hidden_states.dim() != 3 or self.checkpointed():
             yield
             return
         mlp = None if self.mlp is None else self.layer.get_submodule(self.mlp)

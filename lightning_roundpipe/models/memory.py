@@ -164,6 +164,12 @@ class ActivationModel:
             though a stage's layers share them) add to ``saved`` (what the
             tiles keep per token is in ``saved`` already: the probes run
             such layers tiled).
+        masks: per layer, the kind of the dense ``(sequence, sequence)`` mask
+            it reads and its bytes per element, or None: a stage builds one
+            per kind and keeps it through its run (no probe sees it: it is
+            built outside the layers). Counted in each such layer's transient
+            bytes, of which a stage counts its largest: once per stage (a
+            stage with layers of two kinds holds two, counted once).
     """
 
     saved: tuple[Poly, ...]
@@ -178,6 +184,7 @@ class ActivationModel:
     attention: tuple[int, int, int] | None
     keeps_output: bool
     windows: tuple[int | None, ...] = ()
+    masks: tuple[tuple[str, int] | None, ...] = ()
 
     def saved_bytes(self, seq: int, micro_batch: int = 1) -> list[float]:
         """Bytes each layer keeps for its backward for a micro-batch of
@@ -231,6 +238,9 @@ class ActivationModel:
             else:  # (untiled: the MLP is one tile of every token)
                 tile = self.mlp_tile if tiled else tokens
                 work = work_of.bytes(seq, micro_batch, tile, workspace)
+            mask = self.masks[i] if i < len(self.masks) else None
+            if mask is not None:
+                work += micro_batch * seq * seq * mask[1]
             out.append(work + boundary)
         return out
 
@@ -258,6 +268,7 @@ class ActivationModel:
             "attention": None if self.attention is None else list(self.attention),
             "keeps_output": self.keeps_output,
             "windows": list(self.windows),
+            "masks": [None if m is None else list(m) for m in self.masks],
         }
 
 
@@ -741,6 +752,12 @@ def probe_activations(
         attention=attention,
         keeps_output=router,
         windows=windows,
+        masks=tuple(
+            (layer.kind, n)
+            if hasattr(layer, "mask_element") and (n := layer.mask_element(mask, packed, element))
+            else None
+            for layer in layers
+        ),
     )
 
 

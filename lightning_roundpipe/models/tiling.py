@@ -40,6 +40,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.device import draws_random
+
 __all__ = ["ChunkedLogits", "draws_random", "shifted", "tiled", "trainable", "watching_tiles"]
 
 # who is told when a tile's backward starts and ends, per thread (the
@@ -72,35 +74,6 @@ def _one_tile() -> Iterator[None]:
         yield
     finally:
         observer.tile(False)
-
-
-_DROPOUTS = (
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-)
-
-
-def draws_random(module: nn.Module) -> bool:
-    """Whether ``module`` would draw dropout masks in its current mode: an
-    active dropout module, or a module in training with a positive float
-    ``*dropout*`` attribute (a rate its forward gives ``F.dropout``, as
-    Seed-OSS's and Starcoder2's MLPs do). Tiled, it would draw other masks
-    than untiled (the tiles' recompute replays them: :class:`_RandomTape`)."""
-    for m in module.modules():
-        if not m.training:
-            continue
-        if isinstance(m, _DROPOUTS):
-            if m.p > 0:
-                return True
-            continue
-        for name, value in vars(m).items():
-            if "dropout" in name and isinstance(value, float) and value > 0:
-                return True
-    return False
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:

@@ -18,6 +18,7 @@ from functools import cache
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..plan import LayerCosts, PlanError
@@ -137,6 +138,53 @@ def _takes_generator(func: Any) -> bool:
     return any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments)
 
 
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def draws_random(module: nn.Module, any_mode: bool = False) -> bool:
+    """Whether ``module`` would draw dropout masks in its current mode (with
+    ``any_mode``: in training): an active dropout module, or a module in
+    training with a positive float ``*dropout*`` attribute (a rate its
+    forward gives ``F.dropout`` or an attention kernel, as Seed-OSS's and
+    Starcoder2's MLPs and Hugging Face attention do)."""
+    for m in module.modules():
+        if not (m.training or any_mode):
+            continue
+        if isinstance(m, _DROPOUTS):
+            if m.p > 0:
+                return True
+            continue
+        for name, value in vars(m).items():
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+@cache
+def _dropout_argument(func: Any) -> int | None:
+    """The position of an aten overload's ``dropout_p`` argument (the
+    attention kernels), or None."""
+    names = [a.name for a in func._schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of an op tagged as random may draw: an attention kernel
+    is tagged so even without dropout."""
+    at = _dropout_argument(func)
+    if at is None:
+        return True
+    p = kwargs["dropout_p"] if "dropout_p" in kwargs else args[at] if at < len(args) else 0.0
+    return bool(p)
+
+
 class _SeededOps(TorchDispatchMode):
     """Every random op in the block draws from ``gen``, in order: as if the
     process's default generator had been seeded with ``gen``'s seed before the
@@ -145,11 +193,15 @@ class _SeededOps(TorchDispatchMode):
     def __init__(self, gen: torch.Generator) -> None:
         super().__init__()
         self.gen = gen
-        self.used = False
+        self.used = False  # an op that draws ran
+        self.tagged = False  # an op tagged random ran (perhaps drawing nothing)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        self.tagged = True
+        if not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         self.used = True
         if _takes_generator(func) and kwargs.get("generator") is None:
@@ -186,9 +238,11 @@ class LayerRandomness:
     seeded from then on). CUDA workers seed the device's
     generator under a lock that covers kernel launches only (:func:`seeded`)."""
 
-    def __init__(self, device: torch.device, name: str) -> None:
+    def __init__(self, device: torch.device, name: str, rated: bool = True) -> None:
         self.device = device
         self.name = name
+        #: the layer has a dropout rate (:func:`draws_random` in any mode)
+        self.rated = rated
         self.random: dict[bool, bool] = {}  # training flag -> draws random numbers
 
     @contextlib.contextmanager
@@ -214,14 +268,15 @@ class LayerRandomness:
             return
         gen = torch.Generator()
         gen.manual_seed(seed)
-        start = generator_state(gen)
         mode = _SeededOps(gen)
         with mode:
             yield
-        # random only if something drew: ops tagged random that draw nothing
-        # (CPU attention without dropout) would keep the layer in the dispatch
-        # mode for good, at about twice its compute time
-        self.random[training] = mode.used and not torch.equal(start, generator_state(gen))
+        # an attention kernel is tagged random even without dropout: in a
+        # layer with no dropout rate it does not count (CPU attention in every
+        # Hugging Face block kept each in this mode for good, at about twice
+        # its compute time); in one with a rate it does, whatever this call
+        # drew (a call may draw nothing, a later one will)
+        self.random[training] = mode.used or (self.rated and mode.tagged)
 
 
 class _NullEvent:

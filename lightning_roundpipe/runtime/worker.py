@@ -51,6 +51,7 @@ from .courier import Courier
 from .device import (
     DeviceContext,
     LayerRandomness,
+    draws_random,
     holding_generator,
     is_out_of_memory,
     layer_seed,
@@ -435,7 +436,9 @@ class Worker:
         reps.insert(0, rep)
         del reps[_STRUCTURES:]
         if layer not in self._rng:
-            self._rng[layer] = LayerRandomness(self.device, f"layer {layer}")
+            self._rng[layer] = LayerRandomness(
+                self.device, f"layer {layer}", draws_random(rep.module, any_mode=True)
+            )
         return rep
 
     def _run(self, job: Job, mb: list[int | None]) -> None:

@@ -178,24 +178,38 @@ def test_dropout_results_do_not_depend_on_device_count_or_plan():
             torch.testing.assert_close(a, b)
 
 
-def test_a_layer_is_seeded_only_when_it_draws_random_numbers():
+def test_attention_without_dropout_does_not_make_a_layer_random():
     """CPU attention is tagged as a random op even without dropout; counted as
-    random, a layer ran in the seeding dispatch mode for good, at about twice
-    its compute time. What counts is whether the layer's generator moved."""
-    from lightning_roundpipe.runtime.device import LayerRandomness
+    random, every Hugging Face block ran in the seeding dispatch mode for
+    good, at about twice its compute time. In a layer with no dropout rate an
+    attention call with ``dropout_p=0`` does not count; in one with a rate a
+    tagged call counts whatever it drew (a call may draw nothing, a later
+    one will)."""
+    from lightning_roundpipe.runtime.device import LayerRandomness, draws_random
 
     q = torch.randn(2, 2, 8, 4)
 
-    def attend(p: float) -> torch.Tensor:
-        return nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    class Attention(nn.Module):
+        def __init__(self, rate: float) -> None:
+            super().__init__()
+            self.attention_dropout = rate
 
-    for p, random in ((0.0, False), (0.5, True)):
-        rng = LayerRandomness(torch.device("cpu"), "attention")
+        def forward(self, x: torch.Tensor, p: float) -> torch.Tensor:
+            return nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=p)
+
+    for rate, p, random in ((0.0, 0.0, False), (0.5, 0.5, True), (0.5, 0.0, True)):
+        layer = Attention(rate)
+        rng = LayerRandomness(torch.device("cpu"), "attention", draws_random(layer, any_mode=True))
         with rng(seed=7, training=True):
-            out = attend(p)
-        assert rng.random == {True: random}
+            out = layer(q, p)
+        assert rng.random == {True: random}, (rate, p)
         torch.manual_seed(7)  # as if the default generator had been seeded so
-        torch.testing.assert_close(out, attend(p))
+        torch.testing.assert_close(out, layer(q, p))
+    layer = Attention(0.0)  # (a layer whose rate is unknown counts every tagged call)
+    rng = LayerRandomness(torch.device("cpu"), "attention")
+    with rng(seed=7, training=True):
+        layer(q, 0.0)
+    assert rng.random == {True: True}
 
 
 def test_no_dropout_transformer_matches_plain_full_batch():
