@@ -826,6 +826,8 @@ def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
         ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
         # transformers' own validation, as an error line naming the file
         ({"head_dim": None}, "Validation error for field 'head_dim'"),
+        # the model's own checks while it is built (was a traceback)
+        ({"pad_token_id": 1000}, "cannot be built from this config: AssertionError: Padding_idx"),
     ],
 )
 def test_estimate_refuses_config_sizes_that_make_no_model(tmp_path, capsys, extra, expected):

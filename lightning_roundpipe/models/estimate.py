@@ -182,16 +182,25 @@ def _causal_lm_class(config: Any) -> Any:
     )
 
 
+class ConfigError(ValueError):
+    """The model cannot be built from the config (the command line names the file)."""
+
+
 def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
     import transformers
 
     cls = _causal_lm_class(config)
     build = cls.from_config if cls is transformers.AutoModelForCausalLM else cls._from_config
-    with torch.device("meta"):
-        try:
-            model = build(config, attn_implementation="sdpa")
-        except ValueError:  # no sdpa for this family
-            model = build(config, attn_implementation="eager")
+    try:
+        with torch.device("meta"):
+            try:
+                model = build(config, attn_implementation="sdpa")
+            except ValueError:  # no sdpa for this family
+                model = build(config, attn_implementation="eager")
+    except Exception as exc:  # (the model's own checks: a pad token past the vocabulary)
+        raise ConfigError(
+            f"{cls.__name__} cannot be built from this config: {type(exc).__name__}: {exc}"
+        ) from exc
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 

@@ -249,28 +249,31 @@ def _cmd_estimate(args: argparse.Namespace, out) -> None:
     # (torch and transformers: the rest of the planning layer needs neither)
     import torch
 
-    from ..models.estimate import GiB, estimate, load_config
+    from ..models.estimate import ConfigError, GiB, estimate, load_config
 
     config = load_config(args.config)
-    result = estimate(
-        config,
-        gpu_memory=args.gpu_memory * GiB,
-        gpus=args.gpus,
-        host_memory=None if args.host_memory is None else args.host_memory * GiB,
-        seq=args.seq,
-        micro_batch=args.micro_batch,
-        num_microbatches=args.microbatches,
-        precision=args.precision,
-        lora_rank=args.lora_rank,
-        tflops=args.tflops,
-        link_gbps=args.link_gbps,
-        async_optimizer=not args.sync,
-        name=_model_name(args.config),
-        servers=args.servers,
-        network_gbps=args.network_gbps,
-        optimizer_gbps=args.optimizer_gbps,
-        frozen_dtype=None if args.frozen_dtype is None else getattr(torch, args.frozen_dtype),
-    )
+    try:
+        result = estimate(
+            config,
+            gpu_memory=args.gpu_memory * GiB,
+            gpus=args.gpus,
+            host_memory=None if args.host_memory is None else args.host_memory * GiB,
+            seq=args.seq,
+            micro_batch=args.micro_batch,
+            num_microbatches=args.microbatches,
+            precision=args.precision,
+            lora_rank=args.lora_rank,
+            tflops=args.tflops,
+            link_gbps=args.link_gbps,
+            async_optimizer=not args.sync,
+            name=_model_name(args.config),
+            servers=args.servers,
+            network_gbps=args.network_gbps,
+            optimizer_gbps=args.optimizer_gbps,
+            frozen_dtype=None if args.frozen_dtype is None else getattr(torch, args.frozen_dtype),
+        )
+    except ConfigError as exc:  # (named by its file, as load_config's errors)
+        raise ValueError(f"{args.config}: {exc}") from exc
     out.write(result.report() + "\n")
 
 
