@@ -85,7 +85,8 @@ class RoundPipeStrategy(ParallelStrategy):
         num_microbatches: micro-batches per batch. ``"auto"``: the fewest
             (largest micro-batches) among ``N, 2N, 4N, ... 8N`` for ``N``
             workers whose simulated bubble is at most 5% (with the asynchronous
-            optimizer usually ``N``); doubled if the first batch runs out of
+            optimizer usually ``N``), else the fewest within a tenth of the
+            smallest bubble; doubled if the first batch runs out of
             device memory (``oom_replans``). A batch with fewer samples (the
             last of an epoch, an uneven validation set, ``batch_size=1``) is
             split into one-sample micro-batches, whatever the setting; fewer

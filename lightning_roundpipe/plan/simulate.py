@@ -564,8 +564,10 @@ def choose_microbatches(
     asynchronous optimizer). The answer is the smallest ``M`` in
     ``N, 2N, 4N, ...`` (at most ``max_factor * N``) whose bubble (the
     steady-state one with ``async_optimizer``) is at most ``target_bubble``,
-    else the candidate with the smallest bubble. ``plan``: a fixed stage plan;
-    default the partitioner's plan for each candidate.
+    else the candidate with the smallest bubble, a larger one taken only for
+    a tenth less (a bubble that more micro-batches hardly shrink, as a
+    heavy head's, is not worth micro-batches half the size). ``plan``:
+    a fixed stage plan; default the partitioner's plan for each candidate.
     """
     if num_devices < 1:
         raise PlanError(f"num_devices must be >= 1, got {num_devices}")
@@ -588,7 +590,7 @@ def choose_microbatches(
         assert ratio is not None
         if ratio <= target_bubble:
             return m
-        if best is None or ratio < best[0] - 1e-12:
+        if best is None or ratio < 0.9 * best[0]:
             best = (ratio, m)
         factor *= 2
     assert best is not None

@@ -283,10 +283,18 @@ def test_choose_microbatches_takes_the_fewest_below_the_bubble_target(n, async_o
     below = [k for k in candidates if bubble(k) <= 0.05]
     if below:
         assert m == below[0]  # the fewest (largest micro-batches) that meet the target
-    else:
-        assert bubble(m) == min(bubble(k) for k in candidates)
+    else:  # within a tenth of the smallest bubble, the fewest micro-batches
+        assert 0.9 * bubble(m) <= min(bubble(k) for k in candidates)
     if n == 1:
         assert m == 1  # one device has no bubble at all
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_a_bubble_more_microbatches_hardly_shrink_keeps_the_fewest(async_optimizer):
+    """A head 200 times a block: 48% of bubble with 2 micro-batches, 47% with
+    16. "auto" took 16 (8N) micro-batches of an eighth the size for that."""
+    costs = LayerCosts([1.0] * 9 + [200.0], [2.0] * 9 + [400.0])
+    assert choose_microbatches(costs, 2, async_optimizer=async_optimizer) == 2
 
 
 def test_choose_microbatches_grows_with_devices_without_the_async_optimizer():
