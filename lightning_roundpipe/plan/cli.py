@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .costs import LayerCosts, PlanError
-from .partition import partition
+from .partition import LayerTooLarge, partition
 from .simulate import SCHEDULES, SimulationResult, simulate
 from .stages import StagePlan
 
@@ -372,11 +372,10 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
             _cmd_simulate(args, out)
     except (PlanError, ImportError, OSError, ValueError) as exc:
         message = str(exc)
-        if args.command != "estimate":  # the strategy's options, as this command's flags
-            message = message.replace(
-                "Raise the memory limit (device_memory_limit) or shrink the micro-batch "
-                "(raise num_microbatches)",
-                "Raise --memory-limit, or give the --memory of a smaller micro-batch",
+        if isinstance(exc, LayerTooLarge) and args.command != "estimate":
+            # in this command's flags, not the strategy's options
+            message = exc.advice(
+                "Raise --memory-limit, or give the --memory of a smaller micro-batch"
             )
         sys.stderr.write(f"error: {message}\n")
         return 2

@@ -57,8 +57,29 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
+class LayerTooLarge(PlanError):
+    """One layer alone needs more than the memory limit: no stage can hold it.
+    The message says what to change in the strategy's options;
+    :meth:`advice` words it for another caller (the planner command line)."""
+
+    def __init__(self, layer: int, need: float, limit: float) -> None:
+        self.layer, self.need, self.limit = layer, need, limit
+        super().__init__(
+            self.advice(
+                "Raise the memory limit (device_memory_limit) or shrink the micro-batch "
+                "(raise num_microbatches)"
+            )
+        )
+
+    def advice(self, fix: str) -> str:
+        return (
+            f"layer {self.layer} needs {_fmt(self.need)} of device memory for one micro-batch, "
+            f"more than memory_limit {_fmt(self.limit)}; no stage can hold it. {fix}"
+        )
+
+
 def check_memory(costs: LayerCosts, memory_limit: float | None) -> None:
-    """Raise :class:`PlanError` naming the first layer that alone exceeds
+    """Raise :class:`LayerTooLarge` naming the first layer that alone exceeds
     ``memory_limit`` (no stage could hold it)."""
     if memory_limit is None or costs.memory is None:
         return
@@ -66,11 +87,7 @@ def check_memory(costs: LayerCosts, memory_limit: float | None) -> None:
         raise PlanError(f"memory_limit must be > 0, got {memory_limit!r}")
     for i, m in enumerate(costs.memory):
         if m > memory_limit:
-            raise PlanError(
-                f"layer {i} needs {_fmt(m)} of device memory for one micro-batch, more than "
-                f"memory_limit {_fmt(memory_limit)}; no stage can hold it. Raise the memory "
-                "limit (device_memory_limit) or shrink the micro-batch (raise num_microbatches)"
-            )
+            raise LayerTooLarge(i, m, memory_limit)
 
 
 # ---------------------------------------------------------------- greedy steps

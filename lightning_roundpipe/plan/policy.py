@@ -278,7 +278,7 @@ def _largest_round(m: int, boundary_bytes: int | None, budget: int | None) -> Ro
         return RoundChoice(m, need, budget, "whole batch: its activations fit the budget")
     mr = int(max(1, budget // max(1, boundary_bytes)))
     return RoundChoice(
-        int(mr),
+        mr,
         int(mr * boundary_bytes),
         budget,
         f"{mr} of {m} micro-batches per round: a whole batch's activations "
