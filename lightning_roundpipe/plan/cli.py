@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,19 +99,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     src.add_argument("--forward", type=_numbers, help="forward time per layer, e.g. 0.1,1x12,3")
     src.add_argument("--backward", type=_numbers, help="backward time per layer (no recompute)")
     src.add_argument("--memory", type=_numbers, help="device memory per layer and micro-batch")
+    src.add_argument(
+        "--task-overhead",
+        type=_time,
+        help="time each stage pays per micro-batch on top of its layers (forward's unit)",
+    )
     p.add_argument("-N", "--devices", type=_count, required=True, help="number of devices")
     p.add_argument("-M", "--microbatches", type=_count, required=True, help="micro-batches")
     p.add_argument("--memory-limit", type=_amount, help="device memory per stage (memory's unit)")
 
 
 def _costs(args: argparse.Namespace) -> LayerCosts:
+    overhead = args.task_overhead
     if args.costs is not None:
         if args.forward or args.backward or args.memory:
             raise PlanError("give either --costs FILE or --forward/--backward, not both")
-        return LayerCosts.load(args.costs)
+        costs = LayerCosts.load(args.costs)
+        return costs if overhead is None else replace(costs, task_overhead=overhead)
     if not args.forward or not args.backward:
         raise PlanError("layer costs needed: --costs FILE, or --forward and --backward lists")
-    return LayerCosts(args.forward, args.backward, args.memory)
+    return LayerCosts(args.forward, args.backward, args.memory, task_overhead=overhead or 0.0)
 
 
 def _limit(args: argparse.Namespace, costs: LayerCosts) -> float | None:

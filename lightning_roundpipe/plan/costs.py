@@ -70,12 +70,18 @@ class LayerCosts:
             unknown, and no memory constraint is applied.
         weight_bytes: bytes of each layer's weights as uploaded; ``None`` if
             unknown.
+        task_overhead: time a stage spends per micro-batch on top of its
+            layers (in the unit of ``forward``): handing its input and output
+            over, seeding, hooks, its share of the weight binding. It is what
+            makes a plan with many small stages slower than its layer sums say
+            (a CPU worker pays it on its own thread; measured while profiling).
     """
 
     forward: Sequence[float]
     backward: Sequence[float]
     memory: Sequence[float] | None = None
     weight_bytes: Sequence[float] | None = None
+    task_overhead: float = 0.0
     #: prefix sums of the costs (what stage sums are computed from)
     prefix: _Prefix = field(init=False, repr=False, compare=False)
 
@@ -89,6 +95,9 @@ class LayerCosts:
         object.__setattr__(self, "backward", _as_values("backward", self.backward, n))
         object.__setattr__(self, "memory", _as_values("memory", self.memory, n))
         object.__setattr__(self, "weight_bytes", _as_values("weight_bytes", self.weight_bytes, n))
+        o = self.task_overhead
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
+            raise PlanError(f"LayerCosts.task_overhead must be a finite number >= 0, got {o!r}")
         object.__setattr__(self, "prefix", _Prefix(self))
 
     # ------------------------------------------------------------------ sizes
@@ -137,17 +146,19 @@ class LayerCosts:
             out["memory"] = list(self.memory)
         if self.weight_bytes is not None:
             out["weight_bytes"] = list(self.weight_bytes)
+        if self.task_overhead:
+            out["task_overhead"] = self.task_overhead
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerCosts:
         """Build from a mapping with keys ``forward``, ``backward`` and optionally
-        ``memory`` and ``weight_bytes``."""
-        unknown = set(data) - {"forward", "backward", "memory", "weight_bytes"}
+        ``memory``, ``weight_bytes`` and ``task_overhead``."""
+        unknown = set(data) - {"forward", "backward", "memory", "weight_bytes", "task_overhead"}
         if unknown:
             raise PlanError(
                 f"unknown LayerCosts keys {sorted(unknown)}; "
-                "expected forward, backward, memory, weight_bytes"
+                "expected forward, backward, memory, weight_bytes, task_overhead"
             )
         for key in ("forward", "backward"):
             if key not in data:
@@ -157,6 +168,7 @@ class LayerCosts:
             backward=data["backward"],
             memory=data.get("memory"),
             weight_bytes=data.get("weight_bytes"),
+            task_overhead=data.get("task_overhead", 0.0),
         )
 
     @classmethod

@@ -26,7 +26,7 @@ measured costs come in as numbers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .costs import LayerCosts, PlanError
 from .partition import frontier, partition
@@ -129,9 +129,7 @@ def plan_for_measured(
             ]
         )
     for memory, bound in zip(memories, (cap, limit), strict=False):
-        sized = LayerCosts(
-            measured.forward, measured.backward, memory=memory, weight_bytes=measured.weight_bytes
-        )
+        sized = replace(measured, memory=memory)
         try:
             plan = choose_plan(sized, n, m, memory_limit=bound, **kw)
         except PlanError:
@@ -253,7 +251,7 @@ def _within(
     for values, cap in caps:
         if cap is not None:
             memory = [max(a, v * limit / cap) for a, v in zip(memory, values, strict=True)]
-    return LayerCosts(costs.forward, costs.backward, memory=memory, weight_bytes=costs.weight_bytes)
+    return replace(costs, memory=memory)
 
 
 def _max_weights(plan: StagePlan, estimates: LayerCosts) -> float:
@@ -314,25 +312,17 @@ def _plan_within_host(
     n, m = num_devices, num_microbatches
     weights = _layer_weights(estimates)
     caps = [(weights, cap), (list(estimates.memory), size_limit)]
-    plain = LayerCosts(
-        estimates.forward,
-        estimates.backward,
+    plain = replace(
+        estimates,
         memory=[w + a + t for w, a, t in zip(estimates.memory, saved, transient, strict=True)],
-        weight_bytes=estimates.weight_bytes,
     )
     work = max(a + t for a, t in zip(saved, transient, strict=True))
-    layered = LayerCosts(
-        estimates.forward,
-        [b + f for b, f in zip(estimates.backward, estimates.forward, strict=True)],
+    layered = replace(
+        estimates,
+        backward=[b + f for b, f in zip(estimates.backward, estimates.forward, strict=True)],
         memory=[w + boundary for w in estimates.memory],
-        weight_bytes=estimates.weight_bytes,
     )
-    rewalked = LayerCosts(
-        layered.forward,
-        layered.backward,
-        memory=list(estimates.memory),
-        weight_bytes=estimates.weight_bytes,
-    )
+    rewalked = replace(layered, memory=list(estimates.memory))
     # a layered stage of k layers keeps k - 1 inputs: the sum of k figures
     # overcounts one, which the room gives back
     families = (
@@ -446,11 +436,9 @@ def plan_for_activations(
         )
     # every layer counted with its own transient: a bound on any stage's peak
     # (exact for one-layer stages), which the partitioner can add up
-    bounded = LayerCosts(
-        estimates.forward,
-        estimates.backward,
+    bounded = replace(
+        estimates,
         memory=[m + a + t for m, a, t in zip(estimates.memory, saved, transient, strict=True)],
-        weight_bytes=estimates.weight_bytes,
     )
     splits: list[tuple[float, float | None, bool]] = [(memory_limit, weight_cap, prefetch)]
     if device_budget is not None and prefetch:

@@ -24,6 +24,12 @@ end, and an interval whose lower bound ``(M*S(right) + N*(N-1)) * T(left)``
 is not below the best is skipped. Each ``S(T)`` costs ``O(S log L)`` with
 binary searches over prefix sums.
 
+Task overhead. A stage pays ``costs.task_overhead`` per micro-batch on top of
+its layers, so every slot time above is a sum plus that constant: the
+greedy packing checks ``sum + overhead <= T`` and the candidates are the sums
+plus it. With a large overhead against small layers the optimum has few
+stages (each slot carries the overhead once).
+
 Ties. Among plans with the same objective the one with the smaller ``t_max``
 wins (more balanced stages, less memory per stage); for a given ``t_max`` the
 greedy packing fixes the plan, so the result is deterministic.
@@ -91,25 +97,26 @@ def check_memory(costs: LayerCosts, memory_limit: float | None) -> None:
 
 
 # ---------------------------------------------------------------- greedy steps
-def _furthest(p: Sequence[float], i: int, limit: float, hi: int) -> int:
-    """Largest ``j`` in ``[i, hi]`` with ``p[j] - p[i] <= limit``.
+def _furthest(p: Sequence[float], i: int, limit: float, hi: int, extra: float = 0.0) -> int:
+    """Largest ``j`` in ``[i, hi]`` with ``p[j] - p[i] + extra <= limit``
+    (``extra``: a stage's task overhead on top of its layers).
 
-    The bisection finds it up to rounding of ``p[i] + limit``; the two loops
-    settle it with the exact difference the rest of the code uses."""
-    j = bisect_right(p, p[i] + limit, i, hi + 1) - 1
-    while j > i and p[j] - p[i] > limit:
+    The bisection finds it up to rounding of ``p[i] + limit - extra``; the two
+    loops settle it with the exact expression the rest of the code uses."""
+    j = max(i, bisect_right(p, p[i] + (limit - extra), i, hi + 1) - 1)
+    while j > i and p[j] - p[i] + extra > limit:
         j -= 1
-    while j < hi and p[j + 1] - p[i] <= limit:
+    while j < hi and p[j + 1] - p[i] + extra <= limit:
         j += 1
     return j
 
 
-def _nearest(p: Sequence[float], i: int, limit: float, lo: int) -> int:
-    """Smallest ``j`` in ``[lo, i]`` with ``p[i] - p[j] <= limit``."""
-    j = bisect_left(p, p[i] - limit, lo, i + 1)
-    while j < i and p[i] - p[j] > limit:
+def _nearest(p: Sequence[float], i: int, limit: float, lo: int, extra: float = 0.0) -> int:
+    """Smallest ``j`` in ``[lo, i]`` with ``p[i] - p[j] + extra <= limit``."""
+    j = min(i, bisect_left(p, p[i] - (limit - extra), lo, i + 1))
+    while j < i and p[i] - p[j] + extra > limit:
         j += 1
-    while j > lo and p[i] - p[j - 1] <= limit:
+    while j > lo and p[i] - p[j - 1] + extra <= limit:
         j -= 1
     return j
 
@@ -134,15 +141,15 @@ def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, i
     if ``t`` is below some single layer's cost."""
     pre = costs.prefix
     both, fwd, mem = pre.both, pre.fwd, pre.mem
-    n = costs.num_layers
-    top = _nearest(both, n, t, 0)
+    n, o = costs.num_layers, costs.task_overhead
+    top = _nearest(both, n, t, 0, o)
     if limit is not None:
         top = max(top, _memory_nearest(mem, n, limit, 0))
     if top == n:
         return None
     nf, i = 0, 0
     while i < top:
-        j = _furthest(fwd, i, t, top)
+        j = _furthest(fwd, i, t, top, o)
         if limit is not None:
             j = min(j, _memory_furthest(mem, i, limit, top))
         if j == i:
@@ -151,7 +158,7 @@ def _pack(costs: LayerCosts, t: float, limit: float | None) -> tuple[int, int, i
         i = j
     nb, i = 0, top
     while i > 0:
-        j = _nearest(both, i, t, 0)
+        j = _nearest(both, i, t, 0, o)
         if limit is not None:
             j = max(j, _memory_nearest(mem, i, limit, 0))
         if j == i:
@@ -165,20 +172,20 @@ def _plan_at(costs: LayerCosts, t: float, limit: float | None) -> StagePlan:
     """The greedy plan for slot-time bound ``t`` (which must be feasible)."""
     pre = costs.prefix
     both, fwd, mem = pre.both, pre.fwd, pre.mem
-    n = costs.num_layers
-    top = _nearest(both, n, t, 0)
+    n, o = costs.num_layers, costs.task_overhead
+    top = _nearest(both, n, t, 0, o)
     if limit is not None:
         top = max(top, _memory_nearest(mem, n, limit, 0))
     forward, i = [], 0
     while i < top:
-        j = _furthest(fwd, i, t, top)
+        j = _furthest(fwd, i, t, top, o)
         if limit is not None:
             j = min(j, _memory_furthest(mem, i, limit, top))
         forward.append(j - i)
         i = j
     backward, i = [], top
     while i > 0:
-        j = _nearest(both, i, t, 0)
+        j = _nearest(both, i, t, 0, o)
         if limit is not None:
             j = max(j, _memory_nearest(mem, i, limit, 0))
         backward.append(i - j)
@@ -188,21 +195,22 @@ def _plan_at(costs: LayerCosts, t: float, limit: float | None) -> StagePlan:
 
 def _candidates(costs: LayerCosts) -> list[float]:
     """Sorted distinct slot times a plan's ``t_max`` can take (contiguous sums of
-    forward times and of forward+backward times), from the cheapest feasible one
-    (the costliest single layer's forward+backward) to running everything fused."""
+    forward times and of forward+backward times, each plus the task overhead),
+    from the cheapest feasible one (the costliest single layer's
+    forward+backward) to running everything fused."""
     pre = costs.prefix
-    n = costs.num_layers
+    n, o = costs.num_layers, costs.task_overhead
     both, fwd = pre.both, pre.fwd
     # a forward stage is measured on the forward prefix sums, whose one-layer
     # difference can round a step above the forward+backward one (a layer
     # with no backward time): the cheapest feasible slot time covers both
-    lo = max(max(both[i + 1] - both[i], fwd[i + 1] - fwd[i]) for i in range(n))
-    hi = both[n] - both[0]
+    lo = max(max(both[i + 1] - both[i] + o, fwd[i + 1] - fwd[i] + o) for i in range(n))
+    hi = both[n] - both[0] + o
     seen: set[float] = set()
     for p in (pre.fwd, both):
         for i in range(n):
             pi = p[i]
-            seen.update([x - pi for x in p[i + 1 :]])
+            seen.update([x - pi + o for x in p[i + 1 :]])
     return sorted(c for c in seen if lo <= c <= hi)
 
 
@@ -320,16 +328,16 @@ def _pack_linear(costs: LayerCosts, t: float, limit: float | None) -> StagePlan 
     """Greedy packing by a layer-by-layer scan, the way the research code does it."""
     pre = costs.prefix
     both, fwd, mem = pre.both, pre.fwd, pre.mem
-    n = costs.num_layers
+    n, o = costs.num_layers, costs.task_overhead
     lim = math.inf if limit is None else limit
 
     def fits(p: Sequence[float], a: int, b: int, bound: float) -> bool:
-        return p[b] - p[a] <= bound
+        return p[b] - p[a] + o <= bound
 
     def held(a: int, b: int) -> bool:
         # one layer always fits (check_memory saw it alone; a prefix difference
         # can round a layer equal to the limit just above it)
-        return b - a == 1 or fits(mem, a, b, lim)
+        return b - a == 1 or mem[b] - mem[a] <= lim
 
     top = n
     while top > 0 and fits(both, top - 1, n, t) and held(top - 1, n):
@@ -377,7 +385,7 @@ def partition_exhaustive(
     for p in (pre.fwd, pre.both):
         for i in range(n):
             for j in range(i + 1, n + 1):
-                t = p[j] - p[i]
+                t = p[j] - p[i] + costs.task_overhead
                 plan = _pack_linear(costs, t, limit)
                 if plan is None:
                     continue

@@ -439,7 +439,8 @@ class Clock:
         """Time ``task``: advance its device, make its writes available and,
         with ``out``, append its busy segments there."""
         costs, d, free = self.costs, task.device, self.free
-        fwd = costs.forward_time(task.start, task.stop)
+        # a task's own host work (task_overhead) opens each micro-batch's first part
+        fwd = costs.forward_time(task.start, task.stop) + costs.task_overhead
         bwd = costs.backward_time(task.start, task.stop)
         if task.layered and task.kind != "forward":  # the extra forwards, layer by layer
             bwd += extra_forward_time(costs, task.start, task.stop, task.rewalk)

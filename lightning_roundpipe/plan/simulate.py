@@ -431,13 +431,14 @@ def _simulate_baseline(
         for kind, s, mb in _baseline_order(name, n, m, v, d):
             a, b = bounds[s], bounds[s + 1]
             fwd, bwd = costs.forward_time(a, b), costs.backward_time(a, b)
+            o = costs.task_overhead  # each operation's own host work, as in RoundPipe's
             if kind == "F":
-                op = _Op(("F", s, mb), d, [("F", fwd)], f"S{s}", mb)
+                op = _Op(("F", s, mb), d, [("F", fwd + o)], f"S{s}", mb)
                 if s > 0:
                     op.deps.append(("F", s - 1, mb))
             else:
                 parts: list[tuple[SegmentKind, float]] = (
-                    [("R", fwd), ("B", bwd)] if recompute else [("B", bwd)]
+                    [("R", fwd + o), ("B", bwd)] if recompute else [("B", bwd + o)]
                 )
                 op = _Op(("B", s, mb), d, parts, f"S{s}", mb)
                 op.deps.append(("B", s + 1, mb) if s < last else ("F", s, mb))

@@ -88,10 +88,15 @@ class Stage:
         return self.stop - self.start
 
     def time(self, costs: LayerCosts) -> float:
-        """Time of this stage for one micro-batch."""
+        """Time of this stage for one micro-batch (its layers and the
+        ``task_overhead``)."""
         if self.kind == "forward":
-            return costs.forward_time(self.start, self.stop)
-        return costs.recompute_backward_time(self.start, self.stop) + self.extra_forward(costs)
+            return costs.forward_time(self.start, self.stop) + costs.task_overhead
+        return (
+            costs.recompute_backward_time(self.start, self.stop)
+            + self.extra_forward(costs)
+            + costs.task_overhead
+        )
 
     def extra_forward(self, costs: LayerCosts) -> float:
         """The extra forwards a layered backward or fused stage runs

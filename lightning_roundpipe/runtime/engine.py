@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -398,7 +399,7 @@ class RoundPipeEngine:
                 )
             if costs.memory is None:  # the size-based memory still bounds the stages
                 est = estimate_costs(layers, compute_dtype)
-                costs = LayerCosts(costs.forward, costs.backward, est.memory, est.weight_bytes)
+                costs = replace(costs, memory=est.memory, weight_bytes=est.weight_bytes)
         else:
             costs = estimate_costs(layers, compute_dtype)
         limit = stage_memory_limit(devs, costs, device_memory_limit)

@@ -25,7 +25,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,19 +111,27 @@ class LayerTimer:
         return mark
 
     def samples(
-        self, start: int, stop: int
+        self, start: int, stop: int, elapsed: Callable[[int, int], float] | None = None
     ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-        w = self.watch
-        fwd = [(layer, w.elapsed(a, b)) for layer, (a, b) in self.forward.items()]
+        """Each layer's forward and backward time between its marks, by
+        ``elapsed`` (default: the stopwatch's time)."""
+        span = self.watch.elapsed if elapsed is None else elapsed
+        fwd = [(layer, span(a, b)) for layer, (a, b) in self.forward.items()]
         bwd = []
         for layer in range(start, stop):
             if layer in self.backward:
-                bwd.append((layer, w.elapsed(*self.backward[layer])))
+                bwd.append((layer, span(*self.backward[layer])))
                 continue
             top, bottom = self.boundary.get(layer + 1), self.boundary.get(layer)
             if top is not None and bottom is not None:
-                bwd.append((layer, w.elapsed(top, bottom)))
+                bwd.append((layer, span(top, bottom)))
         return fwd, bwd
+
+    def layers_cpu(self, start: int, stop: int) -> float:
+        """CPU time of the calling thread inside the layers' marks (CPU
+        devices): what is left of a task's is its own host work."""
+        fwd, bwd = self.samples(start, stop, self.watch.cpu_elapsed)
+        return sum(t for _, t in fwd) + sum(t for _, t in bwd)
 
 
 def _footprint(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -167,12 +175,15 @@ def saved_bytes(module: torch.nn.Module, into: dict[int, int], key: int) -> Iter
 
 
 class Stopwatch:
-    """Marks on one device; ``elapsed(a, b)`` in seconds once resolved."""
+    """Marks on one device; ``elapsed(a, b)`` in seconds once resolved. On a
+    CPU device each mark also notes the marking thread's CPU time
+    (``cpu_elapsed``)."""
 
     def __init__(self, cuda: bool, stream: Any = None) -> None:
         self.cuda = cuda
         self.stream = stream
         self.marks: list[Any] = []
+        self.cpu: list[float] = []
 
     def mark(self) -> int:
         if self.cuda:
@@ -181,7 +192,12 @@ class Stopwatch:
             self.marks.append(ev)
         else:
             self.marks.append(time.perf_counter())
+            self.cpu.append(time.thread_time())
         return len(self.marks) - 1
+
+    def cpu_elapsed(self, a: int, b: int) -> float:
+        """The marking thread's CPU seconds between two marks (CPU devices)."""
+        return self.cpu[b] - self.cpu[a]
 
     def elapsed(self, a: int, b: int) -> float:
         if self.cuda:
@@ -207,6 +223,7 @@ class Profiler:
         self._bwd: dict[int, list[float]] = defaultdict(list)
         self._saved: dict[int, int] = {}
         self._seen: set[int] = set()
+        self._overhead: list[float] = []
 
     def wants(self, iteration: int) -> bool:
         """Whether this (non-negative) iteration is being profiled; the first is
@@ -233,6 +250,15 @@ class Profiler:
             for layer, t in backward:
                 self._bwd[layer].append(t)
 
+    def add_overhead(self, iteration: int, seconds: float) -> None:
+        """One task's own host work per micro-batch (see
+        :attr:`~lightning_roundpipe.plan.LayerCosts.task_overhead`); iteration
+        0 is warm-up."""
+        if iteration == 0:
+            return
+        with self._lock:
+            self._overhead.append(max(0.0, seconds))
+
     @property
     def complete(self) -> bool:
         with self._lock:
@@ -249,9 +275,10 @@ class Profiler:
     def costs(
         self, memory: list[float] | None = None, weight_bytes: list[float] | None = None
     ) -> LayerCosts:
-        """Median forward and backward time of each layer for one micro-batch;
-        ``memory`` (weights and gradients) gets the measured activation bytes
-        added."""
+        """Median forward and backward time of each layer for one micro-batch
+        and median task overhead (0 where none was measured: GPU workers, whose
+        host work overlaps the device's); ``memory`` (weights and gradients)
+        gets the measured activation bytes added."""
         with self._lock:
             missing = [
                 i for i in range(self.num_layers) if not self._fwd.get(i) or not self._bwd.get(i)
@@ -260,9 +287,12 @@ class Profiler:
                 raise RuntimeError(f"no timing yet for layers {missing}")
             fwd = [statistics.median(self._fwd[i]) for i in range(self.num_layers)]
             bwd = [max(0.0, statistics.median(self._bwd[i])) for i in range(self.num_layers)]
+            overhead = statistics.median(self._overhead) if self._overhead else 0.0
         if memory is not None:
             memory = [m + a for m, a in zip(memory, self.activation_bytes(), strict=True)]
-        return LayerCosts(fwd, bwd, memory=memory, weight_bytes=weight_bytes)
+        return LayerCosts(
+            fwd, bwd, memory=memory, weight_bytes=weight_bytes, task_overhead=overhead
+        )
 
 
 TRAFFIC_KINDS = ("weights_up", "grads_down", "acts_up", "acts_down", "buffers")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
@@ -50,6 +51,7 @@ from .calls import Call, Gain, Job, Runtime
 from .courier import Courier
 from .device import (
     DeviceContext,
+    GeneratorCheck,
     LayerRandomness,
     draws_random,
     holding_generator,
@@ -284,6 +286,7 @@ class Worker:
         self._ahead: dict[Key, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
         self._layer: int | None = None  # the layer running now, for error messages
+        self._layers_cpu = 0.0  # CPU time inside layer marks of the task being timed
         self.courier = Courier(self)
         self.thread = threading.Thread(
             target=self._main, name=f"roundpipe-worker-{index}-{device}", daemon=True
@@ -436,13 +439,25 @@ class Worker:
         reps.insert(0, rep)
         del reps[_STRUCTURES:]
         if layer not in self._rng:
-            self._rng[layer] = LayerRandomness(
-                self.device, f"layer {layer}", draws_random(rep.module, any_mode=True)
+            # one per layer and device, shared by the workers on it: a draw one
+            # of them sees first (randomness that depends on the data) seeds
+            # every worker's calls of that layer from then on
+            self._rng[layer] = self.rt.randomness.setdefault(
+                (str(self.device), layer),
+                LayerRandomness(
+                    self.device, f"layer {layer}", draws_random(rep.module, any_mode=True)
+                ),
             )
         return rep
 
     def _run(self, job: Job, mb: list[int | None]) -> None:
         t, call = job.task, job.call
+        # while profiling, a CPU worker's own host work per micro-batch: its
+        # thread's CPU time outside the layers' marks (LayerCosts.task_overhead;
+        # not of a layered stage, whose extra forwards run outside the marks)
+        timed = call.profiler is not None and not self.ctx.is_cuda and not t.layered
+        if timed:
+            self._layers_cpu, begin = 0.0, time.thread_time()
         with named(f"RP {call.iteration}:{t}"):
             if job.after is not None:
                 # running statistics of the previous round of this slot must be on
@@ -455,6 +470,9 @@ class Worker:
             params = self.host.stage_params(t.start, t.stop)
             self._run_stage(job, mb, params)
             self.courier.finish(job)
+        if timed:
+            own = time.thread_time() - begin - self._layers_cpu
+            call.profiler.add_overhead(call.iteration, own / max(1, len(t.microbatches)))
 
     def _run_stage(self, job: Job, mb: list[int | None], params: list[_Param]) -> None:
         ctx, t, call = self.ctx, job.task, job.call
@@ -839,6 +857,7 @@ class Worker:
         job_start = job.task.start if first is None else first
         call = job.call
         last = len(replicas) - 1
+        check = GeneratorCheck()
         for off, rep in enumerate(replicas):
             layer = job_start + off
             self._layer = layer
@@ -849,7 +868,7 @@ class Worker:
             self._checkpointing = self._checkpointing or checkpointed
             with (
                 self.ctx.on(self.ctx.compute),
-                self._rng[layer](seed, rep.module.training, checkpointed),
+                self._rng[layer](seed, rep.module.training, checkpointed, check),
             ):
                 counting = (
                     saved_bytes(rep.module, timer.saved, layer)
@@ -871,6 +890,7 @@ class Worker:
                     first.register_hook(timer.hook(layer + 1))
             if save is not None:
                 save(layer + 1, x)
+        check.finish()
         self._layer = None
         return x
 
@@ -1184,3 +1204,5 @@ class Worker:
             timer.boundary[t.start] = timer.watch.mark()  # nothing below: backward is done
         fwd, bwd = timer.samples(t.start, t.stop)
         job.call.profiler.add(job.call.iteration, fwd, bwd, timer.saved)
+        if not self.ctx.is_cuda:
+            self._layers_cpu += timer.layers_cpu(t.start, t.stop)

@@ -24,6 +24,19 @@ def test_partition_inline_costs():
     assert "B1  forward+loss+backward  layer 12" in text
 
 
+def test_partition_with_task_overhead(tmp_path):
+    args = ["partition", "--forward", "1x64", "--backward", "2x64", "-N", "4", "-M", "8"]
+    assert run(args)[1].splitlines()[0].count(",") > 60  # one-layer backward stages
+    code, text = run([*args, "--task-overhead", "3"])
+    assert code == 0
+    assert text.splitlines()[0] == "48|16|16,16,16"
+    assert "t_max 51," in text
+    path = tmp_path / "costs.json"  # the JSON form, as a measured run saves it
+    path.write_text(json.dumps({"forward": [1] * 64, "backward": [2] * 64, "task_overhead": 3}))
+    code, text = run(["partition", "--costs", str(path), "-N", "4", "-M", "8"])
+    assert text.splitlines()[0] == "48|16|16,16,16"
+
+
 def test_partition_from_json_with_memory(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"forward": [1] * 8, "backward": [2] * 8, "memory": [2] * 8}))

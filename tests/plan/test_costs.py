@@ -35,6 +35,11 @@ def test_unknown_memory_is_zero():
         ({"forward": [1], "backward": ["a"]}, r"backward\[0\] must be a number"),
         ({"forward": "12", "backward": [1]}, "must be a list of numbers"),
         (
+            {"forward": [1], "backward": [1], "task_overhead": -0.5},
+            r"task_overhead must be a finite number >= 0, got -0.5",
+        ),
+        ({"forward": [1], "backward": [1], "task_overhead": "1"}, r"task_overhead must be"),
+        (
             {"forward": [1, 2], "backward": [1, 2], "memory": 7},
             r"memory must be a list of numbers \(one per layer\), got int 7",
         ),
@@ -51,6 +56,10 @@ def test_json_round_trip(tmp_path):
     c.save(path)
     assert LayerCosts.load(path) == c
     assert LayerCosts.from_dict(json.loads(path.read_text())) == c
+    assert "task_overhead" not in c.to_dict()
+    o = LayerCosts([0.5, 1.25], [1, 2.5], task_overhead=0.25)
+    o.save(path)
+    assert LayerCosts.load(path) == o and LayerCosts.load(path).task_overhead == 0.25
 
 
 def test_load_errors(tmp_path):

@@ -79,10 +79,11 @@ costs_strategy = st.integers(1, 7).flatmap(
     m=st.integers(1, 9),
     use_limit=st.booleans(),
     extra=st.integers(0, 8),
+    overhead=st.sampled_from([0, 0, 1, 3, 20]),
 )
-def test_partition_is_optimal_integer_costs(data, n, m, use_limit, extra):
+def test_partition_is_optimal_integer_costs(data, n, m, use_limit, extra, overhead):
     fwd, bwd, mem = data
-    costs = LayerCosts(fwd, bwd, memory=mem)
+    costs = LayerCosts(fwd, bwd, memory=mem, task_overhead=overhead)
     limit = max(mem) + extra if use_limit else None
     plan = partition(costs, n, m, memory_limit=limit)
     plan.validate(costs.num_layers)
@@ -100,12 +101,13 @@ def test_partition_is_optimal_integer_costs(data, n, m, use_limit, extra):
     seed=st.integers(0, 2**32 - 1),
     n=st.integers(1, 8),
     m=st.integers(1, 16),
+    overhead=st.sampled_from([0.0, 0.1, 0.7, 9.0]),
 )
-def test_partition_is_optimal_float_costs(n_layers, seed, n, m):
+def test_partition_is_optimal_float_costs(n_layers, seed, n, m, overhead):
     rng = random.Random(seed)
     fwd = [rng.uniform(0.01, 3.0) for _ in range(n_layers)]
     bwd = [rng.uniform(0.0, 6.0) for _ in range(n_layers)]
-    costs = LayerCosts(fwd, bwd)
+    costs = LayerCosts(fwd, bwd, task_overhead=overhead * rng.random())
     plan = partition(costs, n, m)
     best_obj, best_t = brute_force(costs, n, m, None)
     assert plan.objective(costs, n, m) == best_obj
@@ -122,11 +124,28 @@ def test_fast_partition_matches_exhaustive_reference(num_layers, seed):
     bwd[-1] *= 3
     mem = [rng.randint(1, 10) for _ in range(num_layers)]
     for n, m, limit in [(1, 4, None), (4, 8, None), (8, 16, 25), (3, 7, 12)]:
-        costs = LayerCosts(fwd, bwd, memory=mem)
-        fast = partition(costs, n, m, memory_limit=limit)
-        ref = partition_exhaustive(costs, n, m, memory_limit=limit)
-        assert fast.objective(costs, n, m) == ref.objective(costs, n, m)
-        assert fast == ref
+        for overhead in (0.0, 0.37, 4.0):
+            costs = LayerCosts(fwd, bwd, memory=mem, task_overhead=overhead)
+            fast = partition(costs, n, m, memory_limit=limit)
+            ref = partition_exhaustive(costs, n, m, memory_limit=limit)
+            assert fast.objective(costs, n, m) == ref.objective(costs, n, m)
+            assert fast == ref
+
+
+def test_task_overhead_makes_fewer_stages():
+    # 64 small layers: without overhead the best plan has one-layer backward
+    # stages; when each stage pays a host overhead of a few layers' worth, the
+    # optimum has far fewer slots, and each slot's time carries the overhead
+    fwd, bwd = [1.0] * 64, [2.0] * 64
+    bare = partition(LayerCosts(fwd, bwd), 4, 8)
+    assert bare.num_slots == 85  # (3-layer forward stages, one-layer backward ones)
+    costs = LayerCosts(fwd, bwd, task_overhead=3.0)
+    plan = partition(costs, 4, 8)
+    assert str(plan) == "48|16|16,16,16"
+    assert plan.max_stage_time(costs) == 16 * 3.0 + 3.0
+    # the objective counts the overhead: the plan chosen without it is worse with it
+    assert plan.objective(costs, 4, 8) < bare.objective(costs, 4, 8)
+    assert partition_exhaustive(costs, 4, 8) == plan
 
 
 def test_single_device_fuses_everything():

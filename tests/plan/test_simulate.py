@@ -120,6 +120,26 @@ def test_work_is_conserved_and_devices_never_overlap():
         )
 
 
+def test_task_overhead_is_paid_once_per_stage_and_microbatch():
+    """Every schedule's work grows by the overhead once per stage operation
+    and micro-batch (a RoundPipe backward stage's recompute and backward are
+    one task), and a one-device plan runs its stages back to back."""
+    bare = LayerCosts.uniform(13, head_forward=3, head_backward=6)
+    o = 0.25
+    costs = LayerCosts(bare.forward, bare.backward, task_overhead=o)
+    n, m = 4, 8
+    for name in SCHEDULES:
+        res = simulate(name, costs, n, m)
+        ref = simulate(name, bare, n, m, plan=res.plan) if name == "roundpipe" else None
+        ref = ref or simulate(name, bare, n, m)
+        ops = m * (res.plan.num_slots if name == "roundpipe" else 2 * len(ref.stages))
+        assert res.work == pytest.approx(ref.work + ops * o), name
+    one = simulate("roundpipe", costs, 1, m, plan="6,6|1|6,6")
+    assert one.makespan == pytest.approx(
+        simulate("roundpipe", bare, 1, m, plan="6,6|1|6,6").makespan + 5 * m * o
+    )
+
+
 def test_roundpipe_respects_dependencies_and_comm_time():
     costs = LayerCosts.uniform(10, head_forward=2, head_backward=4)
     n, m, comm = 3, 6, 0.7

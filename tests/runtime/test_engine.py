@@ -212,6 +212,63 @@ def test_attention_without_dropout_does_not_make_a_layer_random():
     assert rng.random == {True: True}
 
 
+class _Sometimes(nn.Module):
+    """Dropout on inputs whose mean is positive only: randomness that depends
+    on the data (its first calls draw nothing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, self.training) if x.mean() > 0 else x
+
+
+@pytest.mark.parametrize("plan", ["2|1|2", "|3|", "1,1|1|1,1"])
+def test_randomness_that_depends_on_the_data_is_seeded_once_seen(plan):
+    """A layer that drew nothing runs untouched; the check that the default
+    generator did not move (once per stage and micro-batch) sees its first
+    draw and seeds it from then on: the next iteration equals the seeded
+    reference."""
+    torch.manual_seed(0)
+    layers = [_Sometimes(), nn.Linear(8, 8), nn.Linear(8, 8)]
+    ref = copy.deepcopy(layers)
+    low, high = -torch.rand(4, 8), torch.rand(4, 8)
+    y = torch.randn(4, 8)
+    loss_fn = nn.functional.mse_loss
+    with engine(layers, 2, 2, plan, seed=3) as eng:
+        for x in (low, high, high):  # nothing drawn, the first draw, seeded
+            loss = eng.forward_backward(x, labels=y, loss_fn=loss_fn)
+        eng.synchronize()
+        assert eng.iteration == 3
+    for p in ref[1].parameters():  # (the reference's gradients: not compared)
+        p.requires_grad_(False)
+    expected = reference(ref, high, y, loss_fn, 2, seed=3, iteration=2)
+    torch.testing.assert_close(loss, expected)
+    assert not torch.equal(loss, reference(ref, high, y, loss_fn, 2, seed=3, iteration=1))
+
+
+def test_generator_check_reads_the_state_once_per_stretch(monkeypatch):
+    from lightning_roundpipe.runtime import device as dev
+
+    reads = []
+    real = dev._default_state
+    monkeypatch.setattr(dev, "_default_state", lambda: reads.append(1) or real())
+    rngs = [dev.LayerRandomness(CPU, f"layer {i}", rated=False) for i in range(3)]
+    for rng in rngs:
+        rng.random[True] = False  # seen to draw nothing
+    for draws in (False, True):
+        check = dev.GeneratorCheck()
+        reads.clear()
+        for i, rng in enumerate(rngs):
+            with rng(seed=i, training=True, check=check):
+                if draws and i == 1:
+                    torch.rand(1)
+        check.finish()
+        assert len(reads) == 2
+        # a draw anywhere in the stretch seeds every untouched layer of it
+        assert [r.random[True] for r in rngs] == [draws] * 3
+    with rngs[0](seed=0, training=False):  # (eval mode: not yet seen)
+        pass
+    assert rngs[0].random == {True: True, False: False}
+
+
 def test_no_dropout_transformer_matches_plain_full_batch():
     layers = transformer(dropout=0.0)
     for m in layers[0].modules():

@@ -70,6 +70,27 @@ def test_a_slow_layer_gets_a_stage_of_its_own_after_replanning():
     assert plans[-1] in _arrangements(formula, costs, 2 * LAYER_BYTES), (plans[-1], formula)
 
 
+def test_cpu_workers_measure_their_own_host_work_per_stage():
+    """A stage pays host work per micro-batch on top of its layers (hand-offs,
+    seeding, hooks); with small layers it outweighs them, and the plan from
+    size-based costs, one-layer backward stages, is replaced by one with few
+    stages. The overhead is the worker thread's CPU time outside the layers'
+    marks: a layer that sleeps adds nothing to it."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(32)]
+    eng, plans = run(layers, iterations=4)
+    costs = eng.measured_costs()
+    assert costs.task_overhead > 0
+    assert plans[0].num_slots > 20
+    assert plans[-1].num_slots < plans[0].num_slots / 2, plans[-1]
+    # the overhead is a few small layers' worth (their measured times vary
+    # too much from run to run to compare plans without it)
+    assert costs.task_overhead > min(costs.forward)
+    # sleeping layers: wall time in the layers, none on the thread's clock
+    sleepy, _ = run(model(slow_at=4, delay=0.02, others=0.02), iterations=3)
+    assert sleepy.measured_costs().task_overhead < 0.01
+
+
 def test_same_measurements_give_the_same_plan():
     layers = model(slow_at=7)
     eng, _ = run(layers, iterations=4)
