@@ -2220,6 +2220,16 @@ def test_a_known_family_laid_out_otherwise_is_refused_naming_what_is_missing():
     ) as err:
         find_adapter(Holder(base=base))
     assert len(str(err.value)) < 600  # (it listed all the supported families)
+    from transformers import LlamaForSequenceClassification
+
+    scorer = LlamaForSequenceClassification(tiny("llama").config)  # a reward model's shape
+    with pytest.raises(
+        LayerStackNotFound,
+        match=r"'scorer' is a LlamaForSequenceClassification \(model_type 'llama'\), a model "
+        r"with a task head other than the LM head; RoundPipe pipelines causal LMs only .*"
+        r"strategy='auto'",
+    ):
+        find_adapter(Holder(scorer=scorer))
 
 
 def mlp(width: int, depth: int = 2) -> nn.Sequential:

@@ -215,6 +215,13 @@ def layout_problem(module: nn.Module) -> str | None:
         )
     missing = [p for p in family.module_paths() if _child(module, p) is None]
     if family.lm_head in missing:
+        if not cls.endswith("Model"):  # a task head: sequence classification, QA, ...
+            return (
+                f"a {cls} (model_type {model_type!r}), a model with a task head other than "
+                "the LM head; RoundPipe pipelines causal LMs only (the *ForCausalLM classes): "
+                "train this one with another strategy (e.g. strategy='auto' or 'fsdp'), or put "
+                "its layers in an nn.Sequential with the head and loss as the last layer"
+            )
         return (
             f"a {cls} (model_type {model_type!r}) without an LM head; RoundPipe pipelines "
             f"causal LMs: pass the {family.name} model with its head (its *ForCausalLM "
