@@ -316,6 +316,10 @@ def _plan_within_host(
         estimates,
         memory=[w + a + t for w, a, t in zip(estimates.memory, saved, transient, strict=True)],
     )
+    # the same plans bounded the other way: every layer's saved bytes and the
+    # largest transient of all (tighter for stages of several layers, where
+    # one layer works at a time; the sum above is tighter for one-layer ones)
+    kept = replace(estimates, memory=[w + a for w, a in zip(estimates.memory, saved, strict=True)])
     work = max(a + t for a, t in zip(saved, transient, strict=True))
     layered = replace(
         estimates,
@@ -327,6 +331,7 @@ def _plan_within_host(
     # overcounts one, which the room gives back
     families = (
         (plain, limit, False, False),
+        (kept, limit - max(transient), False, False),
         (layered, limit - work + boundary, True, False),
         (rewalked, limit - rewalk_work(saved, transient, boundary), True, True),
     )
@@ -345,7 +350,9 @@ def _plan_within_host(
         fitting += [
             p
             for p in plans
-            if host_need(p, boundary) <= host_limit and _fits(p, peaks[p], estimates, limit, cap)
+            if p not in fitting
+            and host_need(p, boundary) <= host_limit
+            and _fits(p, peaks[p], estimates, limit, cap)
         ]
     if not fitting:
         return None

@@ -447,6 +447,30 @@ def test_host_memory_with_room_on_the_device_gets_plain_larger_stages():
     assert not got.plan.layered and host_need(got.plan, 5.0) <= 25.0 and max(got.peaks) <= 200
 
 
+def test_plain_stages_of_several_layers_count_one_transient():
+    """The plain plans were bounded with every layer's transient added up
+    (exact for one-layer stages): with the host limit asking for few
+    boundary values, a plan whose stages of two layers fit by their own
+    peaks (one transient at a time) was missed and 'no plan fits' said."""
+    from lightning_roundpipe.plan.decide import host_need, initial_plan, plan_for_activations
+
+    w = [45, 45, 98, 23]
+    est = LayerCosts(
+        [float(x) for x in w], [2.0 * x for x in w], memory=[3 * x for x in w], weight_bytes=w
+    )
+    saved, transient = [237, 213, 10, 85], [70, 64, 77, 61]
+    limit, boundary, host_limit = 562, 33, 73
+    kw = dict(async_optimizer=True, memory_limit=limit)
+    current = initial_plan(est, 2, 4, given=None, **kw)
+    got = plan_for_activations(
+        current, est, saved, transient, 2, 4, user_plan=False, boundary=boundary,
+        host_limit=host_limit, **kw,
+    )  # fmt: skip
+    assert not got.warning, got.reason
+    assert max(got.peaks) <= limit and host_need(got.plan, boundary) <= host_limit
+    assert str(got.plan) == "1,1|2|1,1"
+
+
 def test_after_measurement_keeps_a_layered_plan_and_the_host_limit():
     est = costs()
     layered = StagePlan.parse("4,3|1|3,4|layered", 8)
