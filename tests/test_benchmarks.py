@@ -381,3 +381,13 @@ def test_sliding_window_benchmark_tiles_with_less_memory_and_the_same_loss():
     dense, tiled = (mod.trial(2048, 64, d) for d in (True, False))
     assert tiled["loss"] == pytest.approx(dense["loss"], rel=1e-5)
     assert 0 < tiled["grown"] < dense["grown"]
+
+
+def test_small_layers_benchmark_table():
+    table, result = load("small_layers").run(
+        num=12, width=8, microbatches=4, steps=1, rounds=1, warmup=4
+    )
+    lines = table.splitlines()
+    assert lines[2].startswith("| profiler | plan | slots")
+    assert [ln.split("|")[1].strip() for ln in lines[4:]] == ["without overhead", "with overhead"]
+    assert set(result) == {"without overhead", "with overhead"}
