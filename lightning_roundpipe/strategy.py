@@ -973,7 +973,7 @@ class RoundPipeStrategy(ParallelStrategy):
             ]
             if not changed:
                 return
-            engine.reload_weights(changed)
+            engine.reload_weights(changed, evaluation=evaluation)
             log.debug("RoundPipe: %d parameter(s) changed outside a step, reloaded", len(changed))
         self._note_weights()
 
@@ -1178,8 +1178,15 @@ class RoundPipeStrategy(ParallelStrategy):
         """Validation, test and predict see the weights a checkpoint saved now
         would hold (with the asynchronous optimizer: after the queued step)."""
         if self.engine is not None:
-            self.engine.use_newest_weights()  # (drained: the groups too)
+            # (drained: the groups too; held: a forward with autograd inside the
+            # evaluation computes with them as well)
+            self.engine.use_newest_weights(hold=True)
             self.precision_plugin.merge_groups()
+            # weights changed in place since they were noted (a callback's
+            # on_validation_start, which runs before this one) are what the
+            # evaluation computes with: noting them alone would hide them (put
+            # back by its end, training goes on as if they never changed)
+            self._follow_weights(evaluation=True)
             self._note_weights()
             self._evaluating = True
 
@@ -1243,7 +1250,12 @@ class RoundPipeStrategy(ParallelStrategy):
         """After evaluation, what runs before the next training step (a
         generation in a callback) sees the weights training computes with."""
         if self.engine is not None:
+            # changes after the evaluation's last step (on_validation_epoch_end)
+            # too; then each weight changed during the evaluation is settled: put
+            # back (training goes on as if it never changed), or in every master copy
+            self._follow_weights(evaluation=True)
             self.engine.use_training_weights()
+            self._note_weights()
             self._evaluating = False
             # (asynchronous: the engine put the training weights back itself,
             # the one-update-behind ones where the next window reads them)
@@ -1480,12 +1492,23 @@ class _SettleUpdates(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._settle()
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # before the other callbacks' (the strategy's own hook runs after them):
+        # one that keeps the weights to put them back after the validation
+        # keeps the updated ones, not those before the queued update
+        self.strategy._newest_weights()
+
     def _settle(self) -> None:
         strategy = self.strategy
         strategy._drain()
-        if strategy.engine is not None and not strategy.engine.layout_changed():
+        engine = strategy.engine
+        if engine is not None and not engine.layout_changed():
             # (global pruning ranks by the masked weights: the settled ones)
-            strategy.engine.refresh_derived()
+            engine.refresh_derived()
+            # a forward in the hooks after this one (text sampled at the end of an
+            # epoch) computes with these weights, as the module holds them; the
+            # next training call goes back to the one-update-behind copies
+            engine.use_newest_weights()
 
 
 def _difference(ours: Any, theirs: Any) -> str:

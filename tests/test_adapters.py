@@ -2135,6 +2135,13 @@ def test_call_arguments_and_uses_the_pipeline_does_not_implement_are_refused():
             r"use_cache=False\) during a fit",
         ):
             attached(gpt2, lambda arg=arg: gpt2(ids, **{arg: object()}))
+    # asking for a cache back: the pipeline returns none, and a decoding loop
+    # feeding it back would compute its next token without the context
+    with pytest.raises(TypeError, match=r"use_cache=True asks for a key-value cache back"):
+        attached(gpt2, lambda: gpt2(ids, use_cache=True))
+    gpt2.config.use_cache = True  # the config's setting (the default) is fine: no cache back
+    assert attached(gpt2, lambda: gpt2(ids, use_cache=False).past_key_values) is None
+    assert attached(gpt2, lambda: gpt2(ids).past_key_values) is None
     # a MoE model without a router loss would return the routers' logits
     for kind in NO_ROUTER_LOSS:
         moe = tiny(kind)

@@ -541,6 +541,14 @@ class CausalLMAdapter(_Adapter):
                     f"{arg}, e.g. generate(..., use_cache=False) during a fit (after it, the "
                     "model is plain again and generates with its cache)"
                 )
+        if a.get("use_cache") and self._cache(None, True):
+            # (the config's use_cache, or none given, is fine: the output has no cache)
+            raise TypeError(
+                f"{name}: use_cache=True asks for a key-value cache back, which the RoundPipe "
+                "pipeline does not keep (the next call would compute without the context); "
+                "call the model without use_cache, e.g. generate(..., use_cache=False) during "
+                "a fit (after it, the model is plain again and generates with its cache)"
+            )
         if attention_mask is not None and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
         ):

@@ -515,7 +515,12 @@ class RoundPipeEngine:
         self._training_masters: dict[int, torch.Tensor] | None = None
         # evaluating with the newest weights (use_newest_weights)
         self._newest = False
+        # ... until use_training_weights() is called itself (use_newest_weights(hold=True))
+        self._holding = False
         self._reloaded_for_evaluation = False  # (see reload_weights)
+        # parameters changed in place during an evaluation (asynchronous mode):
+        # their master copy's values before (see reload_weights)
+        self._before_evaluation: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._host = HostState(
             layers,
@@ -1269,7 +1274,7 @@ class RoundPipeEngine:
     def reserve_iteration(self) -> int:
         """Take the next iteration number now (for a ``forward`` whose
         ``forward_backward`` follows later with the same dropout masks)."""
-        self.use_training_weights()
+        self._leave_newest()
         with self._lock:
             it = self._iteration
             self._iteration += 1
@@ -1383,7 +1388,7 @@ class RoundPipeEngine:
         if later and scale != "later":
             raise ValueError(f"scale must be a number or 'later', got {scale!r}")
         bsz, mbs = self._split(inputs)
-        self.use_training_weights()
+        self._leave_newest()
         m = len(mbs)
         labs = [None] * m if labels is None else split_microbatches(labels, m, bsz)
         if loss_weights is None:
@@ -1724,9 +1729,12 @@ class RoundPipeEngine:
             raise error
         return handle
 
-    def use_newest_weights(self) -> None:
+    def use_newest_weights(self, hold: bool = False) -> None:
         """Until the next training call, forward passes compute with the newest
-        weights: those in the parameters, which a checkpoint saves.
+        weights: those in the parameters, which a checkpoint saves. ``hold``:
+        until :meth:`use_training_weights` is called (an evaluation: a forward
+        with autograd inside it, for an input gradient, computes with them
+        too; no step may be taken meanwhile).
 
         For validation, test and predict. In asynchronous mode the master copies
         devices read are one update behind the parameters; this waits for every
@@ -1739,6 +1747,7 @@ class RoundPipeEngine:
         evaluated. Synchronous mode: nothing to do after
         :meth:`synchronize`, the master copies are the parameters."""
         self.synchronize()
+        self._holding = self._holding or hold
         if self.double_buffer:  # a master copy holds them (or will: rule 2 waits)
             self._newest = True
             return
@@ -1758,8 +1767,29 @@ class RoundPipeEngine:
         next training window uses again (puts back the master copies
         :meth:`use_newest_weights` set aside; the evaluation's outputs were all
         taken, so nothing reads them any more). Training calls do this
-        themselves."""
-        self._newest = False
+        themselves.
+
+        Asynchronous mode: a parameter changed in place during the evaluation
+        (:meth:`reload_weights` with ``evaluation=True``) and put back to its
+        values before (a callback that swapped weights in for the evaluation)
+        gets its master copies back, the one-update-behind one included, so
+        training goes on as if nothing had been evaluated; one still changed
+        goes into every master copy (training computes with it from the next
+        window)."""
+        self._newest = self._holding = False
+        before, self._before_evaluation = self._before_evaluation, {}
+        with torch.no_grad():
+            for p in self._host.params:
+                if p.index not in before:
+                    continue
+                value = before[p.index]
+                if torch.equal(p.param.detach().to(value.dtype), value):
+                    for m in p.masters:  # (the training copy: from kept below)
+                        m.copy_(value)
+                else:
+                    self._host.refresh_masters([p])
+                    if self._training_masters is not None:
+                        self._training_masters.pop(p.index, None)
         kept, self._training_masters = self._training_masters, None
         if self._reloaded_for_evaluation:
             # weights loaded for the evaluation only (an average swapped in and
@@ -1772,6 +1802,12 @@ class RoundPipeEngine:
                 for p in self._host.params:
                     if p.index in kept:
                         p.master_for(version).copy_(kept[p.index])
+
+    def _leave_newest(self) -> None:
+        """A training call: back to the training weights, unless an
+        evaluation holds the newest ones (:meth:`use_newest_weights`)."""
+        if not self._holding:
+            self.use_training_weights()
 
     def stale_weights(self) -> list[torch.Tensor]:
         """The master copies (the weights the next window computes with; in
@@ -1842,7 +1878,9 @@ class RoundPipeEngine:
         are for an evaluation alone (a weight-averaging callback's average):
         with the asynchronous optimizer the weights the next training window
         reads are set aside, and :meth:`use_training_weights` puts them back
-        with the parameters (the training weights by then) everywhere else."""
+        with the parameters (the training weights by then) everywhere else;
+        with ``params``, those of them put back to their values by then get
+        their master copies back, the one-update-behind ones included."""
         self.synchronize()
         if layers:
             for info in self._host.layers:
@@ -1863,9 +1901,23 @@ class RoundPipeEngine:
             return
         ids = {id(p) for p in params}
         chosen = [hp for hp in self._host.params if id(hp.param) in ids]
-        kept = self._training_masters or {}
-        for hp in chosen:  # set aside for an evaluation: the new weights replace them
-            kept.pop(hp.index, None)
+        if evaluation and self.async_optimizer:
+            # for this evaluation, perhaps: use_training_weights puts the master
+            # copies back if the parameters are put back by then
+            version = self._protocol.read_version(self._window)
+            kept = self._training_masters
+            if kept is None:
+                kept = self._training_masters = {}
+            for hp in chosen:
+                if hp.index not in self._before_evaluation:
+                    newest = hp.master_for(self._protocol.read_version(self._window, newest=True))
+                    self._before_evaluation[hp.index] = newest.clone()
+                    if hp.trainable and hp.index not in kept:
+                        kept[hp.index] = hp.master_for(version).clone()
+        else:
+            kept = self._training_masters or {}
+            for hp in chosen:  # set aside for an evaluation: the new weights replace them
+                kept.pop(hp.index, None)
         self._host.refresh_masters(chosen)
 
     @property

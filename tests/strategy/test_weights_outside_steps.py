@@ -285,3 +285,145 @@ def test_a_change_in_an_end_of_epoch_validation_reaches_the_next_step(double_buf
         losses[name] = record.train
     first = 4  # the second epoch's first batch (32 samples, batches of 8)
     assert losses["async"][first] == pytest.approx(losses["auto"][first], rel=1e-4)
+
+
+def _by_hand(module, x):
+    """The module's net on ``x`` from its parameters' values, without calling
+    it (during a fit its layers run in the pipeline)."""
+    w = [p.detach() for p in module.net.parameters()]
+    h = torch.tanh(torch.nn.functional.linear(x, w[0], w[1]))
+    h = torch.tanh(torch.nn.functional.linear(h, w[2], w[3]))
+    return torch.nn.functional.linear(h, w[4], w[5])
+
+
+class Swap(L.Callback):
+    """A hand-written average for validation: weights swapped in when the
+    validation starts and put back when it ends, through load_state_dict;
+    checks that the validation computes with the swapped-in weights."""
+
+    def __init__(self, start: str, end: str) -> None:
+        self.seen: list[tuple[float, float]] = []
+        setattr(self, start, self._swap_in)
+        setattr(self, end, self._put_back)
+
+    def _swap_in(self, trainer, module):
+        self.kept = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        module.load_state_dict({k: v * 0.9 for k, v in self.kept.items()})
+        x, y = seq_data(32)[:8]
+        self.expected = float(torch.nn.functional.mse_loss(_by_hand(module, x), y))
+
+    def _put_back(self, trainer, module):
+        self.seen.append((float(trainer.callback_metrics["val_loss"]), self.expected))
+        module.load_state_dict(self.kept)
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+@pytest.mark.parametrize(
+    "hooks",
+    [
+        ("on_validation_start", "on_validation_end"),
+        ("on_validation_epoch_start", "on_validation_epoch_end"),
+    ],
+)
+def test_weights_swapped_in_for_validation_and_put_back_leave_training_as_it_was(
+    hooks, double_buffer
+):
+    """Asynchronous: a callback's on_validation_start runs before the
+    strategy's, which waited for the queued update: the weights it kept (and
+    put back) were those before that update, which was lost. Weights put back
+    also made every master copy the newest weights, so the run was no longer
+    one update behind. Now the validation sees the swapped-in weights, and
+    the run trains exactly as one never validated."""
+    finals = {}
+    for swap in (False, True):
+        module = SeqModule(lr=0.05, extra=False)
+        strategy = RoundPipeStrategy(num_microbatches=2, double_buffer=double_buffer)
+        callbacks = [Swap(*hooks)] if swap else []
+        trainer = cpu_trainer(
+            strategy, max_epochs=2, callbacks=callbacks, num_sanity_val_steps=0,
+            limit_val_batches=1, val_check_interval=2,
+        )  # fmt: skip
+        data = seq_data(32)
+        trainer.fit(module, loader(data, 8), loader(data, 8))
+        finals[swap] = state(module)
+        if swap:
+            assert len(callbacks[0].seen) == 4
+            for got, expected in callbacks[0].seen:
+                assert got == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(finals[True], finals[False])
+
+
+@pytest.mark.parametrize("name", ["auto", "sync"])
+def test_weights_changed_when_validation_starts_are_what_it_computes_with(name):
+    """A change in on_validation_start (before the strategy's own hook) was
+    noted as seen by it and never copied in: validate computed with the old
+    weights."""
+    swap = Swap("on_validation_start", "on_validation_end")
+    data = seq_data(32)
+    cpu_trainer(
+        "auto" if name == "auto" else _sync(), callbacks=[swap], limit_val_batches=1
+    ).validate(SeqModule(lr=0.05, extra=False), loader(data, 8))
+    trainer = cpu_trainer(
+        "auto" if name == "auto" else _sync(), max_steps=2, callbacks=[swap],
+        num_sanity_val_steps=0, val_check_interval=1, limit_val_batches=1,
+    )  # fmt: skip
+    trainer.fit(SeqModule(lr=0.05, extra=False), loader(data, 8), loader(data, 8))
+    assert len(swap.seen) == 3
+    for got, expected in swap.seen:
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
+class ForwardAtTheEnd(SeqModule):
+    """A forward through the model where the fit settles its updates (the end
+    of an epoch, of training), and a validation step that takes an input
+    gradient (autograd on inside the evaluation): each computes with the
+    module's weights as they are then."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, extra=False)
+        self.pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def _compare(self, where):
+        x = seq_data(32)[:8][0]
+        with torch.no_grad():
+            self.pairs.append((where, self.net(x), _by_hand(self, x)))
+
+    def on_train_epoch_end(self):
+        self._compare("epoch end")
+
+    def on_train_end(self):
+        self._compare("train end")
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.enable_grad():  # (the input's gradient would be taken from it)
+            loss = torch.nn.functional.mse_loss(self.net(x.clone().requires_grad_(True)), y)
+        self.pairs.append(("grad in validation", loss.detach(), _loss_by_hand(self, batch)))
+        self.log("val_loss", loss.detach())
+        # a later call without autograd in the same validation
+        later = torch.nn.functional.mse_loss(self.net(x), y)
+        self.pairs.append(("after it", later, _loss_by_hand(self, batch)))
+
+
+def _loss_by_hand(module, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(_by_hand(module, x), y)
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_asynchronous_forwards_where_updates_are_settled_use_the_modules_weights(double_buffer):
+    """Asynchronous: a forward in on_train_epoch_end/on_train_end computed with
+    the one-update-behind copies, and a validation step with autograd on
+    switched the rest of the validation to them."""
+    module = ForwardAtTheEnd()
+    strategy = RoundPipeStrategy(num_microbatches=2, double_buffer=double_buffer)
+    trainer = cpu_trainer(
+        strategy, max_epochs=2, num_sanity_val_steps=0, limit_val_batches=2,
+        inference_mode=False,
+    )  # fmt: skip
+    data = seq_data(32)
+    trainer.fit(module, loader(data, 8), loader(data, 8))
+    kinds = {where for where, _, _ in module.pairs}
+    assert kinds == {"epoch end", "train end", "grad in validation", "after it"}
+    for where, got, expected in module.pairs:
+        torch.testing.assert_close(got, expected, msg=where)
