@@ -466,8 +466,11 @@ def _rebalance(costs: LayerCosts, plan: StagePlan, limit: float | None) -> Stage
     tol = t_max * 1e-9
 
     def ok(p: StagePlan) -> bool:
+        # (a cut on prefix sums taken the other way round can round one part
+        # over the memory limit into two: as many slots, or the objective grows)
+        same = p.num_slots == plan.num_slots
         fits = limit is None or max(p.stage_memory(costs)) <= limit
-        return fits and p.max_stage_time(costs) <= t_max + tol
+        return same and fits and p.max_stage_time(costs) <= t_max + tol
 
     fwd = (
         tuple(forward) if ok(StagePlan(tuple(forward), plan.fused, plan.backward)) else plan.forward

@@ -431,7 +431,8 @@ def _simulate_baseline(
         for kind, s, mb in _baseline_order(name, n, m, v, d):
             a, b = bounds[s], bounds[s + 1]
             fwd, bwd = costs.forward_time(a, b), costs.backward_time(a, b)
-            o = costs.task_overhead  # each operation's own host work, as in RoundPipe's
+            # each operation's own host work, as in RoundPipe's (an empty stage: none)
+            o = costs.task_overhead if b > a else 0.0
             if kind == "F":
                 op = _Op(("F", s, mb), d, [("F", fwd + o)], f"S{s}", mb)
                 if s > 0:

@@ -138,8 +138,9 @@ class Runtime:
         # while a stage computes (False: the device's room is all the stage's)
         self.prefetch = True
         self.hooks: list[Any] = []  # on the user's parameters; removed at close
-        # (device, layer) -> its LayerRandomness, shared by that device's workers
-        self.randomness: dict[tuple[str, int], Any] = {}
+        # (device, layer) -> the modes (training flag) in which a worker saw
+        # the layer draw random numbers, shared by that device's workers
+        self.randomness: dict[tuple[str, int], dict[bool, bool]] = {}
         self.closed = False
 
     def job_done(self, job: Job) -> None:

@@ -25,7 +25,6 @@ from ..plan import LayerCosts, PlanError
 
 __all__ = [
     "DeviceContext",
-    "GeneratorCheck",
     "LayerRandomness",
     "as_device",
     "check_uniform",
@@ -221,7 +220,7 @@ class _SeededOps(TorchDispatchMode):
 
 
 class LayerRandomness:
-    """Reproducible random numbers for one layer on one device (its workers share it).
+    """Reproducible random numbers for one worker's replica of one layer.
 
     A layer call draws its random numbers (dropout) from a generator seeded
     with its :func:`layer_seed`, exactly as ``torch.manual_seed(seed)`` before
@@ -239,39 +238,43 @@ class LayerRandomness:
     seeded from then on). CUDA workers seed the device's
     generator under a lock that covers kernel launches only (:func:`seeded`)."""
 
-    def __init__(self, device: torch.device, name: str, rated: bool = True) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        name: str,
+        rated: bool = True,
+        seen: dict[bool, bool] | None = None,
+    ) -> None:
         self.device = device
         self.name = name
         #: the layer has a dropout rate (:func:`draws_random` in any mode)
         self.rated = rated
         self.random: dict[bool, bool] = {}  # training flag -> draws random numbers
+        # shared by the workers' objects for this layer on this device: a mode
+        # in which any of them saw the layer draw (each worker's own first call
+        # in a mode still runs in the dispatch mode, whatever another's drew)
+        self.seen: dict[bool, bool] = {} if seen is None else seen
 
     @contextlib.contextmanager
-    def __call__(
-        self,
-        seed: int,
-        training: bool,
-        checkpointed: bool = False,
-        check: GeneratorCheck | None = None,
-    ) -> Iterator[None]:
+    def __call__(self, seed: int, training: bool, checkpointed: bool = False) -> Iterator[None]:
         """``checkpointed``: the layer recomputes part of itself in its backward
         (``torch.utils.checkpoint``, e.g. transformers' gradient checkpointing),
         which restores the default generator's state for the recompute: such a
-        layer draws from the default generator, seeded, under the lock.
-        ``check``: the :class:`GeneratorCheck` of the stretch of calls this one
-        belongs to (None: this call checks on its own)."""
+        layer draws from the default generator, seeded, under the lock."""
         if self.device.type != "cpu" or (checkpointed and training):
             with seeded(self.device, seed):
                 yield
             return
-        if self.random.get(training) is False:
-            own = check is None
-            if own:
-                check = GeneratorCheck()
-            check.add(self, training)
+        if self.random.get(training) is False and not self.seen.get(training):
+            gen = torch.default_generator
+            before = generator_state(gen).numpy().tobytes()
             yield
-            if own:
-                check.finish()
+            if before != generator_state(gen).numpy().tobytes():
+                # this layer, or another thread (the training loop drawing random
+                # numbers while workers compute), moved the default generator:
+                # seed this layer from now on, on every worker, to be safe
+                self.random[training] = self.seen[training] = True
+                log.debug("%s: default generator moved; seeding its calls from now on", self.name)
             return
         gen = torch.Generator()
         gen.manual_seed(seed)
@@ -282,53 +285,11 @@ class LayerRandomness:
         # layer with no dropout rate it does not count (CPU attention in every
         # Hugging Face block kept each in this mode for good, at about twice
         # its compute time); in one with a rate it does, whatever this call
-        # drew (a call may draw nothing, a later one will). Workers share
-        # this object: a first call that drew is never overwritten
+        # drew (a call may draw nothing, a later one will)
         drew = mode.used or (self.rated and mode.tagged)
-        self.random[training] = self.random.get(training, False) or drew
-
-    def moved(self, training: bool) -> None:
-        """The default generator moved across a call that ran untouched: this
-        layer, or another thread (the training loop drawing random numbers
-        while workers compute), drew from it; seed this layer from now on, to
-        be safe."""
-        if not self.random.get(training):
-            self.random[training] = True
-            log.debug("%s: default generator moved; seeding its calls from now on", self.name)
-
-
-def _default_state() -> bytes:
-    return generator_state(torch.default_generator).numpy().tobytes()
-
-
-class GeneratorCheck:
-    """That the CPU default generator did not move across a stretch of layer
-    calls on one thread (a stage for one micro-batch) in which layers seen to
-    draw nothing ran untouched; where it did, those layers are seeded from
-    then on (:meth:`LayerRandomness.moved`). One check per stretch rather
-    than per call: reading the state takes about 4 us, twice per call was a
-    tenth of a small layer's time on a CPU worker. A seeded layer between two
-    untouched ones leaves the default generator as it found it (it lends its
-    state under the lock and takes it back)."""
-
-    __slots__ = ("_before", "_calls")
-
-    def __init__(self) -> None:
-        self._before: bytes | None = None
-        self._calls: list[tuple[LayerRandomness, bool]] = []
-
-    def add(self, rng: LayerRandomness, training: bool) -> None:
-        """An untouched call of ``rng``'s layer is about to run."""
-        if self._before is None:
-            self._before = _default_state()
-        self._calls.append((rng, training))
-
-    def finish(self) -> None:
-        """After the stretch: flag its untouched layers if the generator moved."""
-        if self._before is not None and _default_state() != self._before:
-            for rng, training in self._calls:
-                rng.moved(training)
-        self._before, self._calls = None, []
+        self.random[training] = drew or self.random.get(training, False)
+        if drew:
+            self.seen[training] = True
 
 
 class _NullEvent:

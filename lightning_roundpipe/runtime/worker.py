@@ -51,7 +51,6 @@ from .calls import Call, Gain, Job, Runtime
 from .courier import Courier
 from .device import (
     DeviceContext,
-    GeneratorCheck,
     LayerRandomness,
     draws_random,
     holding_generator,
@@ -439,14 +438,14 @@ class Worker:
         reps.insert(0, rep)
         del reps[_STRUCTURES:]
         if layer not in self._rng:
-            # one per layer and device, shared by the workers on it: a draw one
-            # of them sees first (randomness that depends on the data) seeds
-            # every worker's calls of that layer from then on
-            self._rng[layer] = self.rt.randomness.setdefault(
-                (str(self.device), layer),
-                LayerRandomness(
-                    self.device, f"layer {layer}", draws_random(rep.module, any_mode=True)
-                ),
+            # the modes in which a worker saw the layer draw are shared by the
+            # device's workers: a draw one of them sees (randomness that
+            # depends on the data) seeds every worker's calls from then on
+            self._rng[layer] = LayerRandomness(
+                self.device,
+                f"layer {layer}",
+                draws_random(rep.module, any_mode=True),
+                seen=self.rt.randomness.setdefault((str(self.device), layer), {}),
             )
         return rep
 
@@ -857,7 +856,6 @@ class Worker:
         job_start = job.task.start if first is None else first
         call = job.call
         last = len(replicas) - 1
-        check = GeneratorCheck()
         for off, rep in enumerate(replicas):
             layer = job_start + off
             self._layer = layer
@@ -868,7 +866,7 @@ class Worker:
             self._checkpointing = self._checkpointing or checkpointed
             with (
                 self.ctx.on(self.ctx.compute),
-                self._rng[layer](seed, rep.module.training, checkpointed, check),
+                self._rng[layer](seed, rep.module.training, checkpointed),
             ):
                 counting = (
                     saved_bytes(rep.module, timer.saved, layer)
@@ -890,7 +888,6 @@ class Worker:
                     first.register_hook(timer.hook(layer + 1))
             if save is not None:
                 save(layer + 1, x)
-        check.finish()
         self._layer = None
         return x
 

@@ -132,6 +132,18 @@ def test_fast_partition_matches_exhaustive_reference(num_layers, seed):
             assert fast == ref
 
 
+def test_rebalancing_never_adds_a_slot():
+    """The backward cuts are balanced on prefix sums taken from the top: one
+    part's memory can round over the limit there (10.3 - 6.3 > 4) and split,
+    which gave 8 slots where the optimum has 7."""
+    costs = LayerCosts(
+        [1] * 6, [2] * 6, memory=[2, 2, 0.3, 3, 3, 3], task_overhead=10
+    )  # fmt: skip
+    plan = partition(costs, 2, 4, memory_limit=4)
+    assert str(plan) == "2,2,1|1|1,2,2" and plan.objective(costs, 2, 4) == 480
+    assert brute_force(costs, 2, 4, 4) == (480, plan.max_stage_time(costs))
+
+
 def test_task_overhead_makes_fewer_stages():
     # 64 small layers: without overhead the best plan has one-layer backward
     # stages; when each stage pays a host overhead of a few layers' worth, the

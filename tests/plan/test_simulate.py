@@ -1,5 +1,6 @@
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -134,6 +135,11 @@ def test_task_overhead_is_paid_once_per_stage_and_microbatch():
         ref = ref or simulate(name, bare, n, m)
         ops = m * (res.plan.num_slots if name == "roundpipe" else 2 * len(ref.stages))
         assert res.work == pytest.approx(ref.work + ops * o), name
+    # an empty stage (more stages than layers) has no operation to pay for
+    two = LayerCosts([1.0, 1.0], [2.0, 2.0], task_overhead=o)
+    sparse = simulate("gpipe", two, 4, 4, stages=[1, 1, 0, 0])
+    bare_sparse = simulate("gpipe", replace(two, task_overhead=0.0), 4, 4, stages=[1, 1, 0, 0])
+    assert sparse.work == pytest.approx(bare_sparse.work + 4 * 2 * 2 * o)
     one = simulate("roundpipe", costs, 1, m, plan="6,6|1|6,6")
     assert one.makespan == pytest.approx(
         simulate("roundpipe", bare, 1, m, plan="6,6|1|6,6").makespan + 5 * m * o

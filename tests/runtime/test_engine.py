@@ -244,29 +244,21 @@ def test_randomness_that_depends_on_the_data_is_seeded_once_seen(plan):
     assert not torch.equal(loss, reference(ref, high, y, loss_fn, 2, seed=3, iteration=1))
 
 
-def test_generator_check_reads_the_state_once_per_stretch(monkeypatch):
-    from lightning_roundpipe.runtime import device as dev
-
-    reads = []
-    real = dev._default_state
-    monkeypatch.setattr(dev, "_default_state", lambda: reads.append(1) or real())
-    rngs = [dev.LayerRandomness(CPU, f"layer {i}", rated=False) for i in range(3)]
-    for rng in rngs:
-        rng.random[True] = False  # seen to draw nothing
-    for draws in (False, True):
-        check = dev.GeneratorCheck()
-        reads.clear()
-        for i, rng in enumerate(rngs):
-            with rng(seed=i, training=True, check=check):
-                if draws and i == 1:
-                    torch.rand(1)
-        check.finish()
-        assert len(reads) == 2
-        # a draw anywhere in the stretch seeds every untouched layer of it
-        assert [r.random[True] for r in rngs] == [draws] * 3
-    with rngs[0](seed=0, training=False):  # (eval mode: not yet seen)
-        pass
-    assert rngs[0].random == {True: True, False: False}
+def test_a_workers_first_call_is_seeded_whatever_another_workers_drew():
+    """Micro-batch 0 (no draw) and 1 (a draw) run on two workers, one
+    micro-batch per round: the second worker's first call of the layer must
+    run in the seeding mode although the first worker's drew nothing."""
+    for trial in range(3):
+        torch.manual_seed(trial)
+        layers = [_Sometimes(), nn.Linear(8, 8), nn.Linear(8, 8)]
+        ref = copy.deepcopy(layers)
+        x, y = torch.cat([-torch.rand(2, 8), torch.rand(2, 8)]), torch.randn(4, 8)
+        loss_fn = nn.functional.mse_loss
+        with engine(layers, 2, 2, "1|2|1", seed=3, microbatches_per_round=1) as eng:
+            loss = eng.forward_backward(x, labels=y, loss_fn=loss_fn)
+            eng.synchronize()
+        torch.testing.assert_close(loss, reference(ref, x, y, loss_fn, 2, seed=3))
+        assert_grads_equal(layers, ref)
 
 
 def test_no_dropout_transformer_matches_plain_full_batch():
