@@ -36,6 +36,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
@@ -867,8 +868,18 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.fuse_optimizer and self._fuse(opt):
             log.info("RoundPipe: optimizer switched to torch's fused CPU kernel")
         original_zero = opt.zero_grad
+        cleared = [False]  # (a zero_grad ran: see optimizer_zero_grad below)
+
+        def drop_window() -> None:
+            # between the batches of an accumulation window the window's gradients
+            # are in the engine's buffers, not in .grad: drop them there, as
+            # zero_grad drops the earlier batches' in plain training
+            cleared[0] = True
+            if engine.has_pending_gradients:
+                engine.zero_grad()
 
         def zero_grad(set_to_none: bool = True) -> None:
+            drop_window()
             engine.call(lambda: original_zero(set_to_none=set_to_none))
 
         opt.zero_grad = zero_grad
@@ -881,9 +892,22 @@ class RoundPipeStrategy(ParallelStrategy):
             lopt.zero_grad = zero_grad
             self._restore.append(lambda lo=lopt: lo.__dict__.pop("zero_grad", None))
         module = self.lightning_module
+        own = type(module).optimizer_zero_grad
+        overridden = own is not LightningModule.optimizer_zero_grad
 
         def optimizer_zero_grad(epoch: int, batch_idx: int, optimizer: Any) -> None:
-            zero_grad(set_to_none=True)
+            if not overridden:
+                zero_grad(set_to_none=True)
+                return
+            cleared[0] = False
+            own(module, epoch, batch_idx, optimizer)  # (its zero_grad calls are routed)
+            if not cleared[0]:
+                raise MisconfigurationException(
+                    f"{type(module).__name__}.optimizer_zero_grad did not clear the gradients "
+                    f"(batch {batch_idx}): RoundPipe releases them after every optimizer step, "
+                    "so they cannot be carried into the next one; step less often with "
+                    "Trainer(accumulate_grad_batches=...) instead"
+                )
 
         module.optimizer_zero_grad = optimizer_zero_grad
         self._restore.append(lambda: module.__dict__.pop("optimizer_zero_grad", None))
@@ -892,6 +916,7 @@ class RoundPipeStrategy(ParallelStrategy):
         original_module_zero = module.zero_grad
 
         def module_zero_grad(set_to_none: bool = True) -> None:
+            drop_window()
             engine.call(lambda: original_module_zero(set_to_none=set_to_none))
 
         module.zero_grad = module_zero_grad

@@ -427,3 +427,64 @@ def test_asynchronous_forwards_where_updates_are_settled_use_the_modules_weights
     assert kinds == {"epoch end", "train end", "grad in validation", "after it"}
     for where, got, expected in module.pairs:
         torch.testing.assert_close(got, expected, msg=where)
+
+
+class ZeroGradHook(SeqModule):
+    """optimizer_zero_grad overridden: clears every batch (with
+    set_to_none=False), or every other one (gradients carried over)."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__(lr=0.05, extra=False)
+        self.every, self.calls = every, 0
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.calls += 1
+        if batch_idx % self.every == 0:
+            optimizer.zero_grad(set_to_none=False)
+
+
+def test_an_optimizer_zero_grad_override_is_called_and_one_that_keeps_gradients_refused():
+    """The strategy routed the hook to its own zero_grad: an override was
+    never called, and one that carries gradients into the next step trained
+    differently without a word (gradients are released after every step)."""
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = ZeroGradHook(every=1)
+        _fit(module, strategy, epochs=1)
+        assert module.calls == 4
+        got[name] = state(module)
+    torch.testing.assert_close(got["sync"], got["auto"])
+    with pytest.raises(
+        Exception,
+        match=r"ZeroGradHook\.optimizer_zero_grad did not clear the gradients \(batch 1\): "
+        r"RoundPipe releases them after every optimizer step.*accumulate_grad_batches",
+    ):
+        _fit(ZeroGradHook(every=2), _sync(), epochs=1)
+
+
+class ZeroGradMidWindow(SeqModule):
+    def __init__(self, how: str) -> None:
+        super().__init__(lr=0.05, extra=False)
+        self.how = how
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.how == "module":
+            self.zero_grad()
+
+    def training_step(self, batch, batch_idx):
+        if self.how == "optimizer":
+            self.optimizers().zero_grad()
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("how", ["module", "optimizer"])
+def test_zero_grad_between_the_batches_of_a_window_drops_the_earlier_ones(how):
+    """The window's gradients are in the engine's buffers, not in .grad: a
+    zero_grad between two batches of an accumulation window left them, and
+    the step used every batch instead of the last."""
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync())]:
+        module = ZeroGradMidWindow(how)
+        _fit(module, strategy, epochs=1, accumulate=2)
+        got[name] = state(module)
+    torch.testing.assert_close(got["sync"], got["auto"])
