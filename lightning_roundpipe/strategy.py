@@ -683,7 +683,7 @@ class RoundPipeStrategy(ParallelStrategy):
             _refuse_gradient_hooks(self.lightning_module, adapter.layers())
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
-        _warn_compiled(adapter.layers())
+        _warn_compiled(adapter.layers(), self.lightning_module)
         _warn_low_precision(adapter.layers(), self.precision_plugin.precision)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         seed = self.seed if self.seed is not None else torch.initial_seed()
@@ -873,9 +873,11 @@ class RoundPipeStrategy(ParallelStrategy):
         def drop_window() -> None:
             # between the batches of an accumulation window the window's gradients
             # are in the engine's buffers, not in .grad: drop them there, as
-            # zero_grad drops the earlier batches' in plain training
+            # zero_grad drops the earlier batches' in plain training (not while a
+            # batch's backward is to come: Lightning zeroes between a window's
+            # first training_step and its backward, which .grad does not see yet)
             cleared[0] = True
-            if engine.has_pending_gradients:
+            if engine.has_pending_gradients and not engine.awaiting_backward:
                 engine.zero_grad()
 
         def zero_grad(set_to_none: bool = True) -> None:
@@ -1604,9 +1606,25 @@ def _warn_low_precision(layers: list[nn.Module], precision: str) -> None:
         )
 
 
-def _warn_compiled(layers: list[nn.Module]) -> None:
+def _warn_compiled(layers: list[nn.Module], module: nn.Module) -> None:
     """``Module.compile()`` on a pipeline layer's module is not carried to the
-    workers' copies (``copy.deepcopy`` drops it): say so."""
+    workers' copies (``copy.deepcopy`` drops it), and ``torch.compile`` of a
+    module holding the stack traces the pipeline's own dispatch (locks,
+    threads), breaking its graph and recompiling on every call: say so."""
+    ours = {id(p) for layer in layers for p in layer.parameters()}
+    holders = [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+        and any(id(p) in ours for p in m.parameters())
+    ]
+    if holders:
+        rank_zero_warn(
+            f"RoundPipe: {', '.join(holders[:3])} was compiled with torch.compile and holds the "
+            "pipeline's layers: the compiler would trace the pipeline's dispatch (its graph "
+            "breaks at every hand-off and it recompiles, many times slower), while the layers "
+            "run uncompiled on the workers anyway; leave the model uncompiled under RoundPipe"
+        )
     compiled = sorted(
         {
             type(m).__name__

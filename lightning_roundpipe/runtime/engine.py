@@ -1586,6 +1586,13 @@ class RoundPipeEngine:
         return self._window_has_grads
 
     @property
+    def awaiting_backward(self) -> bool:
+        """Whether a training call of the current window still waits for its
+        loss's backward (``scale="later"``): its gradients are not the
+        earlier batches' yet."""
+        return self._caller_grads.awaiting(self._window)
+
+    @property
     def estimates(self) -> LayerCosts:
         """The per-layer costs planned with before measurements (size-based
         estimates, or the ``costs`` given), in the unit of :func:`estimate_costs`."""

@@ -156,6 +156,12 @@ class CallerGradients:
             store.lock.notify_all()
         self._wake_couriers()
 
+    def awaiting(self, window: int) -> bool:
+        """Whether a call of ``window`` still waits for its factor (its loss
+        not yet backpropagated)."""
+        with self._rt.store.lock:
+            return any(g.window == window and g.value is None for g in self._gains.values())
+
     def settle(self, window: int) -> None:
         """Gradients of ``window`` still waiting for a factor get 0: autograd
         never reached their loss (it was not part of what was backpropagated)."""

@@ -90,6 +90,18 @@ def test_a_compiled_layer_is_warned_about():
         trainer.fit(module, loader(seq_data(16), 8))
 
 
+def test_a_compiled_model_holding_the_layers_is_warned_about():
+    """torch.compile of the model traced the pipeline's dispatch (graph breaks
+    at every hand-off, recompiling: the first steps seconds each), silently."""
+    from lightning_roundpipe.strategy import _warn_compiled
+
+    module = SeqModule(extra=False)
+    layers = list(module.net)
+    module.net = torch.compile(module.net, backend="eager")  # (lazy: nothing compiles here)
+    with pytest.warns(UserWarning, match=r"RoundPipe: net was compiled with torch\.compile and "):
+        _warn_compiled(layers, module)
+
+
 @pytest.mark.parametrize("async_optimizer", [False, True])
 def test_peft_prefix_tuning_is_refused_in_both_modes(async_optimizer):
     """(async refused its prompt parameters saying "use roundpipe_sync",
