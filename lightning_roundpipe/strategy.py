@@ -927,6 +927,7 @@ class RoundPipeStrategy(ParallelStrategy):
         # the optimizer thread's own param_groups, see ThreadGroups)
         if self.async_optimizer:
             _warn_gradient_hooks(trainer, module)
+        _warn_after_backward(trainer, module)
 
     def _fuse(self, opt: Optimizer) -> bool:
         """``use_fused``, remembering the optimizer's own settings the first
@@ -1682,6 +1683,27 @@ def _refuse_gradient_hooks(
             "gradients on its workers' copies of the weights, so such hooks would never run. "
             "Remove them; to read or change gradients use on_before_optimizer_step with "
             "strategy='roundpipe_sync'"
+        )
+
+
+def _warn_after_backward(trainer: Any, module: Any) -> None:
+    """``on_after_backward`` runs after every backward, when the pipeline's
+    gradients are still in the engine's buffers (``.grad`` is None there, in
+    both modes): say so when the module or a callback overrides it."""
+    users = [f"{type(module).__name__}.on_after_backward"] * is_overridden(
+        "on_after_backward", module, LightningModule
+    )
+    users += [
+        f"{type(cb).__name__}.on_after_backward"
+        for cb in trainer.callbacks
+        if is_overridden("on_after_backward", cb, Callback)
+    ]
+    if users:
+        rank_zero_warn(
+            f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} overridden. Under "
+            "RoundPipe the pipeline layers' gradients are in its own buffers after a backward, "
+            "so their `.grad` there is None; read or change them in `on_before_optimizer_step` "
+            "with strategy='roundpipe_sync'."
         )
 
 

@@ -90,6 +90,19 @@ def test_a_compiled_layer_is_warned_about():
         trainer.fit(module, loader(seq_data(16), 8))
 
 
+def test_an_on_after_backward_override_is_warned_about():
+    """(.grad of the pipeline's weights is None there, in both modes: a
+    gradient-logging hook read nothing, silently)"""
+
+    class Logs(SeqModule):
+        def on_after_backward(self):
+            self.seen = [p.grad for p in self.net.parameters()]
+
+    trainer = cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1)
+    with pytest.warns(UserWarning, match=r"Logs\.on_after_backward is overridden\. Under Round"):
+        trainer.fit(Logs(extra=False), loader(seq_data(16), 8))
+
+
 def test_a_compiled_model_holding_the_layers_is_warned_about():
     """torch.compile of the model traced the pipeline's dispatch (graph breaks
     at every hand-off, recompiling: the first steps seconds each), silently."""
