@@ -1686,18 +1686,28 @@ def _refuse_gradient_hooks(
         )
 
 
+def _overridden(
+    trainer: Any, module: Any, module_hooks: tuple[str, ...], callback_hook: str
+) -> list[str]:
+    """``Class.hook`` for each of ``module_hooks`` the module overrides and each
+    callback overriding ``callback_hook``."""
+    users = [
+        f"{type(module).__name__}.{hook}"
+        for hook in module_hooks
+        if is_overridden(hook, module, LightningModule)
+    ]
+    return users + [
+        f"{type(cb).__name__}.{callback_hook}"
+        for cb in trainer.callbacks
+        if is_overridden(callback_hook, cb, Callback)
+    ]
+
+
 def _warn_after_backward(trainer: Any, module: Any) -> None:
     """``on_after_backward`` runs after every backward, when the pipeline's
     gradients are still in the engine's buffers (``.grad`` is None there, in
     both modes): say so when the module or a callback overrides it."""
-    users = [f"{type(module).__name__}.on_after_backward"] * is_overridden(
-        "on_after_backward", module, LightningModule
-    )
-    users += [
-        f"{type(cb).__name__}.on_after_backward"
-        for cb in trainer.callbacks
-        if is_overridden("on_after_backward", cb, Callback)
-    ]
+    users = _overridden(trainer, module, ("on_after_backward",), "on_after_backward")
     if users:
         rank_zero_warn(
             f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} overridden. Under "
@@ -1712,16 +1722,12 @@ def _warn_gradient_hooks(trainer: Any, module: Any) -> None:
     optimizer thread after the hooks Lightning runs before a step have run on
     the caller's thread, so those hooks cannot see them: say so when the module
     or a callback overrides one."""
-    users = [
-        f"{type(module).__name__}.{hook}"
-        for hook in ("on_before_optimizer_step", "configure_gradient_clipping")
-        if is_overridden(hook, module, LightningModule)
-    ]
-    users += [
-        f"{type(cb).__name__}.on_before_optimizer_step"
-        for cb in trainer.callbacks
-        if is_overridden("on_before_optimizer_step", cb, Callback)
-    ]
+    users = _overridden(
+        trainer,
+        module,
+        ("on_before_optimizer_step", "configure_gradient_clipping"),
+        "on_before_optimizer_step",
+    )
     if users:
         rank_zero_warn(
             f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} overridden. With "

@@ -1785,10 +1785,9 @@ class RoundPipeEngine:
         window)."""
         self._newest = self._holding = False
         before, self._before_evaluation = self._before_evaluation, {}
-        with torch.no_grad():
-            for p in self._host.params:
-                if p.index not in before:
-                    continue
+        changed = [p for p in self._host.params if p.index in before] if before else []
+        with torch.no_grad():  # (every training call comes here: nothing to do mostly)
+            for p in changed:
                 value = before[p.index]
                 if torch.equal(p.param.detach().to(value.dtype), value):
                     for m in p.masters:  # (the training copy: from kept below)
