@@ -30,6 +30,11 @@ becomes engine work:
   term weighted like its cross-entropy (see :mod:`.causal_lm`). Config
   settings and call arguments the pipeline layers do not implement are
   refused, never ignored.
+* :class:`SequenceClassifierAdapter`: their ``*ForSequenceClassification``
+  classes (reward models, classifiers): the same layers with the classifier's
+  ``score`` as the head, each row scored at its last non-padding token, and
+  the loss (regression, single- or multi-label) computed inside the pipeline
+  per micro-batch and weighted by its share of the labelled rows.
 
 Each family is one declarative :class:`Family` entry (:mod:`.families`); the
 adapter has no family branches. :func:`find_adapter` picks the adapter for a
@@ -41,6 +46,7 @@ plan strings use.
 from .._requirements import MIN_TRANSFORMERS, check_transformers
 from .base import LayerStackNotFound, SequentialAdapter
 from .causal_lm import CausalLMAdapter, causal_lm_loss
+from .classifier import SequenceClassifierAdapter, sequence_classification_loss
 from .families import FAMILIES, Family, RouterAux, Setting
 from .finding import find_adapter
 from .layers import is_packed
@@ -52,10 +58,12 @@ __all__ = [
     "Family",
     "LayerStackNotFound",
     "RouterAux",
+    "SequenceClassifierAdapter",
     "SequentialAdapter",
     "Setting",
     "causal_lm_loss",
     "check_transformers",
     "find_adapter",
     "is_packed",
+    "sequence_classification_loss",
 ]

@@ -213,6 +213,9 @@ class CausalLMAdapter(_Adapter):
     the way the model does (:func:`~.layout.check_config`)."""
 
     kind = "Hugging Face causal LM"
+    #: whether the model adds its family's router load-balancing loss (a
+    #: ``*ForCausalLM`` does; a sequence classifier does not)
+    router_loss = True
 
     def __init__(self, target: nn.Module, name: str) -> None:
         layout = layout_of(target)
@@ -227,7 +230,7 @@ class CausalLMAdapter(_Adapter):
         family = layout.family
         config = layout.config  # (a multimodal model's text config)
         self._signature = inspect.signature(type(target).forward)
-        aux = family.router_aux
+        aux = family.router_aux if self.router_loss else None
         self._experts = int(getattr(target, aux.experts)) if aux else 0
         self._aux_coef = float(getattr(target, aux.coef)) if aux else 0.0
         recorder = router_recorder(layout.base) if aux else None
@@ -293,26 +296,13 @@ class CausalLMAdapter(_Adapter):
                     mlp=family.mlp if _has_submodule(layer, family.mlp) else None,
                 )
             )
-        self._layers.append(
-            _Head(
-                layout.norm,
-                layout.lm_head,
-                scale=_scalar(target, family.logit_scale),
-                divisor=_scalar(target, family.logit_divisor),
-                softcap=_scalar(target, family.logit_softcap),
-                hidden_divisor=_scalar(target, family.hidden_divisor),
-                float_logits=family.float_logits,
-                project_out=layout.project_out,
-                cast_to_head=family.cast_to_head,
-                vocab=_scalar(target, family.logit_vocab),
-                pre=_AltUpOut(layout.base) if family.altup else layout.head_pre,
-            )
-        )
+        self._layers.append(self._head(target, layout))
         # transient elements per token of a loss chunk (the logits in the compute
         # dtype, their fp32 copy, its softmax and gradient) and of an MLP tile
         # (its intermediates and their gradients: about twice its active
         # parameters per hidden unit)
         self._vocab = int(config.vocab_size)
+        self._logit_width = self._vocab  # (the head's output per token)
         mlps = [d.layer.get_submodule(d.mlp) for d in self._layers[1:-1] if d.mlp is not None]
         hidden = int(config.hidden_size)
         self._mlp_width = max((2 * active_parameters(m) / hidden for m in mlps), default=0.0)
@@ -321,10 +311,35 @@ class CausalLMAdapter(_Adapter):
         )
         # numbers the model reads at every forward (a router coefficient or a
         # logit scale a callback anneals): read again at every call
-        embed, head = self._layers[0], self._layers[-1]
+        embed = self._layers[0]
         self._numbers = [
             (embed, "multiplier", target, family.embed_multiplier),
             (embed, "dropout_rate", layout.base, family.embed_dropout_rate),
+            *self._head_numbers(target),
+        ]
+
+    def _head(self, target: nn.Module, layout: Any) -> nn.Module:
+        """The last pipeline layer: the final norm and LM head, then what the
+        ``*ForCausalLM`` does to the logits."""
+        family = layout.family
+        return _Head(
+            layout.norm,
+            layout.lm_head,
+            scale=_scalar(target, family.logit_scale),
+            divisor=_scalar(target, family.logit_divisor),
+            softcap=_scalar(target, family.logit_softcap),
+            hidden_divisor=_scalar(target, family.hidden_divisor),
+            float_logits=family.float_logits,
+            project_out=layout.project_out,
+            cast_to_head=family.cast_to_head,
+            vocab=_scalar(target, family.logit_vocab),
+            pre=_AltUpOut(layout.base) if family.altup else layout.head_pre,
+        )
+
+    def _head_numbers(self, target: nn.Module) -> list[tuple[nn.Module, str, Any, Any]]:
+        """The head's numbers read again at every call (see ``_numbers``)."""
+        head, family = self._layers[-1], self.layout.family
+        return [
             (head, "scale", target, family.logit_scale),
             (head, "divisor", target, family.logit_divisor),
             (head, "softcap", target, family.logit_softcap),
@@ -427,6 +442,7 @@ class CausalLMAdapter(_Adapter):
                 dtype,
                 hidden=int(self.layout.config.hidden_size),
                 vocab=self._vocab,
+                logit_width=self._logit_width,
                 tiles=tiles,
                 loss=_LMLoss(self._aux_coef, self._experts) if loss else None,
                 mask=mask,
@@ -484,9 +500,13 @@ class CausalLMAdapter(_Adapter):
         """Each micro-batch's share of the batch's labelled tokens, so the sum
         of the weighted micro-batch losses is the model's loss (the one place
         the loss weighting is decided; a micro-batch's router loss, when on,
-        gets the same weight). No labelled token: NaN, as the model's own loss
-        is (0 / 0); refused first with ``nonfinite="raise"``."""
-        counts = [int((shifted(y) != -100).sum()) for y in labels]
+        gets the same weight)."""
+        return self._shares([int((shifted(y) != -100).sum()) for y in labels], "token")
+
+    def _shares(self, counts: list[int], what: str) -> list[float]:
+        """Each micro-batch's share of the batch's labelled ``what``s. None
+        labelled: NaN, as the model's own loss is (0 / 0); refused first with
+        ``nonfinite="raise"``."""
         total = sum(counts)
         if total:
             return [c / total for c in counts]
@@ -494,7 +514,7 @@ class CausalLMAdapter(_Adapter):
         # (fp16: the loss scaler skips the step, as Lightning's GradScaler does)
         if engine is not None and engine.nonfinite == "raise" and not engine.scaler.enabled:
             raise NonFiniteError(
-                f"{self.name}: the batch has no labelled token (every label is -100), so its "
+                f"{self.name}: the batch has no labelled {what} (every label is -100), so its "
                 "loss is NaN, as the model itself returns it; the weights were not updated. "
                 "Filter such batches out, or set nonfinite='skip' to skip their steps"
             )
@@ -532,7 +552,6 @@ class CausalLMAdapter(_Adapter):
         """Refuse call arguments the pipeline would otherwise ignore."""
         name = self.name
         attention_mask, labels = a.get("attention_mask"), a.get("labels")
-        logits_to_keep = a.get("logits_to_keep", 0)
         for arg in _CACHE_ARGS:
             if a.get(arg) is not None:
                 raise TypeError(
@@ -575,6 +594,7 @@ class CausalLMAdapter(_Adapter):
                 )
         if (
             a.get("output_router_logits")
+            and self.router_loss
             and self.layout.family.router_aux is None
             # (a MoE model records router logits even where its config has no such setting)
             and (hasattr(self.layout.config, "output_router_logits") or self._moe_output)
@@ -585,19 +605,25 @@ class CausalLMAdapter(_Adapter):
                 "router's logits, and the pipeline returns the loss and logits; call the model "
                 "without output_router_logits"
             )
-        if labels is not None and not _keeps_all(logits_to_keep):
+        if labels is not None:
+            self._check_labels(a)
+
+    def _check_labels(self, a: dict[str, Any]) -> None:
+        """Refuse a call with ``labels=`` whose loss the pipeline would not
+        compute as the model does."""
+        logits_to_keep = a.get("logits_to_keep", 0)
+        if not _keeps_all(logits_to_keep):
             raise TypeError(
-                f"{name}: logits_to_keep={logits_to_keep!r} with labels= is not supported by the "
-                "RoundPipe pipeline (the loss needs every position's logits); call the model "
+                f"{self.name}: logits_to_keep={logits_to_keep!r} with labels= is not supported by "
+                "the RoundPipe pipeline (the loss needs every position's logits); call the model "
                 "without logits_to_keep"
             )
-        if labels is not None:
-            _check_loss(self.target, name)
+        _check_loss(self.target, self.name)
 
     def _router_loss(self, a: dict[str, Any]) -> bool:
         """Whether this call adds the router load-balancing loss (the call's
         ``output_router_logits``, else the config's, as the model decides)."""
-        if self.layout.family.router_aux is None:
+        if self.layout.family.router_aux is None or not self.router_loss:
             return False
         on = a.get("output_router_logits")
         if on is None:
@@ -623,15 +649,19 @@ class CausalLMAdapter(_Adapter):
             if getattr(module, attr) != value:
                 setattr(module, attr, value)
         aux = self.layout.family.router_aux
-        if aux:
+        if aux and self.router_loss:
             self._aux_coef = float(getattr(self.target, aux.coef))
 
-    def call(self, *args: Any, **kwargs: Any) -> Any:
+    def _prepare(
+        self, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor, bool]:
+        """A call's arguments checked and turned into the pipeline's inputs:
+        ``(arguments by name, inputs, batch tensor, as_tuple)``; while
+        training, the engine has learnt the call's activation memory."""
         self._read_numbers()
         a = self._arguments(args, kwargs)
         input_ids, inputs_embeds = a.get("input_ids"), a.get("inputs_embeds")
         attention_mask, position_ids = a.get("attention_mask"), a.get("position_ids")
-        labels, logits_to_keep = a.get("labels"), a.get("logits_to_keep", 0)
         if (input_ids is None) ^ (inputs_embeds is not None):
             # the model's own check, with its message (the Llama family's)
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -668,16 +698,23 @@ class CausalLMAdapter(_Adapter):
                 if self._chunked:
                     _check_packed_chunks()
                 inputs["packed"] = True
-        router = self._router_loss(a)
-        if router:
+        if self._router_loss(a):
             inputs["router"] = True
-        engine = self.engine
         # autograd decides, not the mode: a model in eval() (as from_pretrained
         # returns it) trains with its dropout off, as in plain PyTorch
         training = torch.is_grad_enabled()
-        inputs.update(self.tile_sizes(loss=training and labels is not None))
+        loss = a.get("labels") is not None
+        inputs.update(self.tile_sizes(loss=training and loss))
         if training:
-            self._expect(inputs, batch, loss=labels is not None)
+            self._expect(inputs, batch, loss=loss)
+        return a, inputs, batch, as_tuple
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        a, inputs, _, as_tuple = self._prepare(args, kwargs)
+        labels, logits_to_keep = a.get("labels"), a.get("logits_to_keep", 0)
+        router = "router" in inputs
+        engine = self.engine
+        training = torch.is_grad_enabled()
         if training and labels is not None:
             # the gradient factor (Lightning's accumulation division, a scaled or
             # combined loss) is whatever autograd brings to the returned loss

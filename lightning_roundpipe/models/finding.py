@@ -9,12 +9,13 @@ from torch import nn
 
 from .base import LayerStackNotFound, SequentialAdapter, _Adapter
 from .causal_lm import CausalLMAdapter
+from .classifier import SequenceClassifierAdapter
 from .families import supported_families
-from .layout import layout_of, layout_problem
+from .layout import SEQUENCE_CLASSIFICATION, Layout, layout_of, layout_problem
 
 __all__ = ["find_adapter"]
 
-_WHAT = "an nn.Sequential or a Hugging Face decoder-only causal LM"
+_WHAT = "an nn.Sequential or a Hugging Face decoder-only causal LM (or sequence classifier)"
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module:
@@ -34,9 +35,16 @@ def _is_candidate(module: nn.Module) -> bool:
     return layout_of(module) is not None or (isinstance(module, nn.Sequential) and len(module) > 0)
 
 
+def _hf_adapter(module: nn.Module, layout: Layout, name: str) -> _Adapter:
+    if layout.task == SEQUENCE_CLASSIFICATION:
+        return SequenceClassifierAdapter(module, name)
+    return CausalLMAdapter(module, name)
+
+
 def _adapter_for(module: nn.Module, name: str) -> _Adapter | None:
-    if layout_of(module) is not None:
-        return CausalLMAdapter(module, name)
+    layout = layout_of(module)
+    if layout is not None:
+        return _hf_adapter(module, layout, name)
     if isinstance(module, nn.Sequential) and len(module) > 0:
         return SequentialAdapter(module, name)
     return None
@@ -148,7 +156,7 @@ def _named(root: nn.Module, layers: str) -> _Adapter:
         for name, owner in root.named_modules():
             layout = layout_of(owner)
             if layout is not None and layout.layers is module:
-                return CausalLMAdapter(owner, name)
+                return _hf_adapter(owner, layout, name)
     adapter = _adapter_for(module, layers)
     if adapter is not None:
         return adapter

@@ -1,5 +1,6 @@
-"""Following a Hugging Face causal LM's layout by its family entry, and the
-config settings the pipeline layers would not honour as the model does."""
+"""Following a Hugging Face causal LM's (or sequence classifier's) layout by its
+family entry, and the config settings the pipeline layers would not honour as
+the model does."""
 
 from __future__ import annotations
 
@@ -31,9 +32,29 @@ _GENERIC = (
 )
 
 
+# the sequence classifiers' forwards the adapter reproduces: the score of each
+# row's last non-padding token (or the last position, without a pad token) and
+# transformers' sequence-classification loss (tests compare every one of them)
+_LAST_TOKEN_SCORERS = frozenset(
+    {
+        "GenericForSequenceClassification",
+        "BloomForSequenceClassification",
+        "FalconForSequenceClassification",
+        "GPT2ForSequenceClassification",
+        "GPTBigCodeForSequenceClassification",
+        "GPTNeoForSequenceClassification",
+        "GPTNeoXForSequenceClassification",
+        "OPTForSequenceClassification",
+    }
+)
+CAUSAL_LM = "causal_lm"
+SEQUENCE_CLASSIFICATION = "sequence_classification"
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The modules of one causal LM, where its family entry says they are."""
+    """The modules of one causal LM, where its family entry says they are (of
+    a sequence classifier: its ``score`` is the head, ``task``)."""
 
     family: Family
     base: nn.Module
@@ -48,6 +69,7 @@ class Layout:
     project_in: nn.Module | None = None
     project_out: nn.Module | None = None
     head_pre: nn.Module | None = None
+    task: str = CAUSAL_LM
 
     @property
     def config(self) -> Any:
@@ -173,11 +195,48 @@ def _family_of(module: nn.Module) -> Family | None:
     return family
 
 
+def _forward_owner(module: nn.Module) -> type:
+    """The class whose ``forward`` the module runs (the first in its MRO
+    defining one)."""
+    return next(c for c in type(module).__mro__ if "forward" in vars(c))
+
+
+def _reproduced(module: nn.Module) -> bool:
+    """Whether the sequence classifier's forward is one the adapter
+    reproduces (:data:`_LAST_TOKEN_SCORERS`; not a subclass's own)."""
+    owner = _forward_owner(module)
+    return owner.__name__ in _LAST_TOKEN_SCORERS and owner.__module__.startswith("transformers.")
+
+
+def _is_sequence_classifier(module: nn.Module) -> bool:
+    """Whether the module is (a subclass of) a transformers sequence classifier."""
+    return any(
+        c.__name__.endswith("ForSequenceClassification")
+        and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    )
+
+
+def _head_path(module: nn.Module, family: Family) -> str:
+    """Where the head is: the LM head, or a sequence classifier's score."""
+    return "score" if _is_sequence_classifier(module) else family.lm_head
+
+
 def layout_of(module: nn.Module) -> Layout | None:
-    """The module's layout when it is a causal LM of a supported family laid
-    out as its entry says; else None (:func:`layout_problem` says why)."""
+    """The module's layout when it is a causal LM (or a sequence classifier)
+    of a supported family laid out as its entry says; else None
+    (:func:`layout_problem` says why)."""
     family = _family_of(module)
-    if family is None or any(_child(module, p) is None for p in family.module_paths()):
+    if family is None:
+        return None
+    task = CAUSAL_LM
+    if _is_sequence_classifier(module):
+        if not _reproduced(module):
+            return None
+        task = SEQUENCE_CLASSIFICATION
+    head = _child(module, _head_path(module, family))
+    paths = [p for p in family.module_paths() if p != family.lm_head]
+    if head is None or any(_child(module, p) is None for p in paths):
         return None
     base = _child(module, family.base)
     layers = _child(base, family.layers)
@@ -189,7 +248,7 @@ def layout_of(module: nn.Module) -> Layout | None:
         _child(base, family.embed),
         layers,
         _child(base, family.norm),
-        _child(module, family.lm_head),
+        head,
         _child(base, family.rotary),
         _child(base, family.positions),
         _child(base, family.embed_dropout),
@@ -197,6 +256,7 @@ def layout_of(module: nn.Module) -> Layout | None:
         _child(base, family.project_in),
         _child(base, family.project_out),
         _child(base, family.head_pre),
+        task,
     )
 
 
@@ -213,12 +273,26 @@ def layout_problem(module: nn.Module) -> str | None:
             f"a Hugging Face model with model_type {model_type!r}, which RoundPipe does not "
             f"support (supported: {_supported()})"
         )
-    missing = [p for p in family.module_paths() if _child(module, p) is None]
-    if family.lm_head in missing:
-        if not cls.endswith("Model"):  # a task head: sequence classification, QA, ...
+    head = _head_path(module, family)
+    needed = [head if p == family.lm_head else p for p in family.module_paths()]
+    missing = [p for p in needed if _child(module, p) is None]
+    if _is_sequence_classifier(module):
+        if not _reproduced(module):
+            owner = _forward_owner(module)
+            return (
+                f"a {cls} (model_type {model_type!r}) whose forward ({owner.__module__}."
+                f"{owner.__qualname__}) RoundPipe does not reproduce: it pipelines sequence "
+                "classifiers that score each row's last non-padding token with a 'score' head "
+                "(GenericForSequenceClassification's forward, as the *ForSequenceClassification "
+                "classes of transformers do); train this one with another strategy (e.g. "
+                "strategy='auto' or 'fsdp')"
+            )
+    elif family.lm_head in missing:
+        if not cls.endswith("Model"):  # a task head: QA, token classification, ...
             return (
                 f"a {cls} (model_type {model_type!r}), a model with a task head other than "
-                "the LM head; RoundPipe pipelines causal LMs only (the *ForCausalLM classes): "
+                "the LM head or a sequence classifier's; RoundPipe pipelines causal LMs (the "
+                "*ForCausalLM classes) and sequence classifiers (*ForSequenceClassification): "
                 "train this one with another strategy (e.g. strategy='auto' or 'fsdp'), or put "
                 "its layers in an nn.Sequential with the head and loss as the last layer"
             )
@@ -241,7 +315,7 @@ def layout_problem(module: nn.Module) -> str | None:
         )
     return (
         f"a {cls} (model_type {model_type!r}) whose layout RoundPipe cannot follow: the "
-        f"{family.name} entry needs the submodules {', '.join(family.module_paths())}, and "
+        f"{family.name} entry needs the submodules {', '.join(needed)}, and "
         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (found: {found})"
     )
 

@@ -144,8 +144,9 @@ class ActivationModel:
         hidden: the hidden size; ``element``: bytes of one element in the
             compute dtype.
         mlp_tile: tokens per MLP tile (None: never tiled).
-        vocab: the vocabulary; ``loss_chunk``: tokens per loss chunk (None:
-            the loss sees whole logits; their share is in ``saved``).
+        vocab: the head's outputs per token (the vocabulary; a classifier's
+            labels); ``loss_chunk``: tokens per loss chunk (None: the loss
+            sees whole logits; their share is in ``saved``).
         head_params: trainable parameters of the head (their fp32 gradients
             exist during a chunked loss).
         shared: per layer, bytes per position kept once per micro-batch
@@ -615,6 +616,7 @@ def probe_activations(
     hidden: int,
     vocab: int,
     tiles: dict[str, int],
+    logit_width: int | None = None,
     loss: Any = None,
     mask: bool = False,
     packed: bool = False,
@@ -630,8 +632,10 @@ def probe_activations(
     the adapter chose them for the real call, a padding ``mask``, ``packed``
     sequences, ``router`` statistics, the ``loss`` computed inside the head's
     stage); see :class:`ActivationModel`, whose ``attention`` heads are
-    given. ``prepare``: how to get a runnable CPU copy of a layer (default a
-    copy in ``dtype``; for a model on the meta device, one with random values).
+    given. ``vocab``: the token ids' range; ``logit_width``: the head's
+    outputs per token (default ``vocab``; a classifier's labels).
+    ``prepare``: how to get a runnable CPU copy of a layer (default a copy in
+    ``dtype``; for a model on the meta device, one with random values).
     ``memo``: the layers' probes (what a layer saved, its output and its
     backward's trace, by layer, length, sequences and MLP tiling), kept for
     the next call with the same ``dtype``, ``loss``, ``mask``, ``packed``,
@@ -745,7 +749,7 @@ def probe_activations(
         hidden=hidden,
         element=element,
         mlp_tile=mlp_tile,
-        vocab=vocab,
+        vocab=vocab if logit_width is None else logit_width,
         loss_chunk=loss_chunk,
         head_params=head_params,
         shared=tuple(shared),

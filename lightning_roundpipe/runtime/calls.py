@@ -64,6 +64,8 @@ class Call:
     profiler: Profiler | None = None  # set while this iteration is being profiled
     gain: Gain | None = None  # a factor for the weight gradients given later; None: 1
     input_grad: bool = False  # the first layer's input gradient is wanted too
+    # loss_fn returns (loss, output): the output comes back with the loss
+    with_outputs: bool = False
     version: int = 0  # its tasks read the weights after this many updates
     # its forward stages write running statistics back to the host (training
     # calls, unless an earlier forward-only pass of the iteration did; forward-

@@ -1340,7 +1340,8 @@ class RoundPipeEngine:
         loss_weights: Sequence[float] | Callable[[list[Any]], Sequence[float]] | None = None,
         iteration: int | None = None,
         input_grads: bool = False,
-    ) -> torch.Tensor:
+        with_outputs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Run forward, loss and backward of one batch through the pipeline.
 
         Args:
@@ -1366,13 +1367,19 @@ class RoundPipeEngine:
             input_grads: also compute the gradient with respect to the
                 floating-point tensors of ``inputs`` (embeddings from a trainable
                 module outside the pipeline); take it with :meth:`input_grads`.
+            with_outputs: ``loss_fn`` returns ``(loss, output)``: ``output``
+                (tensors of the micro-batch, small ones such as a classifier's
+                pooled logits; a copy, without gradient) comes back to the host
+                with the loss, and the call returns ``(loss, outputs)``, the
+                micro-batches' outputs concatenated along dimension 0.
 
         Returns:
             ``scale * sum_j weight_j * loss_j`` (without ``scale`` when it is
             ``"later"``) as a host float32 scalar (fp16
             loss scaling is internal and not included), available once every
             micro-batch's loss is known (backward stages may still be running;
-            ``synchronize`` waits for them).
+            ``synchronize`` waits for them); with ``with_outputs``, ``(loss,
+            outputs)``.
         """
         self._check()
         changed = self.trainable_changed()
@@ -1422,6 +1429,7 @@ class RoundPipeEngine:
             # (a reserved pass whose backward never came: forgotten after a while)
             self._state_written = {i for i in self._state_written if i > iteration}
             call.input_grad = input_grads
+            call.with_outputs = with_outputs
             if later:
                 call.gain = Gain(iteration, window)
             self._submit(call, self.plan, mbs, train=True)
@@ -1446,6 +1454,10 @@ class RoundPipeEngine:
         if kept:
             per_sample = kept / bsz
             self._boundary_per_sample = max(self._boundary_per_sample or 0.0, per_sample)
+        outputs = None
+        if with_outputs:
+            outputs = [out for _, out in losses]
+            losses = [loss for loss, _ in losses]
         per_mb = torch.stack([loss.reshape(()).float().cpu() for loss in losses])
         if (
             self.nonfinite == "raise"
@@ -1460,7 +1472,10 @@ class RoundPipeEngine:
                 "nonfinite='skip' to skip such steps, or look for the cause (learning rate, "
                 "data, precision)"
             )
-        return per_mb.sum() if later else per_mb.sum() * float(scale)
+        total = per_mb.sum() if later else per_mb.sum() * float(scale)
+        if outputs is None:
+            return total
+        return total, merge_microbatches(outputs, [batch_size_of(x) for x in mbs])
 
     def input_grads(self, iteration: int) -> list[torch.Tensor | None]:
         """The gradient of a ``forward_backward(..., input_grads=True)`` call's

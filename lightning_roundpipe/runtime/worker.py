@@ -1122,7 +1122,17 @@ class Worker:
             top = replicas[base - t.start :]
             loss = self._layers(job, j, top, x, timer=timer, finish=finish, first=base)
             del x
+            kept = None
             with self.ctx.on(self.ctx.compute), self._guard():
+                if call.with_outputs:
+                    if not isinstance(loss, tuple) or len(loss) != 2:
+                        raise TypeError(
+                            "with with_outputs=True, loss_fn must return (loss, output), got "
+                            f"{type(loss).__name__}"
+                        )
+                    loss, kept = loss
+                    # (a copy: nothing computed later may change it in place)
+                    kept = map_tensors(lambda v: v.detach().clone(), kept)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     what = (
                         type(loss).__name__
@@ -1135,7 +1145,8 @@ class Worker:
                         "make the last layer return the loss"
                     )
                 weighted = loss.reshape(()) * call.weights[j]
-                self._save(job, "loss", j, weighted.detach().float(), fresh=False)
+                value = weighted.detach().float()
+                self._save(job, "loss", j, value if kept is None else (value, kept), fresh=False)
                 self._record(job, j, "F", mark)
                 mark = self._mark()
                 if timer is not None:
@@ -1145,7 +1156,7 @@ class Worker:
                     # in fp32: an fp16 loss times a 2^16 loss scale would overflow
                     with self._backward_guard():
                         (weighted.float() * call.scale).backward()
-            del loss, weighted
+            del loss, weighted, kept
         if inputs:
             box, leaves = [leaves], []
             leaves = self._descend(job, j, replicas, inputs, box, timer)

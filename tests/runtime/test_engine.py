@@ -644,6 +644,32 @@ def test_bad_loss_is_reported():
         eng.close()
 
 
+def test_forward_backward_gives_the_loss_functions_outputs_back():
+    """with_outputs: loss_fn returns (loss, output); the outputs of every
+    micro-batch come back, put together along the batch, without gradient,
+    and the loss is the weighted micro-batch losses' sum, as without them."""
+    torch.manual_seed(0)
+    layers = mlp()
+    ref = copy.deepcopy(layers)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    eng = engine(layers, 2, 3)
+    try:
+
+        def loss_fn(out, lab):
+            return nn.functional.mse_loss(out, lab), out * 2
+
+        loss, outs = eng.forward_backward(x, labels=y, loss_fn=loss_fn, with_outputs=True)
+        eng.synchronize()
+        with pytest.raises(WorkerError, match=r"loss_fn must return \(loss, output\), got Tensor"):
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss, with_outputs=True)
+    finally:
+        eng.close()
+    expected = nn.Sequential(*ref)(x)
+    torch.testing.assert_close(outs, expected.detach() * 2)
+    assert not outs.requires_grad
+    torch.testing.assert_close(loss, nn.functional.mse_loss(expected, y).detach())
+
+
 def test_closed_engine_refuses_work_and_threads_are_joined():
     before = threading.active_count()
     eng = engine(mlp(), 4, 4)

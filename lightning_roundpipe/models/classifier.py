@@ -1,0 +1,264 @@
+"""The adapter for Hugging Face sequence classifiers (``*ForSequenceClassification``
+of the supported families, also wrapped by PEFT): reward models, sentiment or
+preference classifiers fine-tuned from a causal LM.
+
+The pipeline layers are the causal LM adapter's (:mod:`.causal_lm`), but the
+head is the final norm and the classifier's ``score`` (what the family's
+``*Model`` does after its last block, none of what a ``*ForCausalLM`` does to
+its logits). The model scores every position and keeps each row's score at its
+last non-padding token (the last position without a pad token): which position
+that is, is decided on the host from ``input_ids``, as the model decides it.
+Called with ``labels=`` while training, the loss (transformers'
+sequence-classification loss: regression, single- or multi-label, by
+``config.problem_type`` decided as the model decides it) is computed inside the
+pipeline per micro-batch and weighted by its share of the batch's labelled
+rows, so it equals the unsplit model's loss; the pooled logits come back with it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from .base import _anchor, _from_pipeline, _give_factor, _needing_grad
+from .causal_lm import CausalLMAdapter
+from .layers import _AltUpOut, _Head
+from .layout import SEQUENCE_CLASSIFICATION, _forward_owner
+
+__all__ = ["SequenceClassifierAdapter", "sequence_classification_loss"]
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def problem_type(config: Any, labels: torch.Tensor) -> str:
+    """``config.problem_type``, set first (as the model sets it, once) from
+    the number of labels and the labels' dtype when it is None."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    return config.problem_type
+
+
+def sequence_classification_loss(
+    pooled: torch.Tensor,
+    labels: torch.Tensor,
+    problem: str,
+    num_labels: int,
+    empty: float | None = 0.0,
+) -> torch.Tensor:
+    """Transformers' sequence-classification loss of the pooled logits
+    (computed in fp32): mean squared error (``regression``), cross-entropy
+    over the rows whose label is not -100 (``single_label_classification``;
+    with none: ``empty``, or NaN with ``empty=None`` as the model's own loss),
+    or binary cross-entropy with logits (``multi_label_classification``)."""
+    fn = nn.functional
+    labels = labels.to(pooled.device)
+    pooled = pooled.float()
+    if problem == "regression":
+        if num_labels == 1:
+            return fn.mse_loss(pooled.squeeze(), labels.squeeze().float())
+        return fn.mse_loss(pooled, labels.float())
+    if problem == "single_label_classification":
+        target = labels.reshape(-1)
+        count = (target != -100).sum()
+        total = fn.cross_entropy(
+            pooled.reshape(-1, num_labels), target, ignore_index=-100, reduction="sum"
+        )
+        return total / (count if empty is None else count.clamp(min=1))
+    return fn.binary_cross_entropy_with_logits(pooled, labels.float())
+
+
+def _pool(scores: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Each row's score at its last non-padding position."""
+    last = last.to(scores.device)
+    return scores[torch.arange(scores.shape[0], device=scores.device), last]
+
+
+class _ClassifierLoss:
+    """The pipeline's loss function: the loss of a micro-batch's pooled
+    scores, which come back with it (``with_outputs``)."""
+
+    def __init__(self, problem: str, num_labels: int) -> None:
+        self.problem = problem
+        self.num_labels = num_labels
+
+    def __call__(self, scores: torch.Tensor, labels: dict[str, torch.Tensor]) -> Any:
+        pooled = _pool(scores, labels["last"])
+        loss = sequence_classification_loss(pooled, labels["labels"], self.problem, self.num_labels)
+        return loss, pooled
+
+
+class _NoGradient(torch.autograd.Function):
+    """Logits that came back with a loss computed inside the pipeline: they
+    are the model's, but a loss built from them cannot reach the weights."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            "a backward reached the logits a RoundPipe sequence classifier returned with "
+            "labels=: its loss (out.loss) was computed, and its backward run, inside the "
+            "pipeline, so a term built from out.logits cannot reach the weights. Use the "
+            "logits for metrics only (detached), or call the model without labels= and "
+            "compute the whole loss from out.logits"
+        )
+
+
+class SequenceClassifierAdapter(CausalLMAdapter):
+    """A Hugging Face ``*ForSequenceClassification`` of a supported family
+    whose forward pools the last non-padding token's score (see
+    :mod:`.classifier`; optionally inside PEFT)."""
+
+    kind = "Hugging Face sequence classifier"
+    router_loss = False  # (a classifier adds no router load-balancing loss)
+
+    def __init__(self, target: nn.Module, name: str) -> None:
+        super().__init__(target, name)
+        if self.layout.task != SEQUENCE_CLASSIFICATION:
+            raise ValueError(
+                f"{name}: a {type(target).__name__} is not a sequence classifier; use "
+                "CausalLMAdapter"
+            )
+        self._logit_width = int(target.config.num_labels)
+        # whether the forward computes the loss with the model's loss_function
+        # (else inline, with the same losses)
+        forward = inspect.unwrap(_forward_owner(target).forward)
+        self._uses_loss_function = "loss_function" in forward.__code__.co_names
+        self._warned_embeds = False
+
+    def _head(self, target: nn.Module, layout: Any) -> nn.Module:
+        """The final norm (and what the family's ``*Model`` does after its
+        last block) and the score, for every position."""
+        family = layout.family
+        return _Head(
+            layout.norm,
+            layout.lm_head,
+            project_out=layout.project_out,
+            pre=_AltUpOut(layout.base) if family.altup else layout.head_pre,
+        )
+
+    def _head_numbers(self, target: nn.Module) -> list[tuple[nn.Module, str, Any, Any]]:
+        return []  # (the logit scales are the *ForCausalLM's)
+
+    def tiles_for(self, budget: int, dtype: torch.dtype, loss: bool = True) -> dict[str, int]:
+        """Block tiles as a causal LM's; no loss chunks (a few scores per token)."""
+        return super().tiles_for(budget, dtype, loss=False)
+
+    def activation_model(self, dtype: torch.dtype, tiles: dict[str, int], **kwargs: Any) -> Any:
+        """As a causal LM's, with the head's scores and no loss in the probes
+        (the loss of a few scores per token adds nothing worth measuring)."""
+        kwargs["loss"] = False
+        return super().activation_model(dtype, tiles, **kwargs)
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        values = super()._arguments(args, kwargs)
+        if values.get("logits_to_keep") is not None:
+            raise TypeError(
+                f"{self.name}: logits_to_keep is not an argument of a sequence classifier (it "
+                "returns one row of scores per sequence); call the model without it"
+            )
+        return values
+
+    def _check_labels(self, a: dict[str, Any]) -> None:
+        """Refuse a loss the pipeline would not compute as the model does: a
+        ``loss_function`` of the user's, an unknown ``config.problem_type``."""
+        config = self.target.config
+        if config.problem_type not in (None, *PROBLEM_TYPES):
+            raise ValueError(
+                f"{self.name}: config.problem_type={config.problem_type!r} is not one of "
+                f"{', '.join(map(repr, PROBLEM_TYPES))}; set config.problem_type to one of them "
+                "(or None to let the labels decide)"
+            )
+        if not self._uses_loss_function:
+            return
+        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+
+        fn = self.target.loss_function
+        if fn is not ForSequenceClassificationLoss:
+            raise ValueError(
+                f"{self.name}: the model's loss_function is {getattr(fn, '__name__', fn)!r}, but "
+                "with labels= the RoundPipe pipeline computes transformers' sequence-"
+                "classification loss (ForSequenceClassificationLoss); call the model without "
+                "labels= and compute the loss from the logits"
+            )
+
+    def _last_tokens(self, a: dict[str, Any], batch: torch.Tensor) -> torch.Tensor:
+        """Each row's last non-padding position (the model's rule: the
+        rightmost token that is not the pad token, left or right padding
+        alike; the last position without a pad token or with embeddings)."""
+        config = self.target.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        pad, rows, seq = text.pad_token_id, int(batch.shape[0]), int(batch.shape[1])
+        if pad is None and rows != 1:
+            # the model's own check, with its message
+            raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
+        ids = a.get("input_ids")
+        if pad is None or ids is None:
+            if pad is not None and not self._warned_embeds:
+                self._warned_embeds = True
+                rank_zero_warn(
+                    f"{self.name}: {type(self.target).__name__} does not detect padding tokens "
+                    "in inputs_embeds (as the model itself): each row is scored at its last "
+                    "position"
+                )
+            return torch.full((rows,), seq - 1, dtype=torch.long)
+        positions = torch.arange(seq, device=ids.device)
+        return (positions * (ids != pad)).argmax(-1).cpu()
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        a, inputs, batch, as_tuple = self._prepare(args, kwargs)
+        labels = a.get("labels")
+        last = self._last_tokens(a, batch)
+        config, engine = self.target.config, self.engine
+        num_labels = int(config.num_labels)
+        problem = None if labels is None else problem_type(config, labels)
+        training = torch.is_grad_enabled()
+        if training and labels is not None:
+            # the gradient factor is whatever autograd brings to the returned
+            # loss, as for a causal LM
+            loss, pooled = engine.forward_backward(
+                inputs,
+                labels={"labels": labels, "last": last},
+                loss_fn=_ClassifierLoss(problem, num_labels),
+                loss_weights=lambda ys: self._row_weights(ys, problem),
+                scale="later",
+                input_grads=bool(_needing_grad(inputs)),
+                with_outputs=True,
+            )
+            loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
+            return self._output(as_tuple, loss=loss, logits=_NoGradient.apply(_anchor(), pooled))
+        if training:
+            scores = self._outputs_with_backward(inputs)
+            return self._output(as_tuple, logits=_pool(scores, last))
+        pooled = _pool(engine.forward(inputs), last)
+        loss = None
+        if labels is not None:
+            loss = sequence_classification_loss(pooled, labels, problem, num_labels, empty=None)
+        return self._output(as_tuple, loss=loss, logits=pooled)
+
+    def _row_weights(self, labels: list[dict[str, torch.Tensor]], problem: str) -> list[float]:
+        """Each micro-batch's share of the batch's labelled rows (single-label:
+        those whose label is not -100; else every row, each with all its
+        labels)."""
+        if problem == "single_label_classification":
+            counts = [int((y["labels"].reshape(-1) != -100).sum()) for y in labels]
+            return self._shares(counts, "row")
+        return self._shares([int(y["last"].shape[0]) for y in labels], "row")
+
+    def _output(self, as_tuple: bool, aux_loss: torch.Tensor | None = None, **fields: Any) -> Any:
+        """``SequenceClassifierOutputWithPast`` (its tuple with ``as_tuple``)."""
+        from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+        out = SequenceClassifierOutputWithPast(**fields)
+        return out.to_tuple() if as_tuple else out

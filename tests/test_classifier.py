@@ -1,0 +1,363 @@
+"""Hugging Face sequence classifiers (``*ForSequenceClassification``) through the
+pipeline: scores, losses and training equal the model's own, under plain
+Lightning training of the same model."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import lightning as L
+import pytest
+import torch
+import transformers
+from test_adapters import (
+    QUIET,
+    TINY,
+    VOCAB,
+    Holder,
+    _transformers_class,
+    assert_same_weights,
+    sync,
+)
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSIFIERS,
+)
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.models import (
+    LayerStackNotFound,
+    SequenceClassifierAdapter,
+    find_adapter,
+    sequence_classification_loss,
+)
+from lightning_roundpipe.models.layout import _LAST_TOKEN_SCORERS
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+SEQ, PAD = 10, 0
+
+
+def _classifier_class(kind: str) -> type | None:
+    model_type = _transformers_class(TINY[kind][0]).model_type
+    name = CLASSIFIERS.get(model_type)
+    return None if name is None else getattr(transformers, name, None)
+
+
+def _reproduced(cls: type) -> bool:
+    owner = next(c for c in cls.__mro__ if "forward" in vars(c))
+    return owner.__name__ in _LAST_TOKEN_SCORERS
+
+
+@functools.cache
+def _kinds() -> tuple[list[str], list[str]]:
+    """The tested families with a sequence classifier: those the pipeline
+    reproduces, those it refuses."""
+    found = [(k, c) for k in TINY if (c := _classifier_class(k)) is not None]
+    return [k for k, c in found if _reproduced(c)], [k for k, c in found if not _reproduced(c)]
+
+
+def classifier(kind: str, num_labels: int = 3, **settings) -> nn.Module:
+    """A tiny sequence classifier of the family (random weights, seeded)."""
+    config_cls, _, base = TINY[kind]
+    config = _transformers_class(config_cls)(
+        **{
+            "bos_token_id": None,
+            "eos_token_id": None,
+            **base,
+            **settings,
+            "num_labels": num_labels,
+            "pad_token_id": PAD,
+        }
+    )
+    cls = _classifier_class(kind)
+    torch.manual_seed(0)
+    try:
+        return cls._from_config(config, attn_implementation="sdpa")
+    except ValueError:  # no sdpa
+        torch.manual_seed(0)
+        return cls._from_config(config, attn_implementation="eager")
+
+
+def data(problem: str = "single", num_labels: int = 3, n: int = 8) -> TensorDataset:
+    """Token ids padded with the pad token at the right end of some rows and
+    the left end of others; labels of the problem type (a single-label row
+    left unlabelled, -100)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, SEQ - 3 :] = 0
+    mask[1::4, :2] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    if problem == "single":
+        labels = torch.randint(0, num_labels, (n,), generator=g)
+        labels[n // 2 + 1] = -100
+    elif problem == "multi":
+        labels = torch.randint(0, 2, (n, num_labels), generator=g).float()
+    else:
+        labels = torch.randn(n, generator=g)
+    return TensorDataset(ids, mask, labels)
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, model: nn.Module, with_labels: bool = True, lr: float = 0.5) -> None:
+        super().__init__()
+        self.model = model
+        self.with_labels = with_labels
+        self.lr = lr
+        self.losses: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.validated: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        if self.with_labels:
+            out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+            loss = out.loss
+        else:  # the loss computed outside the model, from its logits
+            out = self.model(input_ids=ids, attention_mask=mask)
+            loss = nn.functional.cross_entropy(out.logits, labels)
+        self.losses.append(loss.detach().clone())
+        self.logits.append(out.logits.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+        self.validated.append((out.loss.clone(), out.logits.clone()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def fit(module, strategy, dataset, devices=1, steps=3, validate=False):
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        limit_val_batches=2 if validate else 0,
+        num_sanity_val_steps=0,
+        **QUIET,
+    )
+    loader = DataLoader(dataset, batch_size=4)
+    trainer.fit(module, loader, loader if validate else None)
+    return trainer
+
+
+def trains_like_the_default_strategy(ref: Classifier, dataset, strategy=None, validate=False):
+    mod = Classifier(copy.deepcopy(ref.model), ref.with_labels, ref.lr)
+    before = [p.detach().clone() for p in ref.parameters()]
+    fit(ref, "auto", dataset, validate=validate)
+    fit(mod, strategy or sync(), dataset, devices=2, validate=validate)
+    torch.testing.assert_close(torch.stack(mod.losses), torch.stack(ref.losses))
+    torch.testing.assert_close(
+        torch.stack(mod.logits), torch.stack(ref.logits), atol=1e-5, rtol=1e-4
+    )
+    assert_same_weights(mod, ref)
+    assert any(not torch.equal(a, b) for a, b in zip(before, ref.parameters(), strict=True))
+    assert len(mod.validated) == len(ref.validated)
+    for (loss, logits), (ref_loss, ref_logits) in zip(mod.validated, ref.validated, strict=True):
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
+    return mod
+
+
+def test_the_tested_families_have_classifiers_to_test():
+    reproduced, refused = _kinds()
+    assert len(reproduced) >= 45 and {"llama", "qwen3", "gpt2", "opt", "gpt_neox"} <= set(
+        reproduced
+    )
+    assert "cohere_compass_text" in refused  # (its own pooling: mean, first token)
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("llama", "single"),
+        ("llama", "multi"),
+        ("llama", "regression"),
+        ("qwen3_moe", "single"),  # (no router loss: a classifier adds none)
+        ("gemma3_text", "single"),  # (no logit soft-capping: the *ForCausalLM's)
+        ("minicpm3", "multi"),  # (no hidden divisor: the *ForCausalLM's)
+        # the classifiers with forwards of their own
+        ("gpt2", "single"),
+        ("opt", "regression"),
+        ("gpt_neox", "single"),
+        ("bloom", "single"),
+        ("falcon", "multi"),
+        ("gpt_bigcode", "single"),
+        ("gpt_neo", "single"),
+    ],
+)
+def test_sequence_classifiers_train_like_the_default_strategy(kind, problem):
+    """Losses (each micro-batch weighted by its share of the labelled rows),
+    the pooled logits that come back with them, the weights, and evaluation's
+    loss and logits, under roundpipe_sync on 2 CPU workers and plain
+    Lightning."""
+    num_labels = 1 if problem == "regression" else 3
+    model = classifier(kind, num_labels)
+    # (regression at 0.5 diverges: its third loss is then rounding)
+    ref = Classifier(model, lr=0.05 if problem == "regression" else 0.5)
+    trains_like_the_default_strategy(ref, data(problem, num_labels), validate=True)
+    expected = {"single": "single_label_classification", "multi": "multi_label_classification"}
+    assert model.config.problem_type == expected.get(problem, "regression")
+
+
+@pytest.mark.parametrize("kind", _kinds()[0])
+def test_every_family_classifier_scores_like_the_model(kind):
+    """Evaluation: the pooled scores and the loss of the model's own forward,
+    over two micro-batches on two CPU workers."""
+    model = classifier(kind).eval()
+    ids, mask, labels = data().tensors
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, labels=labels)
+    adapter = SequenceClassifierAdapter(model, "model")
+    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2) as engine:
+        adapter.attach(engine)
+        try:
+            with torch.no_grad():
+                got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        finally:
+            adapter.detach()
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.loss, expected.loss)
+
+
+def test_a_loss_from_the_logits_trains_like_the_default_strategy():
+    """Called without labels= while training: the pooled logits carry the
+    pipeline's backward."""
+    # (at 0.5 the embeddings grow to 30 in three steps, and rounding with them)
+    ref = Classifier(classifier("qwen3"), with_labels=False, lr=0.1)
+    trains_like_the_default_strategy(ref, data())
+
+
+def test_lora_classifier_trains_like_the_default_strategy():
+    """PEFT's task_type="SEQ_CLS": LoRA in the blocks, the score a trainable
+    copy (modules_to_save) beside the frozen original."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(classifier("qwen3"), config)
+    mod = trains_like_the_default_strategy(Classifier(model), data())
+    assert mod.trainer.strategy._adapter.name == "model.base_model.model"
+
+
+def test_asynchronous_classifier_trains_and_evaluates():
+    mod = Classifier(classifier("llama"), lr=0.05)
+    before = [p.detach().clone() for p in mod.parameters()]
+    strategy = RoundPipeStrategy(num_microbatches=2, plan="2|2|2")
+    fit(mod, strategy, data(), devices=2, validate=True)
+    assert len(mod.losses) == 3 and all(math.isfinite(float(x)) for x in mod.losses)
+    assert mod.validated and all(math.isfinite(float(loss)) for loss, _ in mod.validated)
+    assert any(not torch.equal(a, b) for a, b in zip(before, mod.parameters(), strict=True))
+
+
+def test_the_loss_function_matches_transformers():
+    from transformers.loss.loss_utils import ForSequenceClassificationLoss
+
+    g = torch.Generator().manual_seed(0)
+    pooled = torch.randn(5, 3, generator=g)
+    cases = [
+        ("single_label_classification", torch.tensor([0, 2, -100, 1, 1]), 3, pooled),
+        ("multi_label_classification", torch.randint(0, 2, (5, 3), generator=g).float(), 3, pooled),
+        ("regression", torch.randn(5, generator=g), 1, pooled[:, :1]),
+        ("regression", torch.randn(5, 3, generator=g), 3, pooled),
+    ]
+    for problem, labels, num_labels, logits in cases:
+        config = transformers.PretrainedConfig(num_labels=num_labels, problem_type=problem)
+        expected = ForSequenceClassificationLoss(labels, logits, config)
+        got = sequence_classification_loss(logits, labels, problem, num_labels)
+        torch.testing.assert_close(got, expected, msg=problem)
+    unlabelled = torch.full((5,), -100)
+    problem = "single_label_classification"
+    assert float(sequence_classification_loss(pooled, unlabelled, problem, 3)) == 0.0
+    assert math.isnan(float(sequence_classification_loss(pooled, unlabelled, problem, 3, None)))
+
+
+def attached(model: nn.Module, fn, microbatches: int = 2):
+    adapter = SequenceClassifierAdapter(model, "model")
+    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, microbatches) as engine:
+        adapter.attach(engine)
+        try:
+            return fn()
+        finally:
+            adapter.detach()
+
+
+def test_embeddings_are_scored_at_the_last_position_with_a_warning():
+    model = classifier("llama").eval()
+    ids, mask, _ = data().tensors
+    embeds = model.get_input_embeddings()(ids).detach()
+    with torch.no_grad():
+        expected = model(inputs_embeds=embeds, attention_mask=mask).logits
+    with pytest.warns(UserWarning, match=r"does not detect padding tokens in inputs_embeds"):
+        got = attached(model, lambda: model(inputs_embeds=embeds, attention_mask=mask).logits)
+    torch.testing.assert_close(got, expected)
+
+
+def test_classifier_refusals_name_what_to_change():
+    model = classifier("llama")
+    ids, mask, labels = data(n=4).tensors
+
+    def call(**kwargs):
+        return attached(model, lambda: model(input_ids=ids, attention_mask=mask, **kwargs))
+
+    with pytest.raises(TypeError, match=r"logits_to_keep is not an argument of a sequence"):
+        call(logits_to_keep=1)
+    model.config.problem_type = "ranking"
+    with pytest.raises(ValueError, match=r"config\.problem_type='ranking' is not one of"):
+        call(labels=labels)
+    model.config.problem_type = None
+    own = model.loss_function
+    model.loss_function = lambda **kwargs: torch.zeros(())
+    with pytest.raises(ValueError, match=r"computes transformers' sequence-classification loss"):
+        call(labels=labels)
+    model.loss_function = own
+    model.config.pad_token_id = None
+    with pytest.raises(ValueError, match=r"Cannot handle batch sizes > 1 if no padding token"):
+        call(labels=labels)
+    model.config.pad_token_id = PAD
+    # a term built from the logits returned with labels= cannot reach the weights
+
+    class LogitsTerm(Classifier):
+        def training_step(self, batch, batch_idx):
+            ids, mask, labels = batch
+            out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+            return out.loss + out.logits.square().mean()
+
+    with pytest.raises(RuntimeError, match=r"a term built from out\.logits cannot reach"):
+        fit(LogitsTerm(model), sync(), data(), devices=2)
+
+
+def test_classifiers_whose_forward_is_not_reproduced_are_refused():
+    """A subclass with its own forward, a classifier that pools otherwise
+    (Cohere Compass: mean or first-token pooling), and task heads other than
+    a sequence classifier's."""
+    model = classifier("llama")
+    cls = type(model)
+    own = type("MyClassifier", (cls,), {"forward": cls.forward, "__module__": "user_models"})
+    model.__class__ = own
+    with pytest.raises(
+        LayerStackNotFound,
+        match=r"'model' is a MyClassifier \(model_type 'llama'\) whose forward "
+        r"\(user_models\.MyClassifier\) RoundPipe does not reproduce: it pipelines sequence "
+        r"classifiers that score each row's last non-padding token",
+    ):
+        find_adapter(Holder(model=model))
+    model.__class__ = type("Renamed", (cls,), {"__module__": "user_models"})  # same forward
+    assert isinstance(find_adapter(Holder(model=model)), SequenceClassifierAdapter)
+    for kind in _kinds()[1]:
+        with pytest.raises(LayerStackNotFound, match=r"RoundPipe does not reproduce"):
+            find_adapter(Holder(model=classifier(kind)))
+    qa = transformers.LlamaForQuestionAnswering(classifier("llama").config)
+    with pytest.raises(
+        LayerStackNotFound,
+        match=r"'model' is a LlamaForQuestionAnswering \(model_type 'llama'\), a model with a "
+        r"task head other than the LM head or a sequence classifier's",
+    ):
+        find_adapter(Holder(model=qa))
