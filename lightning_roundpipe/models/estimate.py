@@ -57,7 +57,8 @@ from ..runtime.host import (
 from ..runtime.options import PRECISION_ALIASES, PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
 from .attention import attention_heads
-from .causal_lm import CausalLMAdapter
+from .classifier import SequenceClassifierAdapter
+from .finding import hf_adapter
 from .memory import ActivationModel, applied_tiles, longest_sequence, value_bytes
 
 __all__ = ["Estimate", "estimate", "load_config"]
@@ -186,10 +187,22 @@ class ConfigError(ValueError):
     """The model cannot be built from the config (the command line names the file)."""
 
 
+def _model_class(config: Any) -> Any:
+    """What builds the model of ``config``: the sequence classifier its
+    ``architectures`` name (a reward model's config), else its causal LM."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if name.endswith("ForSequenceClassification") and cls is not None:
+            return cls
+    return _causal_lm_class(config)
+
+
 def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
     import transformers
 
-    cls = _causal_lm_class(config)
+    cls = _model_class(config)
     build = cls.from_config if cls is transformers.AutoModelForCausalLM else cls._from_config
     try:
         with torch.device("meta"):
@@ -208,12 +221,13 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         # return a tensor (the routers of PhiMoE and Llama 4 subclass nn.Linear
         # and return routing tuples, which a LoRA wrapper cannot add to)
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
-        # (and but those PEFT refuses LoRA on in this model: Mamba projections)
+        # (and but those PEFT refuses LoRA on in this model: Mamba projections;
+        # and a classifier's score, which PEFT's SEQ_CLS trains whole)
         left_out = [
             name
             for name, m in model.named_modules()
             if isinstance(m, nn.Linear)
-            and (not _returns_a_tensor(m) or _peft_refuses(lora, model, name))
+            and (not _returns_a_tensor(m) or _peft_refuses(lora, model, name) or name == "score")
         ]
         lora.exclude_modules = left_out or None
         with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
@@ -602,7 +616,7 @@ def estimate(
             f"give a rank of at most {hidden}"
         )
     model = _meta_model(config, lora_rank)
-    adapter = CausalLMAdapter(model, "model")
+    adapter = hf_adapter(model, "model")
     settings = adapter.layout.config  # (a multimodal model's text config)
     layers = adapter.layers()
     sizes = estimate_costs(layers, dtype)
@@ -865,7 +879,8 @@ def estimate(
             window_seconds=device_step,
         )
     return Estimate(
-        model=name or getattr(config, "model_type", "model"),
+        model=(name or getattr(config, "model_type", "model"))
+        + (f" ({type(model).__name__})" if isinstance(adapter, SequenceClassifierAdapter) else ""),
         parameters=params,
         trainable=trainable,
         gpus=gpus,

@@ -13,7 +13,7 @@ from .classifier import SequenceClassifierAdapter
 from .families import supported_families
 from .layout import SEQUENCE_CLASSIFICATION, Layout, layout_of, layout_problem
 
-__all__ = ["find_adapter"]
+__all__ = ["find_adapter", "hf_adapter"]
 
 _WHAT = "an nn.Sequential or a Hugging Face decoder-only causal LM (or sequence classifier)"
 
@@ -35,8 +35,11 @@ def _is_candidate(module: nn.Module) -> bool:
     return layout_of(module) is not None or (isinstance(module, nn.Sequential) and len(module) > 0)
 
 
-def _hf_adapter(module: nn.Module, layout: Layout, name: str) -> _Adapter:
-    if layout.task == SEQUENCE_CLASSIFICATION:
+def hf_adapter(module: nn.Module, name: str, layout: Layout | None = None) -> CausalLMAdapter:
+    """The adapter of a Hugging Face model: its sequence classifier's or its
+    causal LM's (refusing what neither can pipeline)."""
+    layout = layout_of(module) if layout is None else layout
+    if layout is not None and layout.task == SEQUENCE_CLASSIFICATION:
         return SequenceClassifierAdapter(module, name)
     return CausalLMAdapter(module, name)
 
@@ -44,7 +47,7 @@ def _hf_adapter(module: nn.Module, layout: Layout, name: str) -> _Adapter:
 def _adapter_for(module: nn.Module, name: str) -> _Adapter | None:
     layout = layout_of(module)
     if layout is not None:
-        return _hf_adapter(module, layout, name)
+        return hf_adapter(module, name, layout)
     if isinstance(module, nn.Sequential) and len(module) > 0:
         return SequentialAdapter(module, name)
     return None
@@ -156,7 +159,7 @@ def _named(root: nn.Module, layers: str) -> _Adapter:
         for name, owner in root.named_modules():
             layout = layout_of(owner)
             if layout is not None and layout.layers is module:
-                return _hf_adapter(owner, layout, name)
+                return hf_adapter(owner, name, layout)
     adapter = _adapter_for(module, layers)
     if adapter is not None:
         return adapter
