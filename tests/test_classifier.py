@@ -102,17 +102,22 @@ def data(problem: str = "single", num_labels: int = 3, n: int = 8) -> TensorData
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, model: nn.Module, with_labels: bool = True, lr: float = 0.5) -> None:
+    def __init__(
+        self, model: nn.Module, with_labels: bool = True, lr: float = 0.5, label_shape=None
+    ) -> None:
         super().__init__()
         self.model = model
         self.with_labels = with_labels
         self.lr = lr
+        self.label_shape = label_shape  # the labels reshaped to it in training_step
         self.losses: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.validated: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def training_step(self, batch, batch_idx):
         ids, mask, labels = batch
+        if self.label_shape is not None:
+            labels = labels.reshape(self.label_shape)
         if self.with_labels:
             out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
             loss = out.loss
@@ -149,7 +154,7 @@ def fit(module, strategy, dataset, devices=1, steps=3, validate=False):
 
 
 def trains_like_the_default_strategy(ref: Classifier, dataset, strategy=None, validate=False):
-    mod = Classifier(copy.deepcopy(ref.model), ref.with_labels, ref.lr)
+    mod = Classifier(copy.deepcopy(ref.model), ref.with_labels, ref.lr, ref.label_shape)
     before = [p.detach().clone() for p in ref.parameters()]
     fit(ref, "auto", dataset, validate=validate)
     fit(mod, strategy or sync(), dataset, devices=2, validate=validate)
@@ -234,6 +239,18 @@ def test_a_loss_from_the_logits_trains_like_the_default_strategy():
     # (at 0.5 the embeddings grow to 30 in three steps, and rounding with them)
     ref = Classifier(classifier("qwen3"), with_labels=False, lr=0.1)
     trains_like_the_default_strategy(ref, data())
+
+
+@pytest.mark.parametrize(("problem", "shape"), [("regression", (1, -1)), ("single", (-1, 1))])
+def test_labels_of_one_value_per_row_in_another_shape_train_like_the_default_strategy(
+    problem, shape
+):
+    """The model flattens (single-label) or squeezes (one regression label)
+    the whole batch's labels, so a (1, batch) or (batch, 1) tensor works: the
+    pipeline puts the batch first before splitting it."""
+    num_labels = 1 if problem == "regression" else 3
+    ref = Classifier(classifier("llama", num_labels), lr=0.05, label_shape=shape)
+    trains_like_the_default_strategy(ref, data(problem, num_labels))
 
 
 def test_lora_classifier_trains_like_the_default_strategy():
@@ -322,6 +339,27 @@ def test_classifier_refusals_name_what_to_change():
     with pytest.raises(ValueError, match=r"Cannot handle batch sizes > 1 if no padding token"):
         call(labels=labels)
     model.config.pad_token_id = PAD
+    # labels the model would refuse, or broadcast across the batch
+    with pytest.raises(TypeError, match=r"'single_label_classification' needs integer class"):
+        call(labels=labels.float())
+    model.config.problem_type = "multi_label_classification"
+    with pytest.raises(TypeError, match=r"needs floating-point labels .*pass labels\.float\(\)"):
+        call(labels=torch.ones(4, 3, dtype=torch.long))
+    with pytest.raises(
+        ValueError,
+        match=r"labels of shape \(4,\) do not fit a batch of 4 rows with "
+        r"config\.problem_type='multi_label_classification' and num_labels=3; give labels of "
+        r"shape \(4, 3\)",
+    ):
+        call(labels=torch.ones(4))
+    model.config.problem_type = "regression"
+    with pytest.raises(ValueError, match=r"labels of shape \(2, 2\) do not fit a batch of 4"):
+        call(labels=torch.ones(2, 2))
+    # labels computed by a trainable module: their gradient would be lost
+    target = torch.ones(4, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"labels= requires a gradient, but the RoundPipe"):
+        call(labels=target * 2)
+    model.config.problem_type = None
     # a term built from the logits returned with labels= cannot reach the weights
 
     class LogitsTerm(Classifier):

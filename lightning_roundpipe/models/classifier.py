@@ -180,6 +180,7 @@ class SequenceClassifierAdapter(CausalLMAdapter):
                 f"{', '.join(map(repr, PROBLEM_TYPES))}; set config.problem_type to one of them "
                 "(or None to let the labels decide)"
             )
+        a["labels"] = self._batch_labels(a)
         if not self._uses_loss_function:
             return
         from transformers.loss.loss_utils import ForSequenceClassificationLoss
@@ -192,6 +193,55 @@ class SequenceClassifierAdapter(CausalLMAdapter):
                 "classification loss (ForSequenceClassificationLoss); call the model without "
                 "labels= and compute the loss from the logits"
             )
+
+    def _batch_labels(self, a: dict[str, Any]) -> torch.Tensor:
+        """The call's labels, checked, with the batch first as the pipeline
+        splits them: one value per row (single-label class indices; regression
+        targets of one label) or a row of ``num_labels`` targets each. Refused
+        where the model would fail or broadcast them across the batch, and
+        when they require a gradient (the loss is computed inside the
+        pipeline, from a copy)."""
+        labels, name = a["labels"], self.name
+        config = self.target.config
+        num_labels = int(config.num_labels)
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"{name}: labels must be a tensor, got {type(labels).__name__}")
+        if labels.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name}: labels= requires a gradient, but the RoundPipe pipeline computes the "
+                "loss on its workers from a copy of the labels, so no gradient would reach "
+                "what computed them; detach the labels, or call the model without labels= and "
+                "compute the loss from out.logits"
+            )
+        ids = a.get("input_ids")
+        rows = int((ids if ids is not None else a["inputs_embeds"]).shape[0])
+        problem = problem_type(config, labels)
+        if problem == "single_label_classification":
+            if labels.is_floating_point() or labels.dtype == torch.bool:
+                raise TypeError(
+                    f"{name}: config.problem_type='single_label_classification' needs integer "
+                    f"class indices as labels (-100: none), got {labels.dtype}; pass "
+                    "labels.long(), or set problem_type='multi_label_classification' for a "
+                    "target per label"
+                )
+            per_row, expected = 1, f"({rows},) or ({rows}, 1): a class index per row"
+        elif problem == "regression" and num_labels == 1:
+            per_row, expected = 1, f"({rows},) or ({rows}, 1): a target per row"
+        else:
+            if problem == "multi_label_classification" and not labels.is_floating_point():
+                raise TypeError(
+                    f"{name}: config.problem_type='multi_label_classification' needs "
+                    f"floating-point labels (a 0/1 target per label), got {labels.dtype}, "
+                    "which the model's binary cross-entropy refuses; pass labels.float()"
+                )
+            per_row, expected = num_labels, f"({rows}, {num_labels}): {num_labels} targets per row"
+        if labels.numel() != rows * per_row or (per_row > 1 and labels.shape != (rows, per_row)):
+            raise ValueError(
+                f"{name}: labels of shape {tuple(labels.shape)} do not fit a batch of {rows} rows "
+                f"with config.problem_type={problem!r} and num_labels={num_labels}; give labels "
+                f"of shape {expected}"
+            )
+        return labels.reshape(rows) if per_row == 1 else labels
 
     def _last_tokens(self, a: dict[str, Any], batch: torch.Tensor) -> torch.Tensor:
         """Each row's last non-padding position (the model's rule: the
@@ -222,7 +272,7 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         last = self._last_tokens(a, batch)
         config, engine = self.target.config, self.engine
         num_labels = int(config.num_labels)
-        problem = None if labels is None else problem_type(config, labels)
+        problem = None if labels is None else config.problem_type  # (set by _check_labels)
         training = torch.is_grad_enabled()
         if training and labels is not None:
             # the gradient factor is whatever autograd brings to the returned
