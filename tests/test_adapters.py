@@ -2227,16 +2227,16 @@ def test_a_known_family_laid_out_otherwise_is_refused_naming_what_is_missing():
     ) as err:
         find_adapter(Holder(base=base))
     assert len(str(err.value)) < 600  # (it listed all the supported families)
-    from transformers import LlamaForTokenClassification
+    from transformers import LlamaForQuestionAnswering
 
-    tagger = LlamaForTokenClassification(tiny("llama").config)
+    reader = LlamaForQuestionAnswering(tiny("llama").config)
     with pytest.raises(
         LayerStackNotFound,
-        match=r"'tagger' is a LlamaForTokenClassification \(model_type 'llama'\), a model "
-        r"with a task head other than the LM head or a sequence classifier's; RoundPipe "
-        r"pipelines causal LMs .* and sequence classifiers .*strategy='auto'",
+        match=r"'reader' is a LlamaForQuestionAnswering \(model_type 'llama'\), a model "
+        r"with a task head other than the LM head or a classifier's; RoundPipe "
+        r"pipelines causal LMs .* and sequence and token classifiers .*strategy='auto'",
     ):
-        find_adapter(Holder(tagger=tagger))
+        find_adapter(Holder(reader=reader))
 
 
 def mlp(width: int, depth: int = 2) -> nn.Sequential:

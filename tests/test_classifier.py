@@ -26,41 +26,52 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSIFIERS,
 )
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES as TAGGERS,
+)
 
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.models import (
     LayerStackNotFound,
     SequenceClassifierAdapter,
+    TokenClassifierAdapter,
     find_adapter,
     sequence_classification_loss,
+    token_classification_loss,
 )
-from lightning_roundpipe.models.layout import _LAST_TOKEN_SCORERS
+from lightning_roundpipe.models.layout import _TASKS
 from lightning_roundpipe.runtime import RoundPipeEngine
 
 SEQ, PAD = 10, 0
 
 
-def _classifier_class(kind: str) -> type | None:
+def _classifier_class(kind: str, tokens: bool = False) -> type | None:
     model_type = _transformers_class(TINY[kind][0]).model_type
-    name = CLASSIFIERS.get(model_type)
+    name = (TAGGERS if tokens else CLASSIFIERS).get(model_type)
     return None if name is None else getattr(transformers, name, None)
 
 
-def _reproduced(cls: type) -> bool:
+def _reproduced(cls: type, tokens: bool = False) -> bool:
     owner = next(c for c in cls.__mro__ if "forward" in vars(c))
-    return owner.__name__ in _LAST_TOKEN_SCORERS
+    return owner.__name__ in _TASKS[int(tokens)].reproduced
 
 
 @functools.cache
-def _kinds() -> tuple[list[str], list[str]]:
-    """The tested families with a sequence classifier: those the pipeline
-    reproduces, those it refuses."""
-    found = [(k, c) for k in TINY if (c := _classifier_class(k)) is not None]
-    return [k for k, c in found if _reproduced(c)], [k for k, c in found if not _reproduced(c)]
+def _kinds(tokens: bool = False) -> tuple[list[str], list[str]]:
+    """The tested families with a sequence (or token) classifier: those the
+    pipeline reproduces, those it refuses."""
+    found = [(k, c) for k in TINY if (c := _classifier_class(k, tokens)) is not None]
+    return (
+        [k for k, c in found if _reproduced(c, tokens)],
+        [k for k, c in found if not _reproduced(c, tokens)],
+    )
 
 
-def classifier(kind: str, num_labels: int = 3, **settings) -> nn.Module:
-    """A tiny sequence classifier of the family (random weights, seeded)."""
+def classifier(kind: str, num_labels: int = 3, tokens: bool = False, **settings) -> nn.Module:
+    """A tiny sequence (or token) classifier of the family (random weights,
+    seeded; a token classifier's dropout off)."""
+    if tokens:
+        settings = {"classifier_dropout": 0.0, **settings}
     config_cls, _, base = TINY[kind]
     config = _transformers_class(config_cls)(
         **{
@@ -72,7 +83,7 @@ def classifier(kind: str, num_labels: int = 3, **settings) -> nn.Module:
             "pad_token_id": PAD,
         }
     )
-    cls = _classifier_class(kind)
+    cls = _classifier_class(kind, tokens)
     torch.manual_seed(0)
     try:
         return cls._from_config(config, attn_implementation="sdpa")
@@ -91,7 +102,9 @@ def data(problem: str = "single", num_labels: int = 3, n: int = 8) -> TensorData
     mask[::3, SEQ - 3 :] = 0
     mask[1::4, :2] = 0
     ids = ids.masked_fill(mask == 0, PAD)
-    if problem == "single":
+    if problem == "tokens":  # a class per token, none at the padding
+        labels = torch.randint(0, num_labels, (n, SEQ), generator=g).masked_fill(mask == 0, -100)
+    elif problem == "single":
         labels = torch.randint(0, num_labels, (n,), generator=g)
         labels[n // 2 + 1] = -100
     elif problem == "multi":
@@ -297,7 +310,7 @@ def test_the_loss_function_matches_transformers():
 
 
 def attached(model: nn.Module, fn, microbatches: int = 2):
-    adapter = SequenceClassifierAdapter(model, "model")
+    adapter = find_adapter(Holder(model=model))
     with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, microbatches) as engine:
         adapter.attach(engine)
         try:
@@ -332,7 +345,7 @@ def test_classifier_refusals_name_what_to_change():
     model.config.problem_type = None
     own = model.loss_function
     model.loss_function = lambda **kwargs: torch.zeros(())
-    with pytest.raises(ValueError, match=r"computes transformers' sequence-classification loss"):
+    with pytest.raises(ValueError, match=r"computes transformers' ForSequenceClassification loss"):
         call(labels=labels)
     model.loss_function = own
     model.config.pad_token_id = None
@@ -396,6 +409,101 @@ def test_classifiers_whose_forward_is_not_reproduced_are_refused():
     with pytest.raises(
         LayerStackNotFound,
         match=r"'model' is a LlamaForQuestionAnswering \(model_type 'llama'\), a model with a "
-        r"task head other than the LM head or a sequence classifier's",
+        r"task head other than the LM head or a classifier's",
     ):
         find_adapter(Holder(model=qa))
+
+
+# ------------------------------------------------------------ token classifiers
+def test_the_tested_families_have_token_classifiers_to_test():
+    reproduced, refused = _kinds(tokens=True)
+    assert len(reproduced) >= 35 and {"llama", "gpt2", "gpt_neox", "bloom"} <= set(reproduced)
+    assert not refused
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gpt2", "gpt_neox", "bloom", "falcon"])
+def test_token_classifiers_train_like_the_default_strategy(kind):
+    """The loss over the labelled tokens (each micro-batch weighted by its
+    share of them), the scores that come back with it, the weights, and
+    evaluation's loss and scores."""
+    ref = Classifier(classifier(kind, tokens=True))
+    trains_like_the_default_strategy(ref, data("tokens"), validate=True)
+
+
+@pytest.mark.parametrize("kind", _kinds(tokens=True)[0])
+def test_every_family_token_classifier_scores_like_the_model(kind):
+    model = classifier(kind, tokens=True).eval()
+    ids, mask, labels = data("tokens").tensors
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, labels=labels)
+    adapter = find_adapter(Holder(model=model))
+    assert isinstance(adapter, TokenClassifierAdapter)
+    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2) as engine:
+        adapter.attach(engine)
+        try:
+            with torch.no_grad():
+                got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        finally:
+            adapter.detach()
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.loss, expected.loss)
+
+
+def test_a_token_loss_from_the_logits_and_lora_train_like_the_default_strategy():
+    from peft import LoraConfig, get_peft_model
+
+    class FromLogits(Classifier):
+        def training_step(self, batch, batch_idx):
+            ids, mask, labels = batch
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            self.losses.append(loss.detach().clone())
+            self.logits.append(logits.detach().clone())
+            return loss
+
+    trains_like_the_default_strategy(
+        FromLogits(classifier("qwen3", tokens=True), lr=0.1), data("tokens")
+    )
+    config = LoraConfig(task_type="TOKEN_CLS", r=4, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(classifier("qwen3", tokens=True), config)
+    trains_like_the_default_strategy(Classifier(model), data("tokens"))
+
+
+def test_the_token_loss_matches_transformers():
+    from transformers.loss.loss_utils import ForTokenClassification
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 3, generator=g)
+    labels = torch.randint(0, 3, (2, 5), generator=g)
+    labels[0, :2] = -100
+    config = transformers.PretrainedConfig(num_labels=3)
+    expected = ForTokenClassification(logits, labels, config)
+    torch.testing.assert_close(token_classification_loss(logits, labels), expected)
+    none = torch.full((2, 5), -100)
+    assert float(token_classification_loss(logits, none)) == 0.0
+    assert math.isnan(float(token_classification_loss(logits, none, empty=None)))
+
+
+def test_token_classifier_refusals_name_what_to_change():
+    model = classifier("llama", tokens=True)
+    ids, mask, labels = data("tokens", n=4).tensors
+
+    def call(**kwargs):
+        return attached(model, lambda: model(input_ids=ids, attention_mask=mask, **kwargs))
+
+    with pytest.raises(TypeError, match=r"token classifier's labels are integer class indices"):
+        call(labels=labels.float())
+    with pytest.raises(
+        ValueError,
+        match=rf"labels of shape \(4,\) do not fit a batch of 4 rows of {SEQ} tokens; give "
+        rf"labels of shape \(4, {SEQ}\)",
+    ):
+        call(labels=labels[:, 0])
+    with pytest.raises(TypeError, match=r"logits_to_keep is not an argument of a token"):
+        call(logits_to_keep=1)
+    own = model.loss_function
+    model.loss_function = lambda *args, **kwargs: torch.zeros(())
+    with pytest.raises(ValueError, match=r"computes transformers' ForTokenClassification loss"):
+        call(labels=labels)
+    model.loss_function = own

@@ -35,6 +35,8 @@ becomes engine work:
   ``score`` as the head, each row scored at its last non-padding token, and
   the loss (regression, single- or multi-label) computed inside the pipeline
   per micro-batch and weighted by its share of the labelled rows.
+* :class:`TokenClassifierAdapter`: their ``*ForTokenClassification`` classes:
+  every token scored, the loss over the labelled tokens in the pipeline.
 
 Each family is one declarative :class:`Family` entry (:mod:`.families`); the
 adapter has no family branches. :func:`find_adapter` picks the adapter for a
@@ -46,7 +48,12 @@ plan strings use.
 from .._requirements import MIN_TRANSFORMERS, check_transformers
 from .base import LayerStackNotFound, SequentialAdapter
 from .causal_lm import CausalLMAdapter, causal_lm_loss
-from .classifier import SequenceClassifierAdapter, sequence_classification_loss
+from .classifier import (
+    SequenceClassifierAdapter,
+    TokenClassifierAdapter,
+    sequence_classification_loss,
+    token_classification_loss,
+)
 from .families import FAMILIES, Family, RouterAux, Setting
 from .finding import find_adapter
 from .layers import is_packed
@@ -61,9 +68,11 @@ __all__ = [
     "SequenceClassifierAdapter",
     "SequentialAdapter",
     "Setting",
+    "TokenClassifierAdapter",
     "causal_lm_loss",
     "check_transformers",
     "find_adapter",
     "is_packed",
     "sequence_classification_loss",
+    "token_classification_loss",
 ]

@@ -27,9 +27,14 @@ from torch import nn
 from .base import _anchor, _from_pipeline, _give_factor, _needing_grad
 from .causal_lm import CausalLMAdapter
 from .layers import _AltUpOut, _Head
-from .layout import SEQUENCE_CLASSIFICATION, _forward_owner
+from .layout import SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, _forward_owner
 
-__all__ = ["SequenceClassifierAdapter", "sequence_classification_loss"]
+__all__ = [
+    "SequenceClassifierAdapter",
+    "TokenClassifierAdapter",
+    "sequence_classification_loss",
+    "token_classification_loss",
+]
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
@@ -122,13 +127,15 @@ class SequenceClassifierAdapter(CausalLMAdapter):
 
     kind = "Hugging Face sequence classifier"
     router_loss = False  # (a classifier adds no router load-balancing loss)
+    task = SEQUENCE_CLASSIFICATION
+    loss_name = "ForSequenceClassification"  # (the model's loss_function, transformers')
 
     def __init__(self, target: nn.Module, name: str) -> None:
         super().__init__(target, name)
-        if self.layout.task != SEQUENCE_CLASSIFICATION:
+        if self.layout.task != self.task:
             raise ValueError(
-                f"{name}: a {type(target).__name__} is not a sequence classifier; use "
-                "CausalLMAdapter"
+                f"{name}: a {type(target).__name__} is not a {self.kind.split(' ', 2)[-1]}; "
+                "find its adapter with find_adapter"
             )
         self._logit_width = int(target.config.num_labels)
         # whether the forward computes the loss with the model's loss_function
@@ -165,8 +172,8 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         values = super()._arguments(args, kwargs)
         if values.get("logits_to_keep") is not None:
             raise TypeError(
-                f"{self.name}: logits_to_keep is not an argument of a sequence classifier (it "
-                "returns one row of scores per sequence); call the model without it"
+                f"{self.name}: logits_to_keep is not an argument of a "
+                f"{self.kind.split(' ', 2)[-1]}; call the model without it"
             )
         return values
 
@@ -181,17 +188,22 @@ class SequenceClassifierAdapter(CausalLMAdapter):
                 "(or None to let the labels decide)"
             )
         a["labels"] = self._batch_labels(a)
+        self._check_loss_function()
+
+    def _check_loss_function(self) -> None:
+        """Refuse a ``loss_function`` of the user's where the model's forward
+        calls it (the others compute transformers' loss inline)."""
         if not self._uses_loss_function:
             return
-        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+        from transformers.loss.loss_utils import LOSS_MAPPING
 
-        fn = self.target.loss_function
-        if fn is not ForSequenceClassificationLoss:
+        fn, expected = self.target.loss_function, LOSS_MAPPING[self.loss_name]
+        if fn is not expected:
             raise ValueError(
                 f"{self.name}: the model's loss_function is {getattr(fn, '__name__', fn)!r}, but "
-                "with labels= the RoundPipe pipeline computes transformers' sequence-"
-                "classification loss (ForSequenceClassificationLoss); call the model without "
-                "labels= and compute the loss from the logits"
+                f"with labels= the RoundPipe pipeline computes transformers' {self.loss_name} "
+                f"loss ({expected.__name__}); call the model without labels= and compute the "
+                "loss from the logits"
             )
 
     def _batch_labels(self, a: dict[str, Any]) -> torch.Tensor:
@@ -311,4 +323,112 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
         out = SequenceClassifierOutputWithPast(**fields)
+        return out.to_tuple() if as_tuple else out
+
+
+# ------------------------------------------------------------ token classifiers
+def token_classification_loss(
+    logits: torch.Tensor, labels: torch.Tensor, empty: float | None = 0.0
+) -> torch.Tensor:
+    """Transformers' token-classification loss (in fp32): the mean
+    cross-entropy over the tokens whose label is not -100 (with none:
+    ``empty``, or NaN with ``empty=None`` as the model's own loss)."""
+    target = labels.reshape(-1).to(logits.device)
+    count = (target != -100).sum()
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    total = nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
+    return total / (count if empty is None else count.clamp(min=1))
+
+
+def _token_loss(scores: torch.Tensor, labels: torch.Tensor) -> Any:
+    """The pipeline's loss function of a token classifier: the loss of a
+    micro-batch, and its scores, which come back with it (``with_outputs``)."""
+    return token_classification_loss(scores, labels), scores
+
+
+class TokenClassifierAdapter(SequenceClassifierAdapter):
+    """A Hugging Face ``*ForTokenClassification`` of a supported family: the
+    causal LM's layers with the final norm, the classifier's dropout and its
+    score as the head; every token is scored. Called with ``labels=`` while
+    training, the loss (the cross-entropy over the labelled tokens, as the
+    model computes it) is computed inside the pipeline per micro-batch,
+    weighted by its share of the labelled tokens, and the scores come back
+    with it."""
+
+    kind = "Hugging Face token classifier"
+    task = TOKEN_CLASSIFICATION
+    loss_name = "ForTokenClassification"
+
+    def _head(self, target: nn.Module, layout: Any) -> nn.Module:
+        """The final norm (and what the family's ``*Model`` does after its
+        last block), the classifier's dropout and its score."""
+        dropout = target._modules.get("dropout")
+        # (a container of the model's own modules: their names in the model stay)
+        score = layout.lm_head if dropout is None else nn.Sequential(dropout, layout.lm_head)
+        family = layout.family
+        return _Head(
+            layout.norm,
+            score,
+            project_out=layout.project_out,
+            pre=_AltUpOut(layout.base) if family.altup else layout.head_pre,
+        )
+
+    def _check_labels(self, a: dict[str, Any]) -> None:
+        """Refuse labels the model would not read as a class index per token,
+        or a ``loss_function`` of the user's."""
+        a["labels"] = self._batch_labels(a)
+        self._check_loss_function()
+
+    def _batch_labels(self, a: dict[str, Any]) -> torch.Tensor:
+        """The call's labels, checked: a class index per token (-100: none),
+        shaped (batch, sequence) as the pipeline splits them."""
+        labels, name = a["labels"], self.name
+        ids = a.get("input_ids")
+        batch = ids if ids is not None else a["inputs_embeds"]
+        rows, seq = int(batch.shape[0]), int(batch.shape[1])
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"{name}: labels must be a tensor, got {type(labels).__name__}")
+        if labels.is_floating_point() or labels.dtype == torch.bool:
+            raise TypeError(
+                f"{name}: a token classifier's labels are integer class indices (-100: none), "
+                f"got {labels.dtype}; pass labels.long()"
+            )
+        if labels.numel() != rows * seq:
+            raise ValueError(
+                f"{name}: labels of shape {tuple(labels.shape)} do not fit a batch of {rows} rows "
+                f"of {seq} tokens; give labels of shape ({rows}, {seq}): a class index per token"
+            )
+        return labels.reshape(rows, seq)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        a, inputs, _, as_tuple = self._prepare(args, kwargs)
+        labels, engine = a.get("labels"), self.engine
+        training = torch.is_grad_enabled()
+        if training and labels is not None:
+            loss, scores = engine.forward_backward(
+                inputs,
+                labels=labels,
+                loss_fn=_token_loss,
+                loss_weights=self._labelled_tokens,
+                scale="later",
+                input_grads=bool(_needing_grad(inputs)),
+                with_outputs=True,
+            )
+            loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
+            return self._output(as_tuple, loss=loss, logits=_NoGradient.apply(_anchor(), scores))
+        if training:
+            return self._output(as_tuple, logits=self._outputs_with_backward(inputs))
+        scores = engine.forward(inputs)
+        loss = None if labels is None else token_classification_loss(scores, labels, empty=None)
+        return self._output(as_tuple, loss=loss, logits=scores)
+
+    def _labelled_tokens(self, labels: list[torch.Tensor]) -> list[float]:
+        """Each micro-batch's share of the batch's labelled tokens."""
+        return self._shares([int((y != -100).sum()) for y in labels], "token")
+
+    def _output(self, as_tuple: bool, aux_loss: torch.Tensor | None = None, **fields: Any) -> Any:
+        """``TokenClassifierOutput`` (its tuple with ``as_tuple``)."""
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        out = TokenClassifierOutput(**fields)
         return out.to_tuple() if as_tuple else out

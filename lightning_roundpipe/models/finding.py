@@ -9,13 +9,19 @@ from torch import nn
 
 from .base import LayerStackNotFound, SequentialAdapter, _Adapter
 from .causal_lm import CausalLMAdapter
-from .classifier import SequenceClassifierAdapter
+from .classifier import SequenceClassifierAdapter, TokenClassifierAdapter
 from .families import supported_families
-from .layout import SEQUENCE_CLASSIFICATION, Layout, layout_of, layout_problem
+from .layout import (
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+    Layout,
+    layout_of,
+    layout_problem,
+)
 
 __all__ = ["find_adapter", "hf_adapter"]
 
-_WHAT = "an nn.Sequential or a Hugging Face decoder-only causal LM (or sequence classifier)"
+_WHAT = "an nn.Sequential or a Hugging Face decoder-only causal LM (or classifier)"
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module:
@@ -36,11 +42,14 @@ def _is_candidate(module: nn.Module) -> bool:
 
 
 def hf_adapter(module: nn.Module, name: str, layout: Layout | None = None) -> CausalLMAdapter:
-    """The adapter of a Hugging Face model: its sequence classifier's or its
-    causal LM's (refusing what neither can pipeline)."""
+    """The adapter of a Hugging Face model: its sequence or token
+    classifier's, or its causal LM's (refusing what none can pipeline)."""
     layout = layout_of(module) if layout is None else layout
-    if layout is not None and layout.task == SEQUENCE_CLASSIFICATION:
+    task = None if layout is None else layout.task
+    if task == SEQUENCE_CLASSIFICATION:
         return SequenceClassifierAdapter(module, name)
+    if task == TOKEN_CLASSIFICATION:
+        return TokenClassifierAdapter(module, name)
     return CausalLMAdapter(module, name)
 
 

@@ -32,23 +32,63 @@ _GENERIC = (
 )
 
 
-# the sequence classifiers' forwards the adapter reproduces: the score of each
-# row's last non-padding token (or the last position, without a pad token) and
-# transformers' sequence-classification loss (tests compare every one of them)
-_LAST_TOKEN_SCORERS = frozenset(
-    {
-        "GenericForSequenceClassification",
-        "BloomForSequenceClassification",
-        "FalconForSequenceClassification",
-        "GPT2ForSequenceClassification",
-        "GPTBigCodeForSequenceClassification",
-        "GPTNeoForSequenceClassification",
-        "GPTNeoXForSequenceClassification",
-        "OPTForSequenceClassification",
-    }
-)
 CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
+TOKEN_CLASSIFICATION = "token_classification"
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A task head the adapters pipeline besides the LM head."""
+
+    task: str
+    suffix: str  # of the transformers class names
+    head: tuple[str, ...]  # where the head is, the first found
+    # the classes whose forwards the adapter reproduces (tests compare each)
+    reproduced: frozenset[str]
+    what: str  # what the reproduced forwards do, for a refusal
+
+
+_TASKS = (
+    _Task(
+        SEQUENCE_CLASSIFICATION,
+        "ForSequenceClassification",
+        ("score",),
+        frozenset(
+            {
+                "GenericForSequenceClassification",
+                "BloomForSequenceClassification",
+                "FalconForSequenceClassification",
+                "GPT2ForSequenceClassification",
+                "GPTBigCodeForSequenceClassification",
+                "GPTNeoForSequenceClassification",
+                "GPTNeoXForSequenceClassification",
+                "OPTForSequenceClassification",
+            }
+        ),
+        "sequence classifiers that score each row's last non-padding token with a 'score' "
+        "head (GenericForSequenceClassification's forward, as the *ForSequenceClassification "
+        "classes of transformers do)",
+    ),
+    _Task(
+        TOKEN_CLASSIFICATION,
+        "ForTokenClassification",
+        ("score", "classifier"),
+        frozenset(
+            {
+                "GenericForTokenClassification",
+                "BloomForTokenClassification",
+                "FalconForTokenClassification",
+                "GPT2ForTokenClassification",
+                "GPTBigCodeForTokenClassification",
+                "GPTNeoForTokenClassification",
+                "GPTNeoXForTokenClassification",
+            }
+        ),
+        "token classifiers that score every token after a dropout (GenericForTokenClassification's "
+        "forward, as the *ForTokenClassification classes of transformers do)",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -201,25 +241,30 @@ def _forward_owner(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if "forward" in vars(c))
 
 
-def _reproduced(module: nn.Module) -> bool:
-    """Whether the sequence classifier's forward is one the adapter
-    reproduces (:data:`_LAST_TOKEN_SCORERS`; not a subclass's own)."""
+def _task_of(module: nn.Module) -> _Task | None:
+    """The task head of (a subclass of) a transformers class the adapters
+    pipeline besides causal LMs (None: none of them)."""
+    for c in type(module).__mro__:
+        if c.__module__.startswith("transformers."):
+            task = next((t for t in _TASKS if c.__name__.endswith(t.suffix)), None)
+            if task is not None:
+                return task
+    return None
+
+
+def _reproduced(module: nn.Module, task: _Task) -> bool:
+    """Whether the module's forward is one the adapter reproduces (not a
+    subclass's own)."""
     owner = _forward_owner(module)
-    return owner.__name__ in _LAST_TOKEN_SCORERS and owner.__module__.startswith("transformers.")
-
-
-def _is_sequence_classifier(module: nn.Module) -> bool:
-    """Whether the module is (a subclass of) a transformers sequence classifier."""
-    return any(
-        c.__name__.endswith("ForSequenceClassification")
-        and c.__module__.startswith("transformers.")
-        for c in type(module).__mro__
-    )
+    return owner.__name__ in task.reproduced and owner.__module__.startswith("transformers.")
 
 
 def _head_path(module: nn.Module, family: Family) -> str:
-    """Where the head is: the LM head, or a sequence classifier's score."""
-    return "score" if _is_sequence_classifier(module) else family.lm_head
+    """Where the head is: the LM head, or a task head's (the first found)."""
+    task = _task_of(module)
+    if task is None:
+        return family.lm_head
+    return next((p for p in task.head if _child(module, p) is not None), task.head[0])
 
 
 def layout_of(module: nn.Module) -> Layout | None:
@@ -229,11 +274,9 @@ def layout_of(module: nn.Module) -> Layout | None:
     family = _family_of(module)
     if family is None:
         return None
-    task = CAUSAL_LM
-    if _is_sequence_classifier(module):
-        if not _reproduced(module):
-            return None
-        task = SEQUENCE_CLASSIFICATION
+    task = _task_of(module)
+    if task is not None and not _reproduced(module, task):
+        return None
     head = _child(module, _head_path(module, family))
     paths = [p for p in family.module_paths() if p != family.lm_head]
     if head is None or any(_child(module, p) is None for p in paths):
@@ -256,7 +299,7 @@ def layout_of(module: nn.Module) -> Layout | None:
         _child(base, family.project_in),
         _child(base, family.project_out),
         _child(base, family.head_pre),
-        task,
+        CAUSAL_LM if task is None else task.task,
     )
 
 
@@ -276,25 +319,24 @@ def layout_problem(module: nn.Module) -> str | None:
     head = _head_path(module, family)
     needed = [head if p == family.lm_head else p for p in family.module_paths()]
     missing = [p for p in needed if _child(module, p) is None]
-    if _is_sequence_classifier(module):
-        if not _reproduced(module):
+    task = _task_of(module)
+    if task is not None:
+        if not _reproduced(module, task):
             owner = _forward_owner(module)
             return (
                 f"a {cls} (model_type {model_type!r}) whose forward ({owner.__module__}."
-                f"{owner.__qualname__}) RoundPipe does not reproduce: it pipelines sequence "
-                "classifiers that score each row's last non-padding token with a 'score' head "
-                "(GenericForSequenceClassification's forward, as the *ForSequenceClassification "
-                "classes of transformers do); train this one with another strategy (e.g. "
-                "strategy='auto' or 'fsdp')"
+                f"{owner.__qualname__}) RoundPipe does not reproduce: it pipelines {task.what}; "
+                "train this one with another strategy (e.g. strategy='auto' or 'fsdp')"
             )
     elif family.lm_head in missing:
-        if not cls.endswith("Model"):  # a task head: QA, token classification, ...
+        if not cls.endswith("Model"):  # a task head: question answering, ...
             return (
                 f"a {cls} (model_type {model_type!r}), a model with a task head other than "
-                "the LM head or a sequence classifier's; RoundPipe pipelines causal LMs (the "
-                "*ForCausalLM classes) and sequence classifiers (*ForSequenceClassification): "
-                "train this one with another strategy (e.g. strategy='auto' or 'fsdp'), or put "
-                "its layers in an nn.Sequential with the head and loss as the last layer"
+                "the LM head or a classifier's; RoundPipe pipelines causal LMs (the "
+                "*ForCausalLM classes) and sequence and token classifiers "
+                "(*ForSequenceClassification, *ForTokenClassification): train this one with "
+                "another strategy (e.g. strategy='auto' or 'fsdp'), or put its layers in an "
+                "nn.Sequential with the head and loss as the last layer"
             )
         return (
             f"a {cls} (model_type {model_type!r}) without an LM head; RoundPipe pipelines "
