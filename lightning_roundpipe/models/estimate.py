@@ -59,6 +59,7 @@ from ..runtime.profiler import active_parameters, estimate_costs
 from .attention import attention_heads
 from .classifier import SequenceClassifierAdapter
 from .finding import hf_adapter
+from .layout import layout_of
 from .memory import ActivationModel, applied_tiles, longest_sequence, value_bytes
 
 __all__ = ["Estimate", "estimate", "load_config"]
@@ -188,13 +189,13 @@ class ConfigError(ValueError):
 
 
 def _model_class(config: Any) -> Any:
-    """What builds the model of ``config``: the sequence classifier its
-    ``architectures`` name (a reward model's config), else its causal LM."""
+    """What builds the model of ``config``: the sequence or token classifier
+    its ``architectures`` name (a reward model's config), else its causal LM."""
     import transformers
 
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if name.endswith("ForSequenceClassification") and cls is not None:
+        if name.endswith(("ForSequenceClassification", "ForTokenClassification")) and cls:
             return cls
     return _causal_lm_class(config)
 
@@ -222,12 +223,14 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         # and return routing tuples, which a LoRA wrapper cannot add to)
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
         # (and but those PEFT refuses LoRA on in this model: Mamba projections;
-        # and a classifier's score, which PEFT's SEQ_CLS trains whole)
+        # and a classifier's score, which PEFT's SEQ_CLS and TOKEN_CLS train whole)
+        layout = layout_of(model)
+        head = None if layout is None else layout.lm_head
         left_out = [
             name
             for name, m in model.named_modules()
             if isinstance(m, nn.Linear)
-            and (not _returns_a_tensor(m) or _peft_refuses(lora, model, name) or name == "score")
+            and (not _returns_a_tensor(m) or _peft_refuses(lora, model, name) or m is head)
         ]
         lora.exclude_modules = left_out or None
         with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
