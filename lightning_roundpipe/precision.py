@@ -84,6 +84,11 @@ class RoundPipePrecision(Precision):
         self.carried: dict[str, Any] | None = None
         # what the last engine ended with (saved by a checkpoint after the fit)
         self.final: dict[str, Any] | None = None
+        # the iteration the training batch in progress started at (set by
+        # the strategy), and whether that batch is still in progress (the
+        # Trainer's batch progress: a checkpoint saved meanwhile runs it again)
+        self.batch_start: int | None = None
+        self.in_batch: Callable[[], bool] = lambda: False
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -95,7 +100,12 @@ class RoundPipePrecision(Precision):
         if engine is None:  # after the fit: what its engine ended with
             return dict(self.final or {})
         engine.synchronize()  # the scale after the last step
-        return engine.counters()
+        counters = engine.counters()
+        if self.batch_start is not None and self.in_batch():
+            # saved inside a training batch (OnExceptionCheckpoint, a hook before
+            # the optimizer step): the resumed run does that batch again
+            counters["iteration"] = self.batch_start
+        return counters
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

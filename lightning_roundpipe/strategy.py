@@ -582,10 +582,26 @@ class RoundPipeStrategy(ParallelStrategy):
             self._check_optimizers()
         self.setup_precision_plugin()
         self._retry.reset()
-        self.precision_plugin.carried = None  # (a checkpoint's counters come after setup)
+        # (a checkpoint's counters come after setup); a Trainer that fits again
+        # goes on from its last fit's counters (dropout masks, fp16 loss scale),
+        # as it goes on from its steps
+        plugin = self.precision_plugin
+        again = trainer.state.fn == TrainerFn.FITTING and trainer.global_step > 0
+        plugin.carried = dict(plugin.final) if again and plugin.final else None
+        plugin.in_batch = self._in_training_batch
         if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
             self._check_same_settings(trainer)
         self._build_engine(trainer)
+
+    def _in_training_batch(self) -> bool:
+        """Whether a training batch's step has started and is not done (the
+        Trainer's batch progress; a checkpoint saved meanwhile is resumed by
+        running the batch again)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return False
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return progress.started == progress.ready > progress.processed
 
     def _check_same_settings(self, trainer: Any) -> None:
         """Servers whose models or settings differ would reduce mismatched
@@ -1120,6 +1136,9 @@ class RoundPipeStrategy(ParallelStrategy):
             ours = self.engine.own_gradient_hooks()
             _refuse_gradient_hooks(self.lightning_module, self.pipeline_layers, ours)
         before = self.engine.iteration if self.engine is not None else 0
+        # a checkpoint saved before this batch is done is resumed by running
+        # the batch again: with the dropout masks of its first try
+        self.precision_plugin.batch_start = before
         if not self._retry.open:
             out = super().training_step(*args, **kwargs)
         else:
@@ -1306,7 +1325,25 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # -------------------------------------------------------- checkpoints
     def _drain(self) -> None:
-        if self.engine is not None:
+        engine = self.engine
+        if engine is not None and not engine.healthy:
+            # a checkpoint taken after the engine failed (OnExceptionCheckpoint
+            # runs before the strategy's own on_exception): the module is
+            # released here, whatever Lightning runs next, and saved as its
+            # parameters are when they hold the last step's weights
+            applied, failure = engine.updates_applied, engine.failure
+            self._final_stale = None  # (the one-behind weights are gone with it)
+            self._close()
+            if not applied:
+                raise RuntimeError(
+                    "RoundPipe cannot save the model's state: the engine failed "
+                    f"({type(failure).__name__}: {failure}) before every optimizer step it "
+                    "had queued was applied (the asynchronous optimizer's last one, or a step "
+                    "that failed midway), so the weights are not those of the last step. "
+                    "Resume from a checkpoint saved before the failure"
+                ) from failure
+            return
+        if engine is not None:
             self.engine.synchronize()
             self.precision_plugin.merge_groups()
             # in-place changes since the weights were last noted (a clamp in

@@ -1014,6 +1014,18 @@ class RoundPipeEngine:
         outstanding work (:meth:`synchronize`) can succeed."""
         return not self._rt.closed and self._rt.store.failure is None
 
+    @property
+    def updates_applied(self) -> bool:
+        """Whether every optimizer step submitted so far has been applied (also
+        after a failure: a failed forward or backward leaves the weights those
+        of the last step, a step that failed midway leaves them of none)."""
+        return self._optimizer.applied >= self._jobs
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What failed (a worker's or the optimizer's error), None while healthy."""
+        return self._rt.store.failure
+
     # ------------------------------------------------------------------ work
     def _check(self) -> None:
         if self._rt.closed:

@@ -15,6 +15,26 @@ from lightning_roundpipe import RoundPipeStrategy
 from .modules import DropoutSeq, SeqModule, cpu_trainer, loader, seq_data, state
 
 
+class Fails(torch.nn.Module):
+    """A layer that raises in training calls once ``fail`` is set."""
+
+    fail = False
+
+    def forward(self, x):
+        if self.fail and torch.is_grad_enabled():
+            raise ValueError("layer failed on purpose")
+        return x
+
+
+class FailFrom(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            module.net[2].fail = True
+
+
 class Evaluated(DropoutSeq):
     """Dropout (its masks follow the engine's iteration), AdamW, every loop."""
 
@@ -191,3 +211,79 @@ def test_the_fused_kernel_survives_a_resume_and_stays_out_of_the_checkpoint(tmp_
     trainer = cpu_trainer("auto", max_epochs=2, callbacks=[seen])
     trainer.fit(Evaluated(), data(), ckpt_path=tmp_path / "rp.ckpt")
     assert set(seen.seen) == {(None, None)}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_pipeline_failure_with_on_exception_checkpoint_releases_the_module(tmp_path, kind):
+    """OnExceptionCheckpoint runs before the strategy's on_exception: saving
+    after a worker failed closed the engine first (it re-raised the failure
+    and left the module patched: the next fit failed). The synchronous
+    weights are the last step's: saved; the asynchronous optimizer's last
+    step was never applied: refused, saying so."""
+    module = SeqModule(extra=False)
+    layers = list(module.net)
+    module.net = torch.nn.Sequential(*layers[:2], Fails(), *layers[2:])
+    trainer = cpu_trainer(
+        strategy(kind),
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[OnExceptionCheckpoint(tmp_path), FailFrom(3)],
+    )
+    with pytest.raises(Exception) as failed:
+        trainer.fit(module, data())
+    assert trainer.strategy.engine is None and "forward" not in vars(module.net)
+    saved = tmp_path / "on_exception.ckpt"
+    if saved.exists():  # (async: when its last step was applied before the failure)
+        assert "layer failed on purpose" in str(failed.value)
+        torch.testing.assert_close(
+            torch.load(saved, weights_only=False)["state_dict"], state(module)
+        )
+    else:
+        assert kind == "async" and "cannot save the model's state" in str(failed.value)
+    module.net[2].fail = False  # the module trains again
+    cpu_trainer(strategy(kind), max_epochs=1).fit(module, data())
+
+
+class SavesBeforeStep(L.Callback):
+    def __init__(self, path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_checkpoint_saved_inside_a_batch_resumes_with_its_dropout_masks(tmp_path, kind):
+    """Lightning runs a batch whose checkpoint was saved before it was done
+    again: the checkpoint's iteration is that batch's first (it counted the
+    batch, so every later dropout mask was shifted by one)."""
+    straight = Evaluated()
+    cpu_trainer(strategy(kind), max_epochs=2).fit(straight, data(same=True))
+    path = tmp_path / "inside.ckpt"
+    cpu_trainer(strategy(kind), max_epochs=1, callbacks=[SavesBeforeStep(path, 2)]).fit(
+        Evaluated(), data(same=True)
+    )
+    saved = torch.load(path, weights_only=False)
+    assert saved["global_step"] == 2 and saved["RoundPipePrecision"]["iteration"] == 2
+    torch.testing.assert_close(resume(path, kind, same=True), state(straight))
+
+
+def test_fitting_again_on_the_same_trainer_goes_on_with_new_dropout_masks():
+    """A second fit of the same Trainer continues its steps, and with them the
+    engine's iteration numbers (they restarted at 0: the first fit's masks)."""
+    losses = []
+
+    class Recorded(Evaluated):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            losses.append(float(loss))
+            return loss
+
+    module = Recorded(lr=0.0)  # (the losses then depend on the masks alone)
+    trainer = cpu_trainer(strategy("sync"), max_epochs=1)
+    trainer.fit(module, data(same=True))
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, data(same=True))
+    assert len(losses) == 8 and losses[4:] != losses[:4]
+    assert trainer.strategy.precision_plugin.final["iteration"] == 8
