@@ -12,7 +12,7 @@ first, in order, when the step is asynchronous).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -82,6 +82,8 @@ class RoundPipePrecision(Precision):
         # on from: a checkpoint's being resumed, or those of the engine a
         # rebuild within the fit replaces (set by the strategy)
         self.carried: dict[str, Any] | None = None
+        # the devices' type (set by the strategy): autocast there too
+        self.device_type = "cpu"
         # what the last engine ended with (saved by a checkpoint after the fit)
         self.final: dict[str, Any] | None = None
         # the iteration the training batch in progress started at (set by
@@ -179,6 +181,24 @@ class RoundPipePrecision(Precision):
                 data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
             )
         return data
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """``*-mixed``: the steps' own code on the host (modules outside the
+        pipeline fed its low-precision outputs, the loss) runs under autocast
+        in the compute dtype, as under Lightning's mixed precision; the
+        pipeline's layers compute on the workers' threads in that dtype
+        already (autocast is per thread)."""
+        if not self.precision.endswith("-mixed"):
+            yield
+            return
+        engine = self.engine
+        dtype = engine.compute_dtype if engine is not None else PRECISIONS[self.precision]
+        with ExitStack() as stack:
+            # (the host's tensors are CPU ones; a step may make device ones too)
+            for kind in dict.fromkeys(("cpu", self.device_type)):
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+            yield
 
     @contextmanager
     def tensor_init_context(self) -> Generator[None, None, None]:

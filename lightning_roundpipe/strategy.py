@@ -589,6 +589,7 @@ class RoundPipeStrategy(ParallelStrategy):
         again = trainer.state.fn == TrainerFn.FITTING and trainer.global_step > 0
         plugin.carried = dict(plugin.final) if again and plugin.final else None
         plugin.in_batch = self._in_training_batch
+        plugin.device_type = self.root_device.type
         if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
             self._check_same_settings(trainer)
         self._build_engine(trainer)

@@ -33,7 +33,7 @@ import mmap
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -644,6 +644,26 @@ def _running_statistic(owner: nn.Module, attr: str) -> bool:
     )
 
 
+def _batch_norm_in_fp32(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A replica's batch norm under a 16-bit compute dtype: in fp32 (its
+    weights cast up, its input too, its output back), so its fp32 running
+    statistics are updated in fp32, as under torch's autocast and FSDP's
+    mixed precision (in the compute dtype it failed on them)."""
+    forward = type(module).forward
+    params = module._parameters
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        saved = {k: p for k in ("weight", "bias") if (p := params.get(k)) is not None}
+        try:
+            for k, p in saved.items():
+                params[k] = p.float()  # (differentiable: the gradient reaches the weight)
+            return forward(module, x.float()).to(x.dtype)
+        finally:
+            params.update(saved)
+
+    return run
+
+
 class LayerReplica:
     """A worker's private structural copy of one layer, in one state of its
     modules (:class:`_Structure`).
@@ -651,8 +671,14 @@ class LayerReplica:
     ``bind`` points its parameters and buffers at device tensors; ``unbind``
     drops them again so the device memory can be reused."""
 
-    def __init__(self, info: _LayerInfo, structure: _Structure) -> None:
+    def __init__(
+        self, info: _LayerInfo, structure: _Structure, compute_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.module = copy.deepcopy(structure.template, dict(structure.shared))
+        if compute_dtype != torch.float32:
+            for m in self.module.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.forward = _batch_norm_in_fp32(m)
         self.info = info
         self.structure = structure
         self._param_owners = [

@@ -381,6 +381,18 @@ class Worker:
                 extra = self._oom_advice(t)
             if isinstance(exc, HandoffTimeout):
                 extra = "\n" + call.schedule.grid(mark=job.index)
+            dtype = self.host.compute_dtype
+            if (
+                dtype != torch.float32
+                and isinstance(exc, RuntimeError)
+                and ("dtype" in str(exc) or "scalar type" in str(exc))
+            ):
+                extra = (
+                    f" (the pipeline's layers compute in {str(dtype).removeprefix('torch.')}, "
+                    "their weights cast to it, without autocast: a layer that mixes a "
+                    "floating-point buffer or tensor of its own into its activations must cast "
+                    "it to the activations' dtype, e.g. x + self.pe.to(x.dtype))"
+                )
             if "leaf Variable that requires grad is being used in an in-place" in str(exc):
                 extra = (
                     " (a stage's first layer gets its input itself when its class sets "
@@ -434,7 +446,7 @@ class Worker:
                 if k:
                     reps.insert(0, reps.pop(k))
                 return rep
-        rep = LayerReplica(self.host.layers[layer], structure)
+        rep = LayerReplica(self.host.layers[layer], structure, self.host.compute_dtype)
         reps.insert(0, rep)
         del reps[_STRUCTURES:]
         if layer not in self._rng:

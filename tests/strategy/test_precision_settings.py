@@ -2,6 +2,7 @@
 about; fp16 loss scaling that cannot recover says why; the fused Adam kernel
 is used only where it computes the same update."""
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -155,3 +156,43 @@ def test_a_non_finite_gradient_outside_the_pipeline_counts(nonfinite):
     else:
         trainer.fit(module, loader(seq_data(48), 8))
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+class BackboneHead(L.LightningModule):
+    """A pipelined backbone and a classifier head outside it (fp32 on the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(
+            torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU()
+        )
+        self.head = torch.nn.Linear(64, 3)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.head(self.backbone(x))
+        loss = torch.nn.functional.cross_entropy(logits, (y[:, 0] > 0).long())
+        self.losses.append(loss.detach().float())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def test_mixed_precision_steps_run_under_autocast_on_the_host():
+    """bf16-mixed: the pipeline's bf16 outputs fed to an fp32 module outside it
+    work as under Lightning's mixed precision (the step ran without autocast:
+    a dtype error at the first step)."""
+    modules = {}
+    for kind in ("auto", "sync"):
+        modules[kind] = BackboneHead()
+        plan = "auto" if kind == "auto" else RoundPipeStrategy(async_optimizer=False)
+        cpu_trainer(plan, max_steps=3, precision="bf16-mixed").fit(
+            modules[kind], loader(seq_data(32), 8)
+        )
+    ref, mod = modules["auto"], modules["sync"]
+    torch.testing.assert_close(torch.stack(mod.losses), torch.stack(ref.losses), atol=2e-2, rtol=0)
+    for (name, x), y in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=0, msg=name)

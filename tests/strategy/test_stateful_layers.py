@@ -84,3 +84,56 @@ def test_dynamic_rope_within_its_positions_trains_like_the_default_strategy():
         _fit(module, strategy, lm_data(8, seq=8), steps=3)
         weights[name] = state(module)
     torch.testing.assert_close(weights["sync"], weights["auto"])
+
+
+class Normalized(L.LightningModule):
+    """Batch norm between linear layers; or an fp32 table added to the
+    activations (a positional encoding kept as a buffer)."""
+
+    def __init__(self, table: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        middle = Table() if table else nn.BatchNorm1d(16)
+        self.net = nn.Sequential(nn.Linear(8, 16), middle, nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.linspace(0, 1, 16))
+
+    def forward(self, x):
+        return x + self.pe
+
+
+def test_batch_norm_under_bf16_mixed_trains_in_fp32_like_the_default_strategy():
+    """Its fp32 running statistics with a bf16 input failed the forward; it
+    runs in fp32 on the workers, as under autocast (one micro-batch: the
+    statistics are a micro-batch's)."""
+    modules = {}
+    for kind in ("auto", "sync"):
+        modules[kind] = Normalized()
+        plan = "auto" if kind == "auto" else _sync("1,1|2|1,1")
+        cpu_trainer(plan, max_steps=3, precision="bf16-mixed").fit(
+            modules[kind], loader(seq_data(32), 8)
+        )
+    bn = modules["sync"].net[1]
+    assert bn.running_mean.dtype == torch.float32 and int(bn.num_batches_tracked) == 3
+    for (name, x), y in zip(
+        modules["sync"].state_dict().items(), modules["auto"].state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=0, msg=name)
+
+
+def test_an_fp32_buffer_mixed_into_bf16_activations_fails_saying_what_to_cast():
+    with pytest.raises(RuntimeError, match=r"must cast it to the activations' dtype, e\.g\. x \+"):
+        cpu_trainer(_sync(), max_steps=1, precision="bf16-mixed").fit(
+            Normalized(table=True), loader(seq_data(32), 8)
+        )
