@@ -694,7 +694,9 @@ class RoundPipeStrategy(ParallelStrategy):
             )
         devices = [d for d in devices for _ in range(self.workers_per_device)]
         n = len(devices)
+        _refuse_lazy_parameters(self.lightning_module)
         adapter = find_adapter(self.lightning_module, self.layers)
+        _refuse_renormed_embeddings(adapter.layers(), self.lightning_module)
         _refuse_prefix_tuning(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_gradient_hooks(self.lightning_module, adapter.layers())
@@ -1678,6 +1680,36 @@ def _warn_compiled(layers: list[nn.Module], module: nn.Module) -> None:
             f"({', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''}); the workers "
             "run private copies of the layers, which run uncompiled"
         )
+
+
+def _refuse_lazy_parameters(module: Any) -> None:
+    """Lazy modules' weights have no size before their first forward, and the
+    pipeline sizes, plans and places every weight before the first step."""
+    for name, p in module.named_parameters():
+        if torch.nn.parameter.is_lazy(p):
+            raise ValueError(
+                f"{name} is an uninitialized parameter of a lazy module (nn.LazyLinear, ...); "
+                "RoundPipe sizes, plans and places every weight before the first step. Run one "
+                "forward with an example batch in the LightningModule's __init__ or setup() "
+                "(self.net(example)) so the lazy modules take their sizes, or give them"
+            )
+
+
+def _refuse_renormed_embeddings(layers: list[torch.nn.Module], root: Any) -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes its weight's rows in place
+    during the forward: on a worker's copy, which the host never sees."""
+    names = {id(m): n for n, m in root.named_modules()}
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Embedding) and m.max_norm is not None:
+                raise ValueError(
+                    f"{names.get(id(m), type(m).__name__)} is an nn.Embedding with "
+                    f"max_norm={m.max_norm}, which renormalizes its weight's rows in place during "
+                    "the forward; RoundPipe's layers compute with copies of the weights, so the "
+                    "renormalization would be lost. Set max_norm=None and renormalize the "
+                    "weight after each optimizer step (on_train_batch_end), or use another "
+                    "strategy"
+                )
 
 
 def _refuse_prefix_tuning(module: Any) -> None:

@@ -62,6 +62,7 @@ from .host import (
 )
 from .nested import (
     batch_size_of,
+    flatten_tensors,
     map_tensors,
     merge_microbatches,
     split_microbatches,
@@ -506,6 +507,8 @@ class RoundPipeEngine:
         self._bandwidth: float | None = None
         self._window_has_grads = False
         self._jobs = 0
+        # inputs whose tensors differ in their first dimension were warned about
+        self._warned_ambiguous = False
         # the thread running a synchronous step (its hooks may save a checkpoint:
         # synchronize() then must not wait for the step it is called from)
         self._stepping: int | None = None
@@ -1100,6 +1103,18 @@ class RoundPipeEngine:
                 "cannot split inputs into micro-batches: they contain no tensor with a batch "
                 "dimension"
             )
+        if not self._warned_ambiguous and (
+            firsts := {tuple(t.shape) for t in flatten_tensors(inputs) if t.shape[:1] != (bsz,)}
+            - {()}
+        ):
+            self._warned_ambiguous = True  # (once: sequence lengths vary)
+            log.warning(
+                "RoundPipe: the batch size is taken from the inputs' first tensor with a "
+                "dimension, %d; tensors of shapes %s are given whole to every micro-batch. If "
+                "one of them holds the batch, put it first in the inputs",
+                bsz,
+                ", ".join(map(str, sorted(firsts))),
+            )
         m = self.microbatches_for(bsz, training)
         if bsz < m:
             raise ValueError(
@@ -1117,7 +1132,8 @@ class RoundPipeEngine:
 
         def conv(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
-            if cast and t.is_floating_point() and t.dtype != dtype:
+            # (float64 stays: a layer computes with it on purpose, timestamps say)
+            if cast and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
                 t = t.to(dtype)
             t = t.cpu()
             return pin(t) if on_cuda else t

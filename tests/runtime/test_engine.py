@@ -1819,3 +1819,32 @@ def test_a_construction_that_fails_late_releases_the_arena_and_threads(monkeypat
     after = [p.detach() for layer in layers for p in layer.parameters()]
     for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_float64_inputs_keep_their_dtype_and_ambiguous_batch_sizes_are_warned_about(caplog):
+    """A layer computing with float64 on purpose gets float64 (it was cast
+    to the compute dtype); inputs whose tensors differ in their first
+    dimension say where the batch size came from, once."""
+
+    class Seen(nn.Module):
+        def forward(self, inputs, table):  # 1 where the inputs came as float64
+            return (
+                torch.full_like(inputs[:, :1], float(inputs.dtype == torch.float64))
+                + 0 * table[0, 0]
+            )
+
+    eng = engine([Seen(), nn.Identity()], 1, 2)
+    try:
+        x, table = torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 3)
+        with caplog.at_level("WARNING", logger="lightning_roundpipe.runtime.engine"):
+            out = eng.forward((x, table))
+            eng.forward((x, table))
+        assert out.tolist() == [[1.0]] * 4
+        warned = [r.getMessage() for r in caplog.records if "batch size is taken" in r.message]
+        assert (
+            len(warned) == 1
+            and "taken from the inputs' first tensor with a dimension, 4" in (warned[0])
+        )
+        assert "(3, 3)" in warned[0]
+    finally:
+        eng.close()

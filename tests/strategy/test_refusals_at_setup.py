@@ -131,3 +131,34 @@ def test_peft_prefix_tuning_is_refused_in_both_modes(async_optimizer):
             module, loader(lm_data(8), 4)
         )
     torch.testing.assert_close(state(module), before)
+
+
+def test_lazy_modules_are_refused_saying_to_run_a_forward_first():
+    module = SeqModule(extra=False)
+    module.net[0] = torch.nn.LazyLinear(16)
+    with pytest.raises(ValueError, match=r"net\.0\.weight is an uninitialized parameter of a lazy"):
+        _fit(module, RoundPipeStrategy(async_optimizer=False))
+    module.net(torch.zeros(2, 8))  # materialized: trains
+    _fit(module, RoundPipeStrategy(async_optimizer=False))
+
+
+class Embedded(SeqModule):
+    def __init__(self) -> None:
+        super().__init__(extra=False)
+        self.net = torch.nn.Sequential(
+            torch.nn.Embedding(10, 16, max_norm=0.5), torch.nn.Flatten(), torch.nn.Linear(128, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        ids = (x.abs() * 3).long().clamp(max=9)
+        return torch.nn.functional.mse_loss(self.net(ids), y)
+
+
+def test_an_embedding_that_renormalizes_its_weight_in_the_forward_is_refused():
+    """Its rows were renormalized on the workers' copies only: lost, silently."""
+    module = Embedded()
+    before = state(module)
+    with pytest.raises(ValueError, match=r"net\.0 is an nn\.Embedding with max_norm=0\.5, which"):
+        _fit(module, RoundPipeStrategy(async_optimizer=False))
+    torch.testing.assert_close(state(module), before)
