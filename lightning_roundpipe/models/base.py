@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..runtime.engine import EngineClosedError
 from ..runtime.nested import flatten_tensors
@@ -30,15 +31,15 @@ class _FromPipeline(torch.autograd.Function):
     gradients of the pipeline's inputs that require one (``needs``)."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, run, *needs) -> torch.Tensor:
-        ctx.run = run
+    def forward(ctx, anchor: torch.Tensor, run, n: int, *values_and_needs) -> Any:
+        ctx.run, ctx.n = run, n
         # the anchor's gradient accumulator: whether a backward accumulates into
         # .grad (the weights' gradients are wanted) or only asks for some inputs'
         ctx.anchor = torch.autograd.graph.get_gradient_edge(anchor).node
-        return value.clone()
+        return tuple(v.clone() for v in values_and_needs[:n])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "a backward with create_graph=True (a gradient penalty, a higher-order "
@@ -54,7 +55,7 @@ class _FromPipeline(torch.autograd.Function):
                 "derivatives with respect to the inputs inside a pipeline layer, or outside "
                 "the model"
             )
-        return None, None, None, *ctx.run(grad)
+        return None, None, None, *([None] * ctx.n), *ctx.run(list(grads))
 
 
 def _accumulates(node: Any) -> bool:
@@ -71,34 +72,39 @@ def _accumulates(node: Any) -> bool:
 
 
 def _from_pipeline(
-    value: torch.Tensor,
+    value: torch.Tensor | list[torch.Tensor],
     engine: RoundPipeEngine,
     iteration: int,
     inputs: Any,
-    backward: Callable[[RoundPipeEngine, int, torch.Tensor], float],
-) -> torch.Tensor:
-    """``value`` in the caller's graph: when autograd reaches it,
-    ``backward(engine, iteration, grad)`` runs or completes the pipeline's backward and
-    returns the factor the inputs' gradients are then taken with. The graph
-    refers to the engine weakly: a graph that outlives it (a failed batch run
-    again on a re-planned engine) does not keep it alive."""
+    backward: Callable[[RoundPipeEngine, int, Any], float],
+) -> Any:
+    """``value`` (a tensor, or a list of them) in the caller's graph: when
+    autograd reaches it, ``backward(engine, iteration, grad)`` (with a list:
+    the list of their gradients, zeros for those autograd did not reach)
+    runs or completes the pipeline's backward and returns the factor the
+    inputs' gradients are then taken with. The graph refers to the engine
+    weakly: a graph that outlives it (a failed batch run again on a
+    re-planned engine) does not keep it alive."""
     engine_ref = weakref.ref(engine)
     needs = _needing_grad(inputs)
+    single = isinstance(value, torch.Tensor)
+    values = [value] if single else list(value)
 
-    def run(grad: torch.Tensor) -> list[torch.Tensor | None]:
+    def run(grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
         eng = engine_ref()
         if eng is None:
             raise EngineClosedError(
                 "backward reached a value of a RoundPipe engine that no longer exists"
             )
-        factor = backward(eng, iteration, grad)
+        factor = backward(eng, iteration, grads[0] if single else grads)
         if not needs:
             return []
         grads = eng.input_grads(iteration)
         return [None if grads[i] is None else grads[i] * factor for i in needs]
 
     flat = flatten_tensors(inputs)
-    return _FromPipeline.apply(_anchor(), value, run, *(flat[i] for i in needs))
+    out = _FromPipeline.apply(_anchor(), run, len(values), *values, *(flat[i] for i in needs))
+    return out[0] if single else list(out)
 
 
 def _needing_grad(inputs: Any) -> list[int]:
@@ -187,18 +193,24 @@ class _Adapter(ABC):
         engine = self.engine
         it = engine.reserve_iteration()
         out = engine.forward(inputs, iteration=it)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                "with autograd on, the pipeline's last layer must return a tensor when the loss "
-                f"is computed outside the model; it returned {type(out).__name__}"
-            )
-
+        # the outputs' floating-point tensors carry the backward (several when
+        # the last layer returns a tuple or dict: logits and an auxiliary loss)
+        leaves, spec = pytree.tree_flatten(out)
+        floating = [
+            i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        if not floating:
+            return out
         wants_input_grads = bool(_needing_grad(inputs))
 
-        def backward(eng: RoundPipeEngine, iteration: int, grad: torch.Tensor) -> float:
+        def backward(eng: RoundPipeEngine, iteration: int, grads: list[torch.Tensor]) -> float:
+            # the outputs' gradients in the outputs' structure (None elsewhere)
+            tree: list[Any] = [None] * len(leaves)
+            for i, g in zip(floating, grads, strict=True):
+                tree[i] = g
             eng.forward_backward(
                 inputs,
-                labels=grad,
+                labels=pytree.tree_unflatten(tree, spec),
                 loss_fn=_dot,
                 iteration=iteration,
                 loss_weights=_unit_weights,
@@ -208,7 +220,10 @@ class _Adapter(ABC):
 
         # in the dtype the last layer computed in, as the model would return it
         # (bf16 logits under bf16 precision: half the host memory of fp32 ones)
-        return _from_pipeline(out, engine, it, inputs, backward)
+        values = _from_pipeline([leaves[i] for i in floating], engine, it, inputs, backward)
+        for i, v in zip(floating, values, strict=True):
+            leaves[i] = v
+        return pytree.tree_unflatten(leaves, spec)
 
 
 def _bound_to(method: Any, target: nn.Module) -> bool:
@@ -233,9 +248,16 @@ def _unit_weights(labels: list[Any]) -> list[float]:
     return [1.0] * len(labels)
 
 
-def _dot(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """A loss whose gradient with respect to ``out`` is ``grad``."""
-    return (out.float() * grad.to(out.device, torch.float32)).sum()
+def _dot(out: Any, grad: Any) -> torch.Tensor:
+    """A loss whose gradient with respect to each of ``out``'s tensors is
+    the tensor in its place in ``grad`` (none where that is None)."""
+    outs, grads = pytree.tree_leaves(out), pytree.tree_leaves(grad, is_leaf=lambda g: g is None)
+    terms = [
+        (o.float() * g.to(o.device, torch.float32)).sum()
+        for o, g in zip(outs, grads, strict=True)
+        if g is not None
+    ]
+    return torch.stack(terms).sum()
 
 
 # --------------------------------------------------------------- Sequential

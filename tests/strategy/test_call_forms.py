@@ -343,3 +343,49 @@ def test_sparse_adam_is_refused_naming_the_dense_gradients():
         cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=1).fit(
             SparseEmbedding(), loader(seq_data(16), 8)
         )
+
+
+class TwoHeads(nn.Module):
+    """Class logits, a value, and the integer predictions (no gradient)."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.cls, self.reg, self.as_dict = nn.Linear(16, 3), nn.Linear(16, 1), as_dict
+
+    def forward(self, h):
+        logits, value = self.cls(h), self.reg(h)
+        if self.as_dict:
+            return {"logits": logits, "value": value, "pred": logits.argmax(-1)}
+        return logits, value, logits.argmax(-1)
+
+
+class MultiOutput(L.LightningModule):
+    def __init__(self, as_dict: bool, value_only: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.value_only = value_only
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), TwoHeads(as_dict))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        logits, value, pred = out.values() if isinstance(out, dict) else out
+        assert pred.dtype == torch.long
+        loss = nn.functional.mse_loss(value, y)
+        if not self.value_only:
+            loss = loss + nn.functional.cross_entropy(logits, (y[:, 0] > 0).long())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("as_dict", "value_only"), [(False, False), (True, False), (True, True)])
+def test_a_last_layer_with_several_outputs_trains_like_the_default_strategy(as_dict, value_only):
+    """A tuple or dict of outputs (it was refused at the first step): each
+    floating-point one carries its part of the backward; one the loss does
+    not use contributes nothing."""
+    ref, mod = MultiOutput(as_dict, value_only), MultiOutput(as_dict, value_only)
+    _fit(ref, "auto", steps=3, data=seq_data(16))
+    _fit(mod, _sync(), steps=3, data=seq_data(16))
+    torch.testing.assert_close(state(mod), state(ref))
