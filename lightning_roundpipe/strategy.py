@@ -1139,6 +1139,7 @@ class RoundPipeStrategy(ParallelStrategy):
             ours = self.engine.own_gradient_hooks()
             _refuse_gradient_hooks(self.lightning_module, self.pipeline_layers, ours)
         before = self.engine.iteration if self.engine is not None else 0
+        calls = getattr(self._adapter, "calls", 0)
         # a checkpoint saved before this batch is done is resumed by running
         # the batch again: with the dropout masks of its first try
         self.precision_plugin.batch_start = before
@@ -1148,7 +1149,8 @@ class RoundPipeStrategy(ParallelStrategy):
             out = self._retry.training_step(super().training_step, *args, **kwargs)
         if first and self.engine is not None and self._adapter is not None:
             self._stack_called = True
-            if self.engine.iteration == before:
+            # (a call without gradients, a frozen backbone's, counts too)
+            if self._adapter.calls == calls:
                 a = self._adapter
                 rank_zero_warn(
                     f"the first training step never called {a.name} ({a.kind}), the layer "

@@ -155,8 +155,10 @@ class _Adapter(ABC):
         keep the target's forward as their own attribute."""
         self.engine = engine
         adapter = self
+        self.calls = 0  # (the strategy asks whether a step called the stack)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            adapter.calls += 1
             return adapter.call(*args, **kwargs)
 
         self.target.forward = forward  # instance attribute shadows the class method

@@ -522,14 +522,16 @@ class Worker:
         try:
             run = {"forward": self._forward, "fused": self._fused, "backward": self._backward}
             mbs = t.microbatches
+            recomputed = call.again or (call.train and t.kind == "forward")
             for w, j in enumerate(mbs):
                 mb[0] = j
                 with stage_scope():
                     run[t.kind](job, j, replicas, mbs[w + 1] if w + 1 < len(mbs) else None)
+                # (after each micro-batch: the failure names the one that changed it)
+                _check_state(replicas, recomputed=recomputed)
                 if nxt is not None:  # after the urgent activation upload
                     self._prefetch_window(nxt, w)
             mb[0] = None
-            _check_state(replicas, recomputed=call.again or (call.train and t.kind == "forward"))
             if (
                 call.writes_state
                 and t.kind != "backward"

@@ -921,7 +921,23 @@ def test_a_step_that_never_calls_the_layer_stack_is_warned_of():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(SeqModule(extra=False), data, sync(2), devices=2, max_steps=2)
+        # (a call without gradients counts: a linear probe on a frozen stack)
+        fit(ProbedSeq(), data, sync(2), devices=2, max_steps=2)
     assert not [w for w in caught if "never called" in str(w.message)]
+
+
+class ProbedSeq(SeqModule):
+    """The stack runs without gradients; only the module outside it trains."""
+
+    def __init__(self) -> None:
+        super().__init__(extra=True)
+        self.net.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            features = self.net(x)
+        return nn.functional.mse_loss(self.extra(features), y)
 
 
 def test_option_types_accept_numpy_numbers_and_refuse_flags_for_numbers():
