@@ -499,6 +499,7 @@ class RoundPipeEngine:
         self._window_scale: dict[int, float] = {}
         # (the first window and the loss scale this engine's windows start from)
         self._scale_start: tuple[int, float] | None = None
+        self._continued_scale: float | None = None  # (see continue_from)
         self.wait_seconds = 0.0  # time the caller's thread spent waiting on the pipeline
         self._last_schedule: tuple[Call, Schedule] | None = None
         self._last_train: Schedule | None = None
@@ -1558,7 +1559,14 @@ class RoundPipeEngine:
         if not scaler.enabled or not self.async_optimizer:
             return scaler.scale
         if self._scale_start is None:
-            self._scale_start = (window, scaler.scale)
+            if self._continued_scale is None:
+                self._scale_start = (window, scaler.scale)
+            else:
+                # a run that goes on (continue_from): this window starts with
+                # the scale its predecessor's window would have, the next one
+                # with the scale after the predecessor's last update
+                self._scale_start = (window - 1, self._continued_scale)
+                scaler.after.setdefault(window - 1, scaler.scale)
         first, start = self._scale_start
         prior = window - 2
         if prior < first:
@@ -1576,7 +1584,25 @@ class RoundPipeEngine:
         training call's number (``"iteration"``: dropout masks are seeded by
         it) and the fp16 loss scale (``"loss_scale"``,
         :meth:`LossScaler.state_dict`). Checkpoints save them."""
-        return {"iteration": self._iteration, "loss_scale": self.scaler.state_dict()}
+        out = {"iteration": self._iteration, "loss_scale": self.scaler.state_dict()}
+        window_scale = self._next_window_scale()
+        if window_scale is not None:
+            out["window_scale"] = window_scale
+        return out
+
+    def _next_window_scale(self) -> float | None:
+        """Asynchronous fp16: the scale the current window starts (or started)
+        with, when it is known without waiting (None otherwise, and without
+        loss scaling or an asynchronous optimizer)."""
+        scaler, w = self.scaler, self._window
+        if not scaler.enabled or not self.async_optimizer:
+            return None
+        if w in self._window_scale:
+            return self._window_scale[w]
+        if self._scale_start is None:
+            return self._continued_scale if self._continued_scale is not None else scaler.scale
+        first, start = self._scale_start
+        return start if w - 2 < first else scaler.after.get(w - 2)
 
     def continue_from(self, counters: dict[str, Any]) -> None:
         """Go on with another engine's :meth:`counters` (a new engine of a run
@@ -1588,6 +1614,10 @@ class RoundPipeEngine:
             raise RuntimeError("continue_from() must be called before the first forward_backward")
         self._iteration = int(counters["iteration"])
         self.scaler.load_state_dict(counters["loss_scale"])
+        # (asynchronous fp16: the next window's scale is the one before the last
+        # update's; None: it starts with the loaded scale, as before)
+        scale = counters.get("window_scale")
+        self._continued_scale = None if scale is None else float(scale)
 
     def trainable_changed(self) -> list[str]:
         """Names of the parameters whose ``requires_grad`` is not what it was

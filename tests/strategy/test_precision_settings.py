@@ -196,3 +196,37 @@ def test_mixed_precision_steps_run_under_autocast_on_the_host():
     torch.testing.assert_close(torch.stack(mod.losses), torch.stack(ref.losses), atol=2e-2, rtol=0)
     for (name, x), y in zip(mod.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(x, y, atol=2e-2, rtol=0, msg=name)
+
+
+def test_asynchronous_fp16_resumed_right_after_an_overflow_goes_on_like_the_uninterrupted_run(
+    tmp_path,
+):
+    """A checkpoint between update 2 (which overflowed and halved the scale)
+    and window 4: the resumed window 3 starts with update 1's scale, as in
+    the uninterrupted run (it started with the halved one, and the runs
+    parted)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(ckpt=None, save=False):
+        module = OverflowAtThirdStep(extra=False)
+        saver = ModelCheckpoint(tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+        trainer = cpu_trainer(
+            RoundPipeStrategy(num_microbatches=2),
+            max_steps=6,
+            plugins=[RoundPipePrecision("16-mixed")],
+            enable_checkpointing=save,
+            callbacks=[saver] if save else [],
+        )
+        data = torch.utils.data.TensorDataset(*(t[:8].repeat(6, 1) for t in seq_data(8).tensors))
+        trainer.fit(module, loader(data, 8), ckpt_path=ckpt)
+        return module, trainer.strategy.precision_plugin.final
+
+    straight, final = fit(save=True)
+    saved = torch.load(tmp_path / "step=3.ckpt", weights_only=False)["RoundPipePrecision"]
+    assert saved["loss_scale"]["scale"] == 2.0**15 and saved["window_scale"] == 2.0**16
+    resumed, resumed_final = fit(tmp_path / "step=3.ckpt")
+    assert resumed_final["loss_scale"] == final["loss_scale"]
+    for (name, x), y in zip(
+        resumed.state_dict().items(), straight.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(x, y, msg=name)
