@@ -1398,6 +1398,8 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.engine is None or not self.async_optimizer:
             return None
         self._drain()
+        if self.engine is None:  # (it had failed: closed, nothing one behind to keep)
+            return None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         # trainable ones only: a frozen weight's master is the parameter itself
         # (a LoRA base model would otherwise be saved, and cloned, twice)
