@@ -112,7 +112,7 @@ class _NoGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         raise RuntimeError(
-            "a backward reached the logits a RoundPipe sequence classifier returned with "
+            "a backward reached the logits a RoundPipe classifier returned with "
             "labels=: its loss (out.loss) was computed, and its backward run, inside the "
             "pipeline, so a term built from out.logits cannot reach the weights. Use the "
             "logits for metrics only (detached), or call the model without labels= and "
