@@ -30,6 +30,11 @@
 # 8B LoRA trials timed out while building the model on the CPU (now drawn on
 # the GPU); DeepSpeed's CPU Adam compiles there from the carried wheels.
 #
+# New since 2026-11-27's run, untested on a GPU (the `tests` part runs their
+# gpu tests): classifiers' scores downloaded with the loss (with_outputs),
+# batch norm in fp32 on CUDA replicas under bf16-mixed, the steps' host code
+# under autocast for the devices' type too, several outputs of a last layer.
+#
 # Next session (15 device-minutes), after `bash benchmarks/gpu_wheels.sh` here:
 #   call 1 (~9 min): lora (roundpipe, fsdp_offload, deepspeed_offload; check
 #                    the "built ... in" lines of trials.log first), then

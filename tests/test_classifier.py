@@ -507,3 +507,34 @@ def test_token_classifier_refusals_name_what_to_change():
     with pytest.raises(ValueError, match=r"computes transformers' ForTokenClassification loss"):
         call(labels=labels)
     model.loss_function = own
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [False, True])
+def test_classifiers_on_gpu_workers_train_like_the_default_strategy_on_the_cpu(tokens):
+    """The scores come back with the loss from CUDA workers (downloaded with
+    it): losses, scores, weights and evaluation as plain Lightning's."""
+    model = classifier("llama", tokens=tokens)
+    ref, mod = Classifier(copy.deepcopy(model)), Classifier(model)
+    dataset = data("tokens" if tokens else "single")
+    fit(ref, "auto", dataset, validate=True)
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(async_optimizer=False, num_microbatches=2, workers_per_device=2),
+        accelerator="cuda",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        **QUIET,
+    )
+    loader = DataLoader(dataset, batch_size=4)
+    trainer.fit(mod, loader, loader)
+    close = functools.partial(torch.testing.assert_close, atol=1e-4, rtol=1e-3)
+    close(torch.stack(mod.losses).cpu(), torch.stack(ref.losses))
+    close(torch.stack(mod.logits).cpu(), torch.stack(ref.logits))
+    for (name, x), y in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        close(x.detach().cpu(), y.detach(), msg=name)
+    for (loss, logits), (ref_loss, ref_logits) in zip(mod.validated, ref.validated, strict=True):
+        close(loss.cpu(), ref_loss)
+        close(logits.cpu(), ref_logits)

@@ -137,3 +137,26 @@ def test_an_fp32_buffer_mixed_into_bf16_activations_fails_saying_what_to_cast():
         cpu_trainer(_sync(), max_steps=1, precision="bf16-mixed").fit(
             Normalized(table=True), loader(seq_data(32), 8)
         )
+
+
+@pytest.mark.gpu
+def test_batch_norm_under_bf16_mixed_on_gpu_workers_trains_like_the_default_strategy():
+    modules = {}
+    for kind in ("auto", "sync"):
+        modules[kind] = Normalized()
+        L.seed_everything(0)
+        L.Trainer(
+            strategy="auto" if kind == "auto" else _sync("1,1|2|1,1"),
+            accelerator="cuda",
+            devices=1,
+            max_steps=3,
+            precision="bf16-mixed",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(modules[kind], loader(seq_data(32), 8))
+    for (name, x), y in zip(
+        modules["sync"].state_dict().items(), modules["auto"].state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(x.cpu(), y.cpu(), atol=2e-2, rtol=0, msg=name)
