@@ -49,12 +49,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .models import find_adapter
-from .plan import PlanError, choose_microbatches, simulate
+from .plan import PlanError, StagePlan, choose_microbatches, simulate
 from .plan.decide import tightest
 from .precision import RoundPipePrecision
 from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
-from .runtime.options import PRECISIONS, EngineOptions, NonFinite, check_types
+from .runtime.options import PRECISIONS, EngineOptions, NonFinite, check_types, plain_int
 from .runtime.replicas import Replicas
 
 __all__ = ["RoundPipeStrategy"]
@@ -233,6 +233,18 @@ class RoundPipeStrategy(ParallelStrategy):
     ) -> None:
         given = dict(locals())
         check_types({k: given[k] for k in _option_hints()}, _option_hints())
+        # (NumPy integers, which the type check accepts, as plain ints)
+        num_microbatches, oom_replans, reduce_bucket_bytes = map(
+            plain_int, (num_microbatches, oom_replans, reduce_bucket_bytes)
+        )
+        workers_per_device, seed, log_every_n_steps = map(
+            plain_int, (workers_per_device, seed, log_every_n_steps)
+        )
+        if plan != "auto":  # (its layer counts are checked at setup, against the model)
+            try:
+                StagePlan.parse(plan)
+            except PlanError as exc:
+                raise ValueError(f"plan={plan!r} cannot be read: {exc}") from None
         if log_every_n_steps is not None and log_every_n_steps < 0:
             raise ValueError(
                 f"log_every_n_steps must be >= 0 (0 turns the strategy's own metrics off) or "
@@ -299,7 +311,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self.engine: RoundPipeEngine | None = None
         self._bubble: float | None = None
         self._last_step: tuple[float, float, int] | None = None  # time, waited, bytes
-        self.stage_plan = None
+        self._stage_plan: StagePlan | None = None
+        self._reported_plan: StagePlan | None = None  # (the last plan the log named)
         self.pipeline_layers: list[torch.nn.Module] = []
         self.microbatches: int | None = None
         self._final_stale: dict[str, Tensor] | None = None
@@ -741,8 +754,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self.precision_plugin.engine = self.engine
         if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
             self.precision_plugin.after_backward = self._outside_reducer(adapter)
-        # kept after the engine closes, for reports
-        self.stage_plan = self.engine.plan
+        self._stage_plan = self._reported_plan = self.engine.plan
+        self._last_step = None  # (a new engine's counters start at 0)
         self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self.pipeline_layers = adapter.layers()
         self.microbatches = m
@@ -1076,7 +1089,27 @@ class RoundPipeStrategy(ParallelStrategy):
             self._note_weights()
         if result is not None or earlier:  # a step was taken
             self._log_metrics(model.trainer)
+        self._report_replan()
         return result
+
+    def _report_replan(self) -> None:
+        """Say when the engine re-planned from measured costs (the start-up
+        line named the plan of the size-based estimates)."""
+        engine, before = self.engine, self._reported_plan
+        if engine is None or before is None or engine.plan == before:
+            return
+        self._reported_plan = engine.plan
+        rank_zero_info(
+            f"RoundPipe: re-planned from the measured costs: plan {engine.plan} (was {before})"
+        )
+
+    @property
+    def stage_plan(self) -> StagePlan | None:
+        """The stage plan the engine runs now (it may re-plan from measured
+        costs), or the last one's after the engine closed (None before any)."""
+        if self.engine is not None:
+            self._stage_plan = self.engine.plan
+        return self._stage_plan
 
     def _log_metrics(self, trainer: Any) -> None:
         now, waited, moved = time.perf_counter(), self.engine.wait_seconds, self.engine.bytes_moved
@@ -1317,6 +1350,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def on_validation_end(self) -> None:
         super().on_validation_end()
         self._training_weights()
+        self._last_step = None  # (the next step's time would include the validation)
 
     @override
     def on_test_end(self) -> None:
@@ -1480,6 +1514,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._restore.clear()
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            self._stage_plan = engine.plan  # (what it ran last, for reports)
             self.precision_plugin.engine = None
             engine.close()
             if self._fitting:  # for a checkpoint saved after the fit (the queued steps are done)

@@ -106,6 +106,13 @@ def check_types(values: Mapping[str, Any], hints: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} must be {' or '.join(_describe(hint))}, got {value!r}")
 
 
+def plain_int(value: Any) -> Any:
+    """A NumPy (or other integral) number as a Python int; anything else as it is."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -140,6 +147,8 @@ class EngineOptions:
             {f.name: getattr(self, f.name) for f in fields(self)},
             typing.get_type_hints(EngineOptions),
         )
+        for f in fields(self):  # (NumPy integers, which check_types accepts: plain ints)
+            object.__setattr__(self, f.name, plain_int(getattr(self, f.name)))
         if self.double_buffer not in (None, True, False):
             raise ValueError(
                 f"double_buffer must be True, False or None, got {self.double_buffer!r}"

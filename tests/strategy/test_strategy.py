@@ -943,9 +943,58 @@ class ProbedSeq(SeqModule):
 def test_option_types_accept_numpy_numbers_and_refuse_flags_for_numbers():
     import numpy as np
 
-    RoundPipeStrategy(seed=np.int64(3), watchdog_timeout=np.float32(5.0), workers_per_device=1)
+    strategy = RoundPipeStrategy(
+        seed=np.int64(3),
+        watchdog_timeout=np.float32(5.0),
+        workers_per_device=1,
+        num_microbatches=np.int64(2),  # (the type check took it, the value check refused it)
+        oom_replans=np.int32(1),
+        microbatches_per_round=np.int64(2),
+    )
+    assert type(strategy.num_microbatches) is int and strategy.num_microbatches == 2
+    assert type(strategy.options.microbatches_per_round) is int
     with pytest.raises(ValueError, match="seed must be an integer or None, got True"):
         RoundPipeStrategy(seed=True)
+
+
+@pytest.mark.parametrize("plan", ["garbage", "", "5||"])
+def test_an_unreadable_plan_is_refused_when_the_strategy_is_made(plan):
+    with pytest.raises(ValueError, match=rf"plan={plan!r} cannot be read: cannot parse plan"):
+        RoundPipeStrategy(plan=plan)
+
+
+def test_the_strategys_metrics_cover_each_step_of_each_engine(tmp_path):
+    """A second fit (a new engine, whose counters start at 0) and a
+    validation between steps: the wait fraction and transfer rate were
+    negative after a new engine, the step time counted the validation."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = SeqModule(extra=False)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(async_optimizer=False, num_microbatches=2),
+        accelerator="cpu",
+        devices=2,
+        max_steps=4,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        val_check_interval=2,
+        limit_val_batches=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader(seq_data(64), 8), loader(seq_data(16), 8))
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(module, loader(seq_data(64), 8), loader(seq_data(16), 8))
+    trainer.logger.finalize("success")
+    lines = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    steps = [r for r in rows if r.get("roundpipe/wait_fraction")]
+    assert len(steps) >= 4
+    for row in steps:
+        assert float(row["roundpipe/wait_fraction"]) >= 0.0, row
+        assert float(row["roundpipe/transfer_gb_per_s"]) >= 0.0, row
 
 
 class _CheckpointedDropoutLM(CausalLM):
