@@ -188,7 +188,14 @@ class RoundPipePrecision(Precision):
         pipeline fed its low-precision outputs, the loss) runs under autocast
         in the compute dtype, as under Lightning's mixed precision; the
         pipeline's layers compute on the workers' threads in that dtype
-        already (autocast is per thread)."""
+        already (autocast is per thread). ``bf16-true``: floating-point
+        tensors a step makes are bf16, as under Lightning's."""
+        if self.precision == "bf16-true":
+            # tensors a step makes are bf16, as under Lightning's bf16-true (the
+            # default dtype is the process's: the engine's own code gives dtypes)
+            with self.tensor_init_context():
+                yield
+            return
         if not self.precision.endswith("-mixed"):
             yield
             return

@@ -203,6 +203,13 @@ class _Adapter(ABC):
         ]
         if not floating:
             return out
+        if engine.compute_dtype == torch.float16:
+            # fp16 outputs in fp32: the gradient a loss computed from them
+            # brings back (unscaled: the loss scale is the pipeline's) would
+            # flush to zero in fp16 (a token's logit gradient is ~1/(tokens x
+            # vocabulary)); the pipeline scales it on its way down
+            for i in floating:
+                leaves[i] = leaves[i].float()
         wants_input_grads = bool(_needing_grad(inputs))
 
         def backward(eng: RoundPipeEngine, iteration: int, grads: list[torch.Tensor]) -> float:
@@ -220,8 +227,8 @@ class _Adapter(ABC):
             )
             return 1.0
 
-        # in the dtype the last layer computed in, as the model would return it
-        # (bf16 logits under bf16 precision: half the host memory of fp32 ones)
+        # (otherwise in the dtype the last layer computed in, as the model would
+        # return it: bf16 logits under bf16 precision, half the host memory)
         values = _from_pipeline([leaves[i] for i in floating], engine, it, inputs, backward)
         for i, v in zip(floating, values, strict=True):
             leaves[i] = v

@@ -230,3 +230,61 @@ def test_asynchronous_fp16_resumed_right_after_an_overflow_goes_on_like_the_unin
         resumed.state_dict().items(), straight.state_dict().values(), strict=True
     ):
         torch.testing.assert_close(x, y, msg=name)
+
+
+class LossFromLogits(L.LightningModule):
+    """A causal LM's next-token loss computed on the host from its logits,
+    weighted small (an accumulation divisor)."""
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        from .modules import hf_model
+
+        self.model = hf_model("llama", vocab_size=1024)
+        self.weight = weight
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self.model(input_ids=ids).logits
+        assert logits.dtype == torch.float32  # (under 16-mixed, in fp32)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return loss * self.weight
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0 / self.weight)
+
+
+def test_fp16_logits_returned_for_a_loss_on_the_host_keep_their_small_gradients():
+    """16-mixed: the logits came back in fp16, so their gradient (about
+    1/(tokens x vocabulary), unscaled on the host) flushed to zero: 88% of
+    the LM head's update was lost. They come back in fp32: the update is the
+    fp32 run's."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 1024, (8, 32), generator=g))
+    updates = {}
+    for name, plugins in (("fp32", []), ("fp16", [RoundPipePrecision("16-mixed")])):
+        module = LossFromLogits(weight=1 / 256)
+        before = module.model.lm_head.weight.detach().clone()
+        strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
+        cpu_trainer(strategy, max_steps=1, plugins=plugins).fit(module, loader(data, 8))
+        updates[name] = module.model.lm_head.weight.detach() - before
+    fp16, fp32 = updates["fp16"], updates["fp32"]
+    assert (fp16 == 0).float().mean() < 0.01
+    assert (fp16 - fp32).norm() / fp32.norm() < 0.02
+
+
+class MakesTensors(SeqModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        weight = torch.ones(y.shape[0])  # (bf16 under bf16-true, as under Lightning's)
+        assert weight.dtype == torch.bfloat16
+        loss = torch.nn.functional.mse_loss(self.net(x), y, reduction="none").squeeze(-1) * weight
+        return loss.mean()
+
+
+def test_tensors_made_in_a_bf16_true_step_are_bf16():
+    module = MakesTensors(extra=False)
+    cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=2, precision="bf16-true").fit(
+        module, loader(seq_data(16), 8)
+    )
+    assert torch.get_default_dtype() == torch.float32  # (restored after the step)
