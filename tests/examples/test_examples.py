@@ -133,3 +133,12 @@ def test_pictures_regenerate_with_one_command(tmp_path):
         "protocol-rules.png",
     }
     assert len(list(tmp_path.glob("figure1-*.png"))) == 6
+
+
+def test_reward_model_example_learns_the_preference():
+    """A sequence classifier trained on pairs with a loss built from its
+    rewards (no labels=): the preferred sequences end on even tokens."""
+    pytest.importorskip("transformers")
+    trainer = load("reward_model").main(["--steps", "40", "--devices", "2"])
+    assert trainer.global_step == 40
+    assert float(trainer.callback_metrics["val_accuracy"]) > 0.9
