@@ -318,7 +318,7 @@ class GradientReducer:
             assert arena.buffer is not None
             out.append(_Bucket((start, stop), params, arena.buffer[begin:end].view(torch.float32)))
         if not out:  # no trainable parameter: the skip flag still needs agreeing on
-            out.append(_Bucket((0, 0), [], torch.zeros(0)))
+            out.append(_Bucket((0, 0), [], torch.zeros(0, dtype=torch.float32)))
         return out
 
     # --------------------------------------------------------------- thread
@@ -409,7 +409,7 @@ class GradientReducer:
 
     def _launch(self, window: int, index: int, skip: bool) -> None:
         bucket = self.buckets[index]
-        flags = torch.zeros(1 + len(bucket.params))
+        flags = torch.zeros(1 + len(bucket.params), dtype=torch.float32)  # (any default dtype)
         flags[0] = float(skip)
         for k, p in enumerate(bucket.params):
             with p.lock:
