@@ -229,11 +229,17 @@ def test_sequence_classifiers_train_like_the_default_strategy(kind, problem):
 def test_every_family_classifier_scores_like_the_model(kind):
     """Evaluation: the pooled scores and the loss of the model's own forward,
     over two micro-batches on two CPU workers."""
-    model = classifier(kind).eval()
-    ids, mask, labels = data().tensors
+    scores_like_the_model(classifier(kind).eval(), data(), SequenceClassifierAdapter)
+
+
+def scores_like_the_model(model: nn.Module, dataset: TensorDataset, kind: type) -> None:
+    """Evaluation through the pipeline (the adapter found is of ``kind``) gives
+    the model's own output: its type, logits and loss."""
+    ids, mask, labels = dataset.tensors
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, labels=labels)
-    adapter = SequenceClassifierAdapter(model, "model")
+    adapter = find_adapter(Holder(model=model))
+    assert isinstance(adapter, kind)
     with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2) as engine:
         adapter.attach(engine)
         try:
@@ -432,22 +438,9 @@ def test_token_classifiers_train_like_the_default_strategy(kind):
 
 @pytest.mark.parametrize("kind", _kinds(tokens=True)[0])
 def test_every_family_token_classifier_scores_like_the_model(kind):
-    model = classifier(kind, tokens=True).eval()
-    ids, mask, labels = data("tokens").tensors
-    with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask, labels=labels)
-    adapter = find_adapter(Holder(model=model))
-    assert isinstance(adapter, TokenClassifierAdapter)
-    with RoundPipeEngine(adapter.layers(), ["cpu"] * 2, 2) as engine:
-        adapter.attach(engine)
-        try:
-            with torch.no_grad():
-                got = model(input_ids=ids, attention_mask=mask, labels=labels)
-        finally:
-            adapter.detach()
-    assert type(got) is type(expected)
-    torch.testing.assert_close(got.logits, expected.logits)
-    torch.testing.assert_close(got.loss, expected.loss)
+    scores_like_the_model(
+        classifier(kind, tokens=True).eval(), data("tokens"), TokenClassifierAdapter
+    )
 
 
 def test_a_token_loss_from_the_logits_and_lora_train_like_the_default_strategy():

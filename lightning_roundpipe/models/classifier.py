@@ -18,6 +18,7 @@ rows, so it equals the unsplit model's loss; the pooled logits come back with it
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -287,19 +288,13 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         problem = None if labels is None else config.problem_type  # (set by _check_labels)
         training = torch.is_grad_enabled()
         if training and labels is not None:
-            # the gradient factor is whatever autograd brings to the returned
-            # loss, as for a causal LM
-            loss, pooled = engine.forward_backward(
+            return self._trained(
+                as_tuple,
                 inputs,
-                labels={"labels": labels, "last": last},
-                loss_fn=_ClassifierLoss(problem, num_labels),
-                loss_weights=lambda ys: self._row_weights(ys, problem),
-                scale="later",
-                input_grads=bool(_needing_grad(inputs)),
-                with_outputs=True,
+                {"labels": labels, "last": last},
+                _ClassifierLoss(problem, num_labels),
+                lambda ys: self._row_weights(ys, problem),
             )
-            loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
-            return self._output(as_tuple, loss=loss, logits=_NoGradient.apply(_anchor(), pooled))
         if training:
             scores = self._outputs_with_backward(inputs)
             return self._output(as_tuple, logits=_pool(scores, last))
@@ -308,6 +303,31 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         if labels is not None:
             loss = sequence_classification_loss(pooled, labels, problem, num_labels, empty=None)
         return self._output(as_tuple, loss=loss, logits=pooled)
+
+    def _trained(
+        self,
+        as_tuple: bool,
+        inputs: dict[str, Any],
+        labels: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        weights: Callable[[list[Any]], list[float]],
+    ) -> Any:
+        """A training call with ``labels=``: the loss computed inside the
+        pipeline (``loss_fn`` returns it and the scores, which come back with
+        it), in the caller's graph with the factor autograd brings to it, as
+        a causal LM's; the scores for metrics, without a gradient."""
+        engine = self.engine
+        loss, scores = engine.forward_backward(
+            inputs,
+            labels=labels,
+            loss_fn=loss_fn,
+            loss_weights=weights,
+            scale="later",
+            input_grads=bool(_needing_grad(inputs)),
+            with_outputs=True,
+        )
+        loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
+        return self._output(as_tuple, loss=loss, logits=_NoGradient.apply(_anchor(), scores))
 
     def _row_weights(self, labels: list[dict[str, torch.Tensor]], problem: str) -> list[float]:
         """Each micro-batch's share of the batch's labelled rows (single-label:
@@ -405,17 +425,7 @@ class TokenClassifierAdapter(SequenceClassifierAdapter):
         labels, engine = a.get("labels"), self.engine
         training = torch.is_grad_enabled()
         if training and labels is not None:
-            loss, scores = engine.forward_backward(
-                inputs,
-                labels=labels,
-                loss_fn=_token_loss,
-                loss_weights=self._labelled_tokens,
-                scale="later",
-                input_grads=bool(_needing_grad(inputs)),
-                with_outputs=True,
-            )
-            loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
-            return self._output(as_tuple, loss=loss, logits=_NoGradient.apply(_anchor(), scores))
+            return self._trained(as_tuple, inputs, labels, _token_loss, self._labelled_tokens)
         if training:
             return self._output(as_tuple, logits=self._outputs_with_backward(inputs))
         scores = engine.forward(inputs)
