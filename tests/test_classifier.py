@@ -24,6 +24,9 @@ from test_adapters import (
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES as ANSWERERS,
+)
+from transformers.models.auto.modeling_auto import (
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSIFIERS,
 )
 from transformers.models.auto.modeling_auto import (
@@ -33,9 +36,11 @@ from transformers.models.auto.modeling_auto import (
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.models import (
     LayerStackNotFound,
+    QuestionAnsweringAdapter,
     SequenceClassifierAdapter,
     TokenClassifierAdapter,
     find_adapter,
+    question_answering_loss,
     sequence_classification_loss,
     token_classification_loss,
 )
@@ -43,34 +48,38 @@ from lightning_roundpipe.models.layout import _TASKS
 from lightning_roundpipe.runtime import RoundPipeEngine
 
 SEQ, PAD = 10, 0
+# the task heads (indices into _TASKS, and into the transformers classes' names)
+SEQUENCES, TOKENS, ANSWERS = 0, 1, 2
+_NAMES = (CLASSIFIERS, TAGGERS, ANSWERERS)
 
 
-def _classifier_class(kind: str, tokens: bool = False) -> type | None:
+def _classifier_class(kind: str, task: int = SEQUENCES) -> type | None:
     model_type = _transformers_class(TINY[kind][0]).model_type
-    name = (TAGGERS if tokens else CLASSIFIERS).get(model_type)
+    name = _NAMES[task].get(model_type)
     return None if name is None else getattr(transformers, name, None)
 
 
-def _reproduced(cls: type, tokens: bool = False) -> bool:
+def _reproduced(cls: type, task: int = SEQUENCES) -> bool:
     owner = next(c for c in cls.__mro__ if "forward" in vars(c))
-    return owner.__name__ in _TASKS[int(tokens)].reproduced
+    return owner.__name__ in _TASKS[task].reproduced
 
 
 @functools.cache
-def _kinds(tokens: bool = False) -> tuple[list[str], list[str]]:
-    """The tested families with a sequence (or token) classifier: those the
-    pipeline reproduces, those it refuses."""
-    found = [(k, c) for k in TINY if (c := _classifier_class(k, tokens)) is not None]
+def _kinds(task: int = SEQUENCES) -> tuple[list[str], list[str]]:
+    """The tested families with a sequence or token classifier (or a
+    question-answering model): those the pipeline reproduces, those it
+    refuses."""
+    found = [(k, c) for k in TINY if (c := _classifier_class(k, task)) is not None]
     return (
-        [k for k, c in found if _reproduced(c, tokens)],
-        [k for k, c in found if not _reproduced(c, tokens)],
+        [k for k, c in found if _reproduced(c, task)],
+        [k for k, c in found if not _reproduced(c, task)],
     )
 
 
-def classifier(kind: str, num_labels: int = 3, tokens: bool = False, **settings) -> nn.Module:
-    """A tiny sequence (or token) classifier of the family (random weights,
-    seeded; a token classifier's dropout off)."""
-    if tokens:
+def classifier(kind: str, num_labels: int = 3, task: int = SEQUENCES, **settings) -> nn.Module:
+    """A tiny sequence or token classifier (or question-answering model) of
+    the family (random weights, seeded; a token classifier's dropout off)."""
+    if task == TOKENS:
         settings = {"classifier_dropout": 0.0, **settings}
     config_cls, _, base = TINY[kind]
     config = _transformers_class(config_cls)(
@@ -83,7 +92,7 @@ def classifier(kind: str, num_labels: int = 3, tokens: bool = False, **settings)
             "pad_token_id": PAD,
         }
     )
-    cls = _classifier_class(kind, tokens)
+    cls = _classifier_class(kind, task)
     torch.manual_seed(0)
     try:
         return cls._from_config(config, attn_implementation="sdpa")
@@ -167,7 +176,7 @@ def fit(module, strategy, dataset, devices=1, steps=3, validate=False):
 
 
 def trains_like_the_default_strategy(ref: Classifier, dataset, strategy=None, validate=False):
-    mod = Classifier(copy.deepcopy(ref.model), ref.with_labels, ref.lr, ref.label_shape)
+    mod = type(ref)(copy.deepcopy(ref.model), ref.with_labels, ref.lr, ref.label_shape)
     before = [p.detach().clone() for p in ref.parameters()]
     fit(ref, "auto", dataset, validate=validate)
     fit(mod, strategy or sync(), dataset, devices=2, validate=validate)
@@ -387,7 +396,7 @@ def test_classifier_refusals_name_what_to_change():
             out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
             return out.loss + out.logits.square().mean()
 
-    with pytest.raises(RuntimeError, match=r"a term built from out\.logits cannot reach"):
+    with pytest.raises(RuntimeError, match=r"a term built from out\.logits \(out\.start_logits"):
         fit(LogitsTerm(model), sync(), data(), devices=2)
 
 
@@ -411,18 +420,27 @@ def test_classifiers_whose_forward_is_not_reproduced_are_refused():
     for kind in _kinds()[1]:
         with pytest.raises(LayerStackNotFound, match=r"RoundPipe does not reproduce"):
             find_adapter(Holder(model=classifier(kind)))
-    qa = transformers.LlamaForQuestionAnswering(classifier("llama").config)
+
+
+def test_models_with_another_task_head_are_refused():
+    class LlamaForRanking(transformers.LlamaPreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = transformers.LlamaModel(config)
+            self.ranker = nn.Linear(config.hidden_size, 1)
+
+    ranker = LlamaForRanking(classifier("llama").config)
     with pytest.raises(
         LayerStackNotFound,
-        match=r"'model' is a LlamaForQuestionAnswering \(model_type 'llama'\), a model with a "
-        r"task head other than the LM head or a classifier's",
+        match=r"'model' is a LlamaForRanking \(model_type 'llama'\), a model with a task head "
+        r"other than the LM head, a classifier's or a question-answering head",
     ):
-        find_adapter(Holder(model=qa))
+        find_adapter(Holder(model=ranker))
 
 
 # ------------------------------------------------------------ token classifiers
 def test_the_tested_families_have_token_classifiers_to_test():
-    reproduced, refused = _kinds(tokens=True)
+    reproduced, refused = _kinds(TOKENS)
     assert len(reproduced) >= 35 and {"llama", "gpt2", "gpt_neox", "bloom"} <= set(reproduced)
     assert not refused
 
@@ -432,14 +450,14 @@ def test_token_classifiers_train_like_the_default_strategy(kind):
     """The loss over the labelled tokens (each micro-batch weighted by its
     share of them), the scores that come back with it, the weights, and
     evaluation's loss and scores."""
-    ref = Classifier(classifier(kind, tokens=True))
+    ref = Classifier(classifier(kind, task=TOKENS))
     trains_like_the_default_strategy(ref, data("tokens"), validate=True)
 
 
-@pytest.mark.parametrize("kind", _kinds(tokens=True)[0])
+@pytest.mark.parametrize("kind", _kinds(TOKENS)[0])
 def test_every_family_token_classifier_scores_like_the_model(kind):
     scores_like_the_model(
-        classifier(kind, tokens=True).eval(), data("tokens"), TokenClassifierAdapter
+        classifier(kind, task=TOKENS).eval(), data("tokens"), TokenClassifierAdapter
     )
 
 
@@ -456,10 +474,10 @@ def test_a_token_loss_from_the_logits_and_lora_train_like_the_default_strategy()
             return loss
 
     trains_like_the_default_strategy(
-        FromLogits(classifier("qwen3", tokens=True), lr=0.1), data("tokens")
+        FromLogits(classifier("qwen3", task=TOKENS), lr=0.1), data("tokens")
     )
     config = LoraConfig(task_type="TOKEN_CLS", r=4, target_modules=["q_proj", "v_proj"])
-    model = get_peft_model(classifier("qwen3", tokens=True), config)
+    model = get_peft_model(classifier("qwen3", task=TOKENS), config)
     trains_like_the_default_strategy(Classifier(model), data("tokens"))
 
 
@@ -479,7 +497,7 @@ def test_the_token_loss_matches_transformers():
 
 
 def test_token_classifier_refusals_name_what_to_change():
-    model = classifier("llama", tokens=True)
+    model = classifier("llama", task=TOKENS)
     ids, mask, labels = data("tokens", n=4).tensors
 
     def call(**kwargs):
@@ -502,12 +520,167 @@ def test_token_classifier_refusals_name_what_to_change():
     model.loss_function = own
 
 
+# ------------------------------------------------------------ question answering
+def answers(n: int = 8) -> TensorDataset:
+    """Token ids padded as data()'s, with an answer's start and end token per
+    row: one start past the sequence (ignored: the start and end losses then
+    count different rows) and one negative end (clamped to the first token,
+    as the model does)."""
+    ids, mask, _ = data(n=n).tensors
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(2, SEQ - 4, (n,), generator=g)
+    end = start + torch.randint(0, 3, (n,), generator=g)
+    start[2], end[n - 3] = SEQ + 3, -1
+    return TensorDataset(ids, mask, start, end)
+
+
+class Answerer(Classifier):
+    """A question-answering model's steps: the loss from start_positions= and
+    end_positions= (or, without them, from the scores); the scores kept."""
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, start, end = batch
+        if self.with_labels:
+            out = self.model(
+                input_ids=ids, attention_mask=mask, start_positions=start, end_positions=end
+            )
+            loss = out.loss
+        else:
+            out = self.model(input_ids=ids, attention_mask=mask)
+            ce = nn.functional.cross_entropy
+            loss = ce(out.start_logits, start.clamp(0, SEQ - 1)) + ce(out.end_logits, end.clamp(0))
+        self.losses.append(loss.detach().clone())
+        self.logits.append(torch.stack([out.start_logits, out.end_logits], -1).detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        ids, mask, start, end = batch
+        out = self.model(
+            input_ids=ids, attention_mask=mask, start_positions=start, end_positions=end
+        )
+        self.validated.append((out.loss.clone(), torch.stack([out.start_logits, out.end_logits])))
+
+
+def test_the_tested_families_have_question_answering_models_to_test():
+    reproduced, refused = _kinds(ANSWERS)
+    assert len(reproduced) >= 15 and {"llama", "qwen3", "gpt2", "opt", "bloom"} <= set(reproduced)
+    assert not refused
+
+
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2_moe", "gpt2", "opt", "gpt_neox", "bloom", "falcon", "gpt_neo"]
+)
+def test_question_answering_models_train_like_the_default_strategy(kind):
+    """The loss over the answer positions (each micro-batch's part divided by
+    the batch's counts of start and end positions), the scores that come back
+    with it, the weights, and evaluation's loss and scores."""
+    trains_like_the_default_strategy(
+        Answerer(classifier(kind, task=ANSWERS)), answers(), None, True
+    )
+
+
+@pytest.mark.parametrize("kind", _kinds(ANSWERS)[0])
+def test_every_family_question_answering_model_scores_like_the_model(kind):
+    model = classifier(kind, task=ANSWERS).eval()
+    ids, mask, start, end = answers().tensors
+    with torch.no_grad():
+        expected = model(
+            input_ids=ids, attention_mask=mask, start_positions=start, end_positions=end
+        )
+        got = attached(
+            model,
+            lambda: model(
+                input_ids=ids, attention_mask=mask, start_positions=start, end_positions=end
+            ),
+        )
+    assert isinstance(find_adapter(Holder(model=model)), QuestionAnsweringAdapter)
+    assert type(got) is type(expected)
+    for key in ("start_logits", "end_logits", "loss"):
+        torch.testing.assert_close(got[key], expected[key], msg=key)
+
+
+def test_question_answering_from_the_scores_with_lora_and_asynchronous():
+    """Without positions the scores carry the pipeline's backward; PEFT's
+    QUESTION_ANS (LoRA, qa_outputs trained whole) and the tuple form; the
+    asynchronous optimizer trains."""
+    from peft import LoraConfig, get_peft_model
+
+    ref = Answerer(classifier("qwen3", task=ANSWERS), with_labels=False, lr=0.1)
+    trains_like_the_default_strategy(ref, answers())
+    config = LoraConfig(task_type="QUESTION_ANS", r=4, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(classifier("qwen3", task=ANSWERS), config)
+    trains_like_the_default_strategy(Answerer(model), answers())
+    mod = Answerer(classifier("llama", task=ANSWERS), lr=0.05)
+    fit(mod, RoundPipeStrategy(num_microbatches=2), answers(), devices=2, validate=True)
+    assert all(math.isfinite(float(x)) for x in mod.losses) and mod.validated
+    model = classifier("llama", task=ANSWERS)
+    ids, mask, start, end = answers(4).tensors
+    with torch.no_grad():
+        expected = model(ids, mask, start_positions=start, end_positions=end, return_dict=False)
+        got = attached(
+            model,
+            lambda: model(ids, mask, start_positions=start, end_positions=end, return_dict=False),
+        )
+    assert len(got) == len(expected) == 3
+    for x, y in zip(got, expected, strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_the_question_answering_loss_matches_transformers():
+    from transformers.loss.loss_utils import ForQuestionAnsweringLoss
+
+    g = torch.Generator().manual_seed(0)
+    start_logits, end_logits = torch.randn(2, 5, 7, generator=g).unbind(0)
+    start, end = torch.tensor([0, 9, 3, -2, 6]), torch.tensor([1, 4, 7, 6, 6])
+    expected = ForQuestionAnsweringLoss(start_logits, end_logits, start, end)
+    got = question_answering_loss(start_logits, end_logits, start[:, None], end)
+    torch.testing.assert_close(got, expected)
+    past = torch.full((5,), 7)
+    assert math.isnan(float(question_answering_loss(start_logits, end_logits, past, end)))
+
+
+def test_a_batch_without_answer_positions_is_refused_or_nan():
+    """Every start past the sequence: the model's loss is NaN; with
+    nonfinite='raise' (the default) the step is refused saying so."""
+    ids, mask, start, end = answers(4).tensors
+    start = torch.full_like(start, SEQ)
+    mod = Answerer(classifier("llama", task=ANSWERS))
+    loader = DataLoader(TensorDataset(ids, mask, start, end), batch_size=4)
+    trainer = L.Trainer(strategy=sync(), accelerator="cpu", devices=2, max_steps=1, **QUIET)
+    with pytest.raises(Exception, match=r"no labelled answer start \(every position is past the"):
+        trainer.fit(mod, loader)
+
+
+def test_question_answering_refusals_name_what_to_change():
+    model = classifier("llama", task=ANSWERS)
+    ids, mask, start, end = answers(4).tensors
+
+    def call(**kwargs):
+        return attached(model, lambda: model(input_ids=ids, attention_mask=mask, **kwargs))
+
+    with pytest.raises(TypeError, match=r"takes the answer as start_positions= and end_positions="):
+        call(labels=start)
+    with pytest.raises(TypeError, match=r"start_positions are token indices \(one per row\), got"):
+        call(start_positions=start.float(), end_positions=end)
+    with pytest.raises(
+        ValueError,
+        match=r"end_positions of shape \(2,\) do not fit a batch of 4 rows; give end_positions "
+        r"of shape \(4,\)",
+    ):
+        call(start_positions=start, end_positions=end[:2])
+    own = model.loss_function
+    model.loss_function = lambda *args, **kwargs: torch.zeros(())
+    with pytest.raises(ValueError, match=r"computes transformers' ForQuestionAnswering loss"):
+        call(start_positions=start, end_positions=end)
+    model.loss_function = own
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [False, True])
 def test_classifiers_on_gpu_workers_train_like_the_default_strategy_on_the_cpu(tokens):
     """The scores come back with the loss from CUDA workers (downloaded with
     it): losses, scores, weights and evaluation as plain Lightning's."""
-    model = classifier("llama", tokens=tokens)
+    model = classifier("llama", task=TOKENS if tokens else SEQUENCES)
     ref, mod = Classifier(copy.deepcopy(model)), Classifier(model)
     dataset = data("tokens" if tokens else "single")
     fit(ref, "auto", dataset, validate=True)

@@ -594,30 +594,34 @@ def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     assert code == 0 and "trainable)" in text
 
 
-@pytest.mark.parametrize("task", ["Sequence", "Token"])
-def test_the_estimate_of_a_reward_models_config_builds_its_classifier(tmp_path, task):
+@pytest.mark.parametrize(
+    ("task", "width"),
+    [("SequenceClassification", 1), ("TokenClassification", 1), ("QuestionAnswering", 2)],
+)
+def test_the_estimate_of_a_reward_models_config_builds_its_classifier(tmp_path, task, width):
     """A config whose architectures name a *ForSequenceClassification (a
-    reward model's) or *ForTokenClassification is estimated as that
-    classifier: its head is the score, not the LM head (untied here: a
-    vocabulary's worth of parameters fewer)."""
+    reward model's), *ForTokenClassification or *ForQuestionAnswering is
+    estimated as that model: its head is the score, not the LM head (untied
+    here: a vocabulary's worth of parameters fewer)."""
     lm = config_file(tmp_path, tie_word_embeddings=False)
     code, lm_text = run_cli(lm, "--gpu-memory", 1.25, "--seq", 256)
     assert code == 0, lm_text
     path = config_file(
         tmp_path,
         tie_word_embeddings=False,
-        architectures=[f"Qwen3For{task}Classification"],
+        architectures=[f"Qwen3For{task}"],
         num_labels=1,
         pad_token_id=0,
     )
     code, text = run_cli(path, "--gpu-memory", 1.25, "--seq", 256)
     assert code == 0 and "fits: yes" in text, text
-    assert f"(Qwen3For{task}Classification)" in text.splitlines()[0]
+    assert f"(Qwen3For{task})" in text.splitlines()[0]
 
     def parameters(report: str) -> float:
         return float(report.split("B parameters")[0].split(", ")[-1]) * 1e9
 
-    assert parameters(lm_text) - parameters(text) == pytest.approx(1000 * 64 - 64, abs=1e3)
+    head = 1000 * 64 - width * (64 + (task == "QuestionAnswering"))  # (qa_outputs: a bias)
+    assert parameters(lm_text) - parameters(text) == pytest.approx(head, abs=1e3)
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,9 @@ becomes engine work:
   per micro-batch and weighted by its share of the labelled rows.
 * :class:`TokenClassifierAdapter`: their ``*ForTokenClassification`` classes:
   every token scored, the loss over the labelled tokens in the pipeline.
+* :class:`QuestionAnsweringAdapter`: their ``*ForQuestionAnswering`` classes
+  (extractive question answering): every token scored as the answer's start
+  and end, the loss over the answer positions in the pipeline.
 
 Each family is one declarative :class:`Family` entry (:mod:`.families`); the
 adapter has no family branches. :func:`find_adapter` picks the adapter for a
@@ -49,8 +52,10 @@ from .._requirements import MIN_TRANSFORMERS, check_transformers
 from .base import LayerStackNotFound, SequentialAdapter
 from .causal_lm import CausalLMAdapter, causal_lm_loss
 from .classifier import (
+    QuestionAnsweringAdapter,
     SequenceClassifierAdapter,
     TokenClassifierAdapter,
+    question_answering_loss,
     sequence_classification_loss,
     token_classification_loss,
 )
@@ -64,6 +69,7 @@ __all__ = [
     "CausalLMAdapter",
     "Family",
     "LayerStackNotFound",
+    "QuestionAnsweringAdapter",
     "RouterAux",
     "SequenceClassifierAdapter",
     "SequentialAdapter",
@@ -73,6 +79,7 @@ __all__ = [
     "check_transformers",
     "find_adapter",
     "is_packed",
+    "question_answering_loss",
     "sequence_classification_loss",
     "token_classification_loss",
 ]

@@ -70,7 +70,7 @@ __all__ = ["CausalLMAdapter", "causal_lm_loss"]
 # a key-value cache argument: transformers renamed past_key_values to cache (5.2x)
 _CACHE_ARGS = ("past_key_values", "cache")
 
-# call arguments the adapter reads; any other with a value is refused
+# the call arguments a causal LM's adapter reads (CausalLMAdapter.handled)
 _HANDLED = (
     "input_ids",
     "attention_mask",
@@ -216,6 +216,8 @@ class CausalLMAdapter(_Adapter):
     #: whether the model adds its family's router load-balancing loss (a
     #: ``*ForCausalLM`` does; a sequence classifier does not)
     router_loss = True
+    #: the call arguments the adapter reads; any other with a value is refused
+    handled: tuple[str, ...] = _HANDLED
 
     def __init__(self, target: nn.Module, name: str) -> None:
         layout = layout_of(target)
@@ -503,10 +505,12 @@ class CausalLMAdapter(_Adapter):
         gets the same weight)."""
         return self._shares([int((shifted(y) != -100).sum()) for y in labels], "token")
 
-    def _shares(self, counts: list[int], what: str) -> list[float]:
+    def _shares(
+        self, counts: list[int], what: str, none: str = "every label is -100"
+    ) -> list[float]:
         """Each micro-batch's share of the batch's labelled ``what``s. None
-        labelled: NaN, as the model's own loss is (0 / 0); refused first with
-        ``nonfinite="raise"``."""
+        labelled (``none`` says how that looks): NaN, as the model's own loss
+        is (0 / 0); refused first with ``nonfinite="raise"``."""
         total = sum(counts)
         if total:
             return [c / total for c in counts]
@@ -514,7 +518,7 @@ class CausalLMAdapter(_Adapter):
         # (fp16: the loss scaler skips the step, as Lightning's GradScaler does)
         if engine is not None and engine.nonfinite == "raise" and not engine.scaler.enabled:
             raise NonFiniteError(
-                f"{self.name}: the batch has no labelled {what} (every label is -100), so its "
+                f"{self.name}: the batch has no labelled {what} ({none}), so its "
                 "loss is NaN, as the model itself returns it; the weights were not updated. "
                 "Filter such batches out, or set nonfinite='skip' to skip their steps"
             )
@@ -540,7 +544,7 @@ class CausalLMAdapter(_Adapter):
                     raise TypeError(f"{self.name}: unexpected positional arguments {value!r}")
             else:
                 values[key] = value
-        unknown = sorted(k for k, v in values.items() if k not in _HANDLED and v is not None)
+        unknown = sorted(k for k, v in values.items() if k not in self.handled and v is not None)
         if unknown:
             raise TypeError(
                 f"{self.name}: arguments {unknown} are not supported by the RoundPipe pipeline; "

@@ -1,6 +1,8 @@
-"""The adapter for Hugging Face sequence classifiers (``*ForSequenceClassification``
+"""The adapters for Hugging Face sequence classifiers (``*ForSequenceClassification``
 of the supported families, also wrapped by PEFT): reward models, sentiment or
-preference classifiers fine-tuned from a causal LM.
+preference classifiers fine-tuned from a causal LM; and for their token
+classifiers (``*ForTokenClassification``) and extractive question-answering
+models (``*ForQuestionAnswering``), which score every token.
 
 The pipeline layers are the causal LM adapter's (:mod:`.causal_lm`), but the
 head is the final norm and the classifier's ``score`` (what the family's
@@ -26,13 +28,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from .base import _anchor, _from_pipeline, _give_factor, _needing_grad
-from .causal_lm import CausalLMAdapter
+from .causal_lm import _HANDLED, CausalLMAdapter
 from .layers import _AltUpOut, _Head
-from .layout import SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, _forward_owner
+from .layout import (
+    QUESTION_ANSWERING,
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+    _forward_owner,
+)
 
 __all__ = [
+    "QuestionAnsweringAdapter",
     "SequenceClassifierAdapter",
     "TokenClassifierAdapter",
+    "question_answering_loss",
     "sequence_classification_loss",
     "token_classification_loss",
 ]
@@ -113,11 +122,12 @@ class _NoGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         raise RuntimeError(
-            "a backward reached the logits a RoundPipe classifier returned with "
-            "labels=: its loss (out.loss) was computed, and its backward run, inside the "
-            "pipeline, so a term built from out.logits cannot reach the weights. Use the "
-            "logits for metrics only (detached), or call the model without labels= and "
-            "compute the whole loss from out.logits"
+            "a backward reached the scores a RoundPipe classifier returned with labels= (or a "
+            "question-answering model with start_positions= and end_positions=): its loss "
+            "(out.loss) was computed, and its backward run, inside the pipeline, so a term "
+            "built from out.logits (out.start_logits, out.end_logits) cannot reach the weights. "
+            "Use the scores for metrics only (detached), or call the model without the labels "
+            "and compute the whole loss from the scores"
         )
 
 
@@ -288,13 +298,13 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         problem = None if labels is None else config.problem_type  # (set by _check_labels)
         training = torch.is_grad_enabled()
         if training and labels is not None:
-            return self._trained(
-                as_tuple,
+            loss, scores = self._trained(
                 inputs,
                 {"labels": labels, "last": last},
                 _ClassifierLoss(problem, num_labels),
                 lambda ys: self._row_weights(ys, problem),
             )
+            return self._output(as_tuple, loss=loss, logits=scores)
         if training:
             scores = self._outputs_with_backward(inputs)
             return self._output(as_tuple, logits=_pool(scores, last))
@@ -306,16 +316,15 @@ class SequenceClassifierAdapter(CausalLMAdapter):
 
     def _trained(
         self,
-        as_tuple: bool,
         inputs: dict[str, Any],
         labels: Any,
         loss_fn: Callable[[Any, Any], Any],
         weights: Callable[[list[Any]], list[float]],
-    ) -> Any:
-        """A training call with ``labels=``: the loss computed inside the
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training call with labels: the loss computed inside the
         pipeline (``loss_fn`` returns it and the scores, which come back with
         it), in the caller's graph with the factor autograd brings to it, as
-        a causal LM's; the scores for metrics, without a gradient."""
+        a causal LM's; and the scores for metrics, without a gradient."""
         engine = self.engine
         loss, scores = engine.forward_backward(
             inputs,
@@ -327,7 +336,7 @@ class SequenceClassifierAdapter(CausalLMAdapter):
             with_outputs=True,
         )
         loss = _from_pipeline(loss, engine, engine.iteration - 1, inputs, _give_factor)
-        return self._output(as_tuple, loss=loss, logits=_NoGradient.apply(_anchor(), scores))
+        return loss, _NoGradient.apply(_anchor(), scores)
 
     def _row_weights(self, labels: list[dict[str, torch.Tensor]], problem: str) -> list[float]:
         """Each micro-batch's share of the batch's labelled rows (single-label:
@@ -425,7 +434,8 @@ class TokenClassifierAdapter(SequenceClassifierAdapter):
         labels, engine = a.get("labels"), self.engine
         training = torch.is_grad_enabled()
         if training and labels is not None:
-            return self._trained(as_tuple, inputs, labels, _token_loss, self._labelled_tokens)
+            loss, scores = self._trained(inputs, labels, _token_loss, self._labelled_tokens)
+            return self._output(as_tuple, loss=loss, logits=scores)
         if training:
             return self._output(as_tuple, logits=self._outputs_with_backward(inputs))
         scores = engine.forward(inputs)
@@ -441,4 +451,143 @@ class TokenClassifierAdapter(SequenceClassifierAdapter):
         from transformers.modeling_outputs import TokenClassifierOutput
 
         out = TokenClassifierOutput(**fields)
+        return out.to_tuple() if as_tuple else out
+
+
+# ------------------------------------------------------------ question answering
+def question_answering_loss(
+    start_logits: torch.Tensor,
+    end_logits: torch.Tensor,
+    start_positions: torch.Tensor,
+    end_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Transformers' extractive question-answering loss (in fp32): the mean of
+    the start and the end positions' cross-entropies, each over the rows whose
+    position is inside the sequence (positions are clamped to ``[0,
+    sequence]`` first, as the model does: a negative one is the first token,
+    one past the end is ignored; with none: NaN, as the model's)."""
+    seq = start_logits.shape[1]
+    total = start_logits.new_zeros((), dtype=torch.float32)
+    for logits, positions in ((start_logits, start_positions), (end_logits, end_positions)):
+        target = positions.reshape(-1).clamp(0, seq).long().to(logits.device)
+        total = total + nn.functional.cross_entropy(logits.float(), target, ignore_index=seq)
+    return total / 2
+
+
+class _AnswerLoss:
+    """The pipeline's loss function of a question-answering model: a
+    micro-batch's part of the batch's loss (its start and end cross-entropy
+    sums over the batch's counted positions: the two means have different
+    counts, so no single weight per micro-batch would do), and its scores,
+    which come back with it (``with_outputs``)."""
+
+    def __init__(self, starts: int, ends: int) -> None:
+        self.counts = (max(starts, 1), max(ends, 1))
+
+    def __call__(self, scores: torch.Tensor, labels: dict[str, torch.Tensor]) -> Any:
+        seq = scores.shape[1]
+        total = scores.new_zeros((), dtype=torch.float32)
+        for i, key in enumerate(("start", "end")):
+            target = labels[key].to(scores.device)
+            part = nn.functional.cross_entropy(
+                scores[..., i].float(), target, ignore_index=seq, reduction="sum"
+            )
+            total = total + part / self.counts[i]
+        return total / 2, scores
+
+
+class QuestionAnsweringAdapter(SequenceClassifierAdapter):
+    """A Hugging Face ``*ForQuestionAnswering`` of a supported family
+    (extractive question answering; also inside PEFT's QUESTION_ANS): the
+    causal LM's layers with the final norm and ``qa_outputs`` as the head,
+    which scores every token as the answer's start and end. Called with
+    ``start_positions=`` and ``end_positions=`` while training, the loss (the
+    mean of the start and end cross-entropies, as the model computes it) is
+    computed inside the pipeline per micro-batch, each micro-batch's part
+    divided by the whole batch's counts, and the scores come back with it."""
+
+    kind = "Hugging Face question-answering model"
+    task = QUESTION_ANSWERING
+    loss_name = "ForQuestionAnswering"
+    handled = (*(k for k in _HANDLED if k != "labels"), "start_positions", "end_positions")
+
+    def __init__(self, target: nn.Module, name: str) -> None:
+        super().__init__(target, name)
+        self._logit_width = 2  # (a start and an end score per token)
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if kwargs.get("labels") is not None:
+            raise TypeError(
+                f"{self.name}: a question-answering model takes the answer as start_positions= "
+                "and end_positions= (its first and last token's index in each row), not labels="
+            )
+        return super()._arguments(args, kwargs)
+
+    def _check_call(self, a: dict[str, Any]) -> None:
+        super()._check_call(a)
+        if a.get("start_positions") is not None and a.get("end_positions") is not None:
+            ids = a.get("input_ids")
+            rows = int((ids if ids is not None else a["inputs_embeds"]).shape[0])
+            for key in ("start_positions", "end_positions"):
+                a[key] = self._positions(a[key], key, rows)
+            self._check_loss_function()
+
+    def _positions(self, positions: Any, key: str, rows: int) -> torch.Tensor:
+        """One answer position per row, as the model reads them (a (rows,) or
+        (rows, 1) integer tensor)."""
+        name = self.name
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"{name}: {key} must be a tensor, got {type(positions).__name__}")
+        if positions.is_floating_point() or positions.dtype == torch.bool:
+            raise TypeError(
+                f"{name}: {key} are token indices (one per row), got {positions.dtype}; pass "
+                f"{key}.long()"
+            )
+        if positions.numel() != rows or positions.dim() > 2:
+            raise ValueError(
+                f"{name}: {key} of shape {tuple(positions.shape)} do not fit a batch of {rows} "
+                f"rows; give {key} of shape ({rows},): the answer's token index in each row"
+            )
+        return positions.reshape(rows)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        a, inputs, batch, as_tuple = self._prepare(args, kwargs)
+        starts, ends = a.get("start_positions"), a.get("end_positions")
+        answered = starts is not None and ends is not None  # (else no loss, as the model)
+        if torch.is_grad_enabled() and answered:
+            seq = int(batch.shape[1])
+            starts, ends = starts.clamp(0, seq).long(), ends.clamp(0, seq).long()
+            counts = int((starts != seq).sum()), int((ends != seq).sum())
+            loss, scores = self._trained(
+                inputs,
+                {"start": starts, "end": ends},
+                _AnswerLoss(*counts),
+                lambda ys: self._answer_weights(len(ys), counts),
+            )
+            return self._answers(as_tuple, scores, loss)
+        if torch.is_grad_enabled():
+            return self._answers(as_tuple, self._outputs_with_backward(inputs))
+        scores = self.engine.forward(inputs)
+        loss = None
+        if answered:
+            loss = question_answering_loss(scores[..., 0], scores[..., 1], starts, ends)
+        return self._answers(as_tuple, scores, loss)
+
+    def _answer_weights(self, microbatches: int, counts: tuple[int, int]) -> list[float]:
+        """Each micro-batch's part counts whole (it is divided by the batch's
+        counts already); no position to count: NaN, as the model's loss."""
+        if all(counts):
+            return [1.0] * microbatches
+        what = "answer start" if not counts[0] else "answer end"
+        return self._shares([0] * microbatches, what, "every position is past the sequence")
+
+    def _answers(
+        self, as_tuple: bool, scores: torch.Tensor, loss: torch.Tensor | None = None
+    ) -> Any:
+        """``QuestionAnsweringModelOutput`` of the scores (its tuple with
+        ``as_tuple``): their start and end columns, as the model splits them."""
+        from transformers.modeling_outputs import QuestionAnsweringModelOutput
+
+        start, end = (x.squeeze(-1).contiguous() for x in scores.split(1, dim=-1))
+        out = QuestionAnsweringModelOutput(loss=loss, start_logits=start, end_logits=end)
         return out.to_tuple() if as_tuple else out

@@ -190,12 +190,15 @@ class ConfigError(ValueError):
 
 def _model_class(config: Any) -> Any:
     """What builds the model of ``config``: the sequence or token classifier
-    its ``architectures`` name (a reward model's config), else its causal LM."""
+    or question-answering model its ``architectures`` name (a reward model's
+    config), else its causal LM."""
     import transformers
 
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if name.endswith(("ForSequenceClassification", "ForTokenClassification")) and cls:
+        if cls and name.endswith(
+            ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+        ):
             return cls
     return _causal_lm_class(config)
 
@@ -223,7 +226,7 @@ def _meta_model(config: Any, lora_rank: int | None) -> nn.Module:
         # and return routing tuples, which a LoRA wrapper cannot add to)
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
         # (and but those PEFT refuses LoRA on in this model: Mamba projections;
-        # and a classifier's score, which PEFT's SEQ_CLS and TOKEN_CLS train whole)
+        # and a classifier's score, which PEFT's SEQ_CLS, TOKEN_CLS and QUESTION_ANS train whole)
         layout = layout_of(model)
         head = None if layout is None else layout.lm_head
         left_out = [

@@ -233,13 +233,15 @@ class Family:
         if self.mask_rule not in MASK_RULES:
             raise ValueError(f"{self.name}: mask_rule must be one of {MASK_RULES}")
 
-    def module_paths(self) -> list[str]:
-        """The module attributes, from the ``*ForCausalLM``, this family's layout needs."""
+    def module_paths(self, base: str | None = None) -> list[str]:
+        """The module attributes, from the ``*ForCausalLM``, this family's
+        layout needs (with the decoder at ``base`` instead of the entry's)."""
         rotary = None if self.rotary_optional else self.rotary
         norm = None if self.norm_optional else self.norm
         inner = [self.embed, self.layers, norm, rotary, self.positions]
         inner += [self.embed_dropout, self.embed_norm, self.head_pre]
-        return [self.base, *(f"{self.base}.{p}" for p in inner if p), self.lm_head]
+        base = base or self.base
+        return [base, *(f"{base}.{p}" for p in inner if p), self.lm_head]
 
 
 _MOE = RouterAux()

@@ -9,9 +9,14 @@ from torch import nn
 
 from .base import LayerStackNotFound, SequentialAdapter, _Adapter
 from .causal_lm import CausalLMAdapter
-from .classifier import SequenceClassifierAdapter, TokenClassifierAdapter
+from .classifier import (
+    QuestionAnsweringAdapter,
+    SequenceClassifierAdapter,
+    TokenClassifierAdapter,
+)
 from .families import supported_families
 from .layout import (
+    QUESTION_ANSWERING,
     SEQUENCE_CLASSIFICATION,
     TOKEN_CLASSIFICATION,
     Layout,
@@ -43,13 +48,16 @@ def _is_candidate(module: nn.Module) -> bool:
 
 def hf_adapter(module: nn.Module, name: str, layout: Layout | None = None) -> CausalLMAdapter:
     """The adapter of a Hugging Face model: its sequence or token
-    classifier's, or its causal LM's (refusing what none can pipeline)."""
+    classifier's, its question-answering model's, or its causal LM's
+    (refusing what none can pipeline)."""
     layout = layout_of(module) if layout is None else layout
     task = None if layout is None else layout.task
     if task == SEQUENCE_CLASSIFICATION:
         return SequenceClassifierAdapter(module, name)
     if task == TOKEN_CLASSIFICATION:
         return TokenClassifierAdapter(module, name)
+    if task == QUESTION_ANSWERING:
+        return QuestionAnsweringAdapter(module, name)
     return CausalLMAdapter(module, name)
 
 

@@ -35,6 +35,7 @@ _GENERIC = (
 CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
 TOKEN_CLASSIFICATION = "token_classification"
+QUESTION_ANSWERING = "question_answering"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,25 @@ _TASKS = (
         ),
         "token classifiers that score every token after a dropout (GenericForTokenClassification's "
         "forward, as the *ForTokenClassification classes of transformers do)",
+    ),
+    _Task(
+        QUESTION_ANSWERING,
+        "ForQuestionAnswering",
+        ("qa_outputs",),
+        frozenset(
+            {
+                "GenericForQuestionAnswering",
+                "BloomForQuestionAnswering",
+                "FalconForQuestionAnswering",
+                "GPT2ForQuestionAnswering",
+                "GPTNeoForQuestionAnswering",
+                "GPTNeoXForQuestionAnswering",
+                "OPTForQuestionAnswering",
+            }
+        ),
+        "extractive question-answering models that score every token as an answer's start and "
+        "end with a 'qa_outputs' head (GenericForQuestionAnswering's forward, as the "
+        "*ForQuestionAnswering classes of transformers do)",
     ),
 )
 
@@ -267,6 +287,18 @@ def _head_path(module: nn.Module, family: Family) -> str:
     return next((p for p in task.head if _child(module, p) is not None), task.head[0])
 
 
+def _base_path(module: nn.Module, family: Family) -> str:
+    """Where the decoder (the family's ``*Model``) is: where the family entry
+    says, or a task model's ``base_model_prefix`` where it keeps it there
+    (transformers' generic question-answering heads keep Llama's, Qwen3's
+    and others' under ``transformer``)."""
+    if _child(module, family.base) is None and _task_of(module) is not None:
+        prefix = getattr(type(module), "base_model_prefix", None)
+        if isinstance(prefix, str) and prefix and _child(module, prefix) is not None:
+            return prefix
+    return family.base
+
+
 def layout_of(module: nn.Module) -> Layout | None:
     """The module's layout when it is a causal LM (or a sequence classifier)
     of a supported family laid out as its entry says; else None
@@ -278,10 +310,11 @@ def layout_of(module: nn.Module) -> Layout | None:
     if task is not None and not _reproduced(module, task):
         return None
     head = _child(module, _head_path(module, family))
-    paths = [p for p in family.module_paths() if p != family.lm_head]
+    base_path = _base_path(module, family)
+    paths = [p for p in family.module_paths(base_path) if p != family.lm_head]
     if head is None or any(_child(module, p) is None for p in paths):
         return None
-    base = _child(module, family.base)
+    base = _child(module, base_path)
     layers = _child(base, family.layers)
     if not isinstance(layers, nn.ModuleList):
         return None
@@ -316,8 +349,8 @@ def layout_problem(module: nn.Module) -> str | None:
             f"a Hugging Face model with model_type {model_type!r}, which RoundPipe does not "
             f"support (supported: {_supported()})"
         )
-    head = _head_path(module, family)
-    needed = [head if p == family.lm_head else p for p in family.module_paths()]
+    head, base_path = _head_path(module, family), _base_path(module, family)
+    needed = [head if p == family.lm_head else p for p in family.module_paths(base_path)]
     missing = [p for p in needed if _child(module, p) is None]
     task = _task_of(module)
     if task is not None:
@@ -329,12 +362,13 @@ def layout_problem(module: nn.Module) -> str | None:
                 "train this one with another strategy (e.g. strategy='auto' or 'fsdp')"
             )
     elif family.lm_head in missing:
-        if not cls.endswith("Model"):  # a task head: question answering, ...
+        if not cls.endswith("Model"):  # a task head: multiple choice, ...
             return (
                 f"a {cls} (model_type {model_type!r}), a model with a task head other than "
-                "the LM head or a classifier's; RoundPipe pipelines causal LMs (the "
-                "*ForCausalLM classes) and sequence and token classifiers "
-                "(*ForSequenceClassification, *ForTokenClassification): train this one with "
+                "the LM head, a classifier's or a question-answering head; RoundPipe pipelines "
+                "causal LMs (the *ForCausalLM classes), sequence and token classifiers "
+                "(*ForSequenceClassification, *ForTokenClassification) and extractive "
+                "question answering (*ForQuestionAnswering): train this one with "
                 "another strategy (e.g. strategy='auto' or 'fsdp'), or put its layers in an "
                 "nn.Sequential with the head and loss as the last layer"
             )
@@ -344,11 +378,11 @@ def layout_problem(module: nn.Module) -> str | None:
             "class, e.g. from AutoModelForCausalLM), not the bare decoder"
         )
     found = ", ".join(module._modules) or "none"
-    base = _child(module, family.base)
+    base = _child(module, base_path)
     if base is not None:
-        found += f"; in {family.base}: {', '.join(base._modules) or 'none'}"
+        found += f"; in {base_path}: {', '.join(base._modules) or 'none'}"
     if not missing:  # the layer stack is not a ModuleList
-        stack = f"{family.base}.{family.layers}"
+        stack = f"{base_path}.{family.layers}"
         kind = type(_child(module, stack)).__name__
         return (
             f"a {cls} (model_type {model_type!r}) whose layout RoundPipe cannot follow: the "
