@@ -33,7 +33,8 @@
 # New since 2026-11-27's run, untested on a GPU (the `tests` part runs their
 # gpu tests): classifiers' scores downloaded with the loss (with_outputs),
 # batch norm in fp32 on CUDA replicas under bf16-mixed, the steps' host code
-# under autocast for the devices' type too, several outputs of a last layer.
+# under autocast for the devices' type too, several outputs of a last layer,
+# question-answering models' start/end scores (test_classifier.py's qa case).
 #
 # Next session (15 device-minutes), after `bash benchmarks/gpu_wheels.sh` here:
 #   call 1 (~9 min): lora (roundpipe, fsdp_offload, deepspeed_offload; check

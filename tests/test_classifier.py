@@ -676,13 +676,14 @@ def test_question_answering_refusals_name_what_to_change():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [False, True])
-def test_classifiers_on_gpu_workers_train_like_the_default_strategy_on_the_cpu(tokens):
+@pytest.mark.parametrize("task", [SEQUENCES, TOKENS, ANSWERS], ids=["sequence", "token", "qa"])
+def test_classifiers_on_gpu_workers_train_like_the_default_strategy_on_the_cpu(task):
     """The scores come back with the loss from CUDA workers (downloaded with
     it): losses, scores, weights and evaluation as plain Lightning's."""
-    model = classifier("llama", task=TOKENS if tokens else SEQUENCES)
-    ref, mod = Classifier(copy.deepcopy(model)), Classifier(model)
-    dataset = data("tokens" if tokens else "single")
+    model = classifier("llama", task=task)
+    steps = Answerer if task == ANSWERS else Classifier
+    ref, mod = steps(copy.deepcopy(model)), steps(model)
+    dataset = {SEQUENCES: data(), TOKENS: data("tokens"), ANSWERS: answers()}[task]
     fit(ref, "auto", dataset, validate=True)
     L.seed_everything(0)
     trainer = L.Trainer(
