@@ -21,6 +21,7 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
@@ -70,6 +71,8 @@ class RoundPipePrecision(Precision):
         # clipping asked for before the gradients exist (asynchronous steps), in order
         self.clips: list[tuple[float, GradClipAlgorithmType]] = []
         self._clip_now = False  # in a synchronous step, with its gradients in .grad
+        self._in_step = False  # in the hooks Lightning runs before a step
+        self._warned_early_clip = False
         # the asynchronous optimizer's own param_groups
         self._groups: ThreadGroups | None = None
         # the engine of the strategy using this plugin (set while it has one)
@@ -228,14 +231,28 @@ class RoundPipePrecision(Precision):
         """Clip the gradients of ``optimizer``'s parameters (Lightning's
         clipping, each call in turn), inside the step: at once in a synchronous
         one, whose gradients are in ``.grad`` then; recorded for an asynchronous
-        one, whose gradients do not exist yet on this thread."""
+        one, whose gradients do not exist yet on this thread. A call outside
+        the step (``self.clip_gradients`` in ``on_after_backward``, where
+        ``.grad`` is None under RoundPipe) is recorded too and applied first
+        in the step, to the whole step's gradient (warned once)."""
         if not clip_val or clip_val <= 0:
             return
         algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
         if self._clip_now:
             super().clip_gradients(optimizer, clip_val, algorithm)
-        else:
-            self.clips.append((float(clip_val), algorithm))
+            return
+        if not self._in_step and not self._warned_early_clip:
+            self._warned_early_clip = True
+            rank_zero_warn(
+                "clip_gradients was called outside the optimizer step's hooks (e.g. in "
+                "on_after_backward, where .grad is None under RoundPipe: the gradients are "
+                "the pipeline's until the step): it is applied at the step, to the step's "
+                "whole gradient, as if called in configure_gradient_clipping. With "
+                "accumulate_grad_batches > 1 the default strategy would clip each batch's "
+                "partial sum instead; clip in configure_gradient_clipping (or set "
+                "gradient_clip_val) to get the same result under every strategy"
+            )
+        self.clips.append((float(clip_val), algorithm))
 
     def merge_groups(self) -> None:
         """Once the queued steps have run: what the optimizer changed in its
@@ -253,11 +270,7 @@ class RoundPipePrecision(Precision):
         params = list(self.main_params(optimizer))
 
         def clipped() -> Any:
-            for value, algorithm in clips:
-                if algorithm == GradClipAlgorithmType.VALUE:
-                    torch.nn.utils.clip_grad_value_(params, value)
-                else:
-                    torch.nn.utils.clip_grad_norm_(params, value)
+            _clip(params, clips)
             return step()
 
         return clipped
@@ -287,6 +300,18 @@ class RoundPipePrecision(Precision):
         assert engine is not None
         if self.after_backward is not None:
             self.after_backward()
+        self._in_step = True  # (the hooks from here on clip the step's gradients)
+        try:
+            return self._step(optimizer, model, result, earlier, **kwargs)
+        finally:
+            self._in_step = False
+
+    def _step(
+        self, optimizer: Any, model: LightningModule, result: Any, earlier: bool, **kwargs: Any
+    ) -> Any:
+        """The hooks before a step and the step, after the closure."""
+        engine = self.engine
+        assert engine is not None
         if result is None and not earlier:
             # training_step returned None: Lightning runs the hooks and steps an
             # optimizer that has no gradients, i.e. nothing changes. Drop what a
@@ -309,6 +334,9 @@ class RoundPipePrecision(Precision):
         else:
 
             def prepare() -> dict[str, Any] | None:
+                # clipping asked for before the step's hooks (on_after_backward)
+                clips, self.clips = self.clips, []
+                _clip(list(self.main_params(optimizer)), clips)
                 self._clip_now = True  # the hooks clip these gradients themselves
                 try:
                     self._after_closure(model, optimizer)
@@ -324,3 +352,12 @@ class RoundPipePrecision(Precision):
 
             engine.step(step, prepare=prepare).wait()
         return result
+
+
+def _clip(params: list[torch.Tensor], clips: list[tuple[float, GradClipAlgorithmType]]) -> None:
+    """Lightning's clipping of ``params``' gradients, each recorded call in turn."""
+    for value, algorithm in clips:
+        if algorithm == GradClipAlgorithmType.VALUE:
+            torch.nn.utils.clip_grad_value_(params, value)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, value)

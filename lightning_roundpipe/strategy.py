@@ -976,6 +976,14 @@ class RoundPipeStrategy(ParallelStrategy):
         if not use_fused(opt):
             return False
         self._unfused = (opt, original)
+
+        def put_back() -> None:  # (after the fit, the optimizer is as the user made it)
+            default, groups = original
+            opt.defaults["fused"], opt.defaults["foreach"] = default
+            for group, flags in zip(opt.param_groups, groups, strict=False):
+                group["fused"], group["foreach"] = flags
+
+        self._restore.append(put_back)
         return True
 
     def _settle_for_callbacks(self, trainer: Any) -> None:
@@ -1391,6 +1399,28 @@ class RoundPipeStrategy(ParallelStrategy):
             self._follow_weights()
             self._note_weights()
 
+    def wait_for_updates(self) -> None:
+        """Wait until every queued optimizer step is applied (under
+        ``roundpipe_sync`` none is ever left queued). Until the next training
+        step, the module's weights, the optimizer's state and what the
+        optimizer wrote into its ``param_groups`` are then those after the
+        last step: a per-batch hook may read or change them without racing
+        the asynchronous optimizer (a change of the weights in place is taken
+        into the master copies at the next step), and a forward in it
+        computes with them. The strategy does this itself before
+        ``on_train_epoch_end``, ``on_train_end``, validation and checkpoints;
+        a call from a per-batch hook costs that batch its overlap with the
+        optimizer."""
+        self._drain()
+        engine = self.engine
+        if engine is not None and not engine.layout_changed():
+            # (global pruning ranks by the masked weights: the settled ones)
+            engine.refresh_derived()
+            # a forward in the hooks after this (text sampled at the end of an
+            # epoch) computes with these weights, as the module holds them; the
+            # next training call goes back to the one-update-behind copies
+            engine.use_newest_weights()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state dict once the queued optimizer step is applied
@@ -1606,16 +1636,7 @@ class _SettleUpdates(Callback):
         self.strategy._newest_weights()
 
     def _settle(self) -> None:
-        strategy = self.strategy
-        strategy._drain()
-        engine = strategy.engine
-        if engine is not None and not engine.layout_changed():
-            # (global pruning ranks by the masked weights: the settled ones)
-            engine.refresh_derived()
-            # a forward in the hooks after this one (text sampled at the end of an
-            # epoch) computes with these weights, as the module holds them; the
-            # next training call goes back to the one-update-behind copies
-            engine.use_newest_weights()
+        self.strategy.wait_for_updates()
 
 
 def _difference(ours: Any, theirs: Any) -> str:

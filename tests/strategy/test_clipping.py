@@ -72,3 +72,26 @@ def test_async_clipping_norm_leaves_out_parameters_the_optimizer_does_not_hold()
 
 def test_every_clip_gradients_call_is_applied_in_turn():
     torch.testing.assert_close(fit(ClipsTwice(), sync()), fit(ClipsTwice(), "auto"))
+
+
+class ClipsAfterBackward(SeqModule):
+    """``self.clip_gradients`` in ``on_after_backward`` (where ``.grad`` is
+    None under RoundPipe): applied at the step, to the step's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.5, extra=False)
+
+    def on_after_backward(self):
+        self.clip_gradients(self.optimizers(), gradient_clip_val=0.05)
+
+
+def test_clipping_asked_for_after_the_backward_is_applied_at_the_step_with_a_warning():
+    """Synchronous and asynchronous alike (it used to be dropped by the
+    synchronous step): as Lightning's clipping of the same value."""
+    expected = fit(SeqModule(lr=0.5, extra=False), "auto", gradient_clip_val=0.05)
+    with pytest.warns(UserWarning, match=r"clip_gradients was called outside the optimizer step"):
+        got = fit(ClipsAfterBackward(), sync())
+    torch.testing.assert_close(got, expected)
+    reference = fit(SeqModule(lr=0.5, extra=False), "roundpipe", gradient_clip_val=0.05)
+    with pytest.warns(UserWarning, match=r"clip_gradients was called outside"):
+        torch.testing.assert_close(fit(ClipsAfterBackward(), "roundpipe"), reference)

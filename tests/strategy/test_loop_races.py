@@ -180,3 +180,44 @@ def test_the_learning_rate_the_loop_reads_and_each_update_uses_do_not_race_the_o
     reference = _LambdaSeq()
     _fit(reference, "auto", 1, validate=False, max_steps=6)
     assert reference.read == pytest.approx(expected, rel=1e-12)
+
+
+class _AdamSeq(DropoutSeq):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class _ResetMoments(L.Callback):
+    """A per-batch hook that reads and changes the optimizer's state after
+    waiting for the queued updates: what it reads is the state after every
+    earlier batch's step, whatever the optimizer thread's timing."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        trainer.strategy.wait_for_updates()
+        opt = trainer.optimizers[0]
+        first = opt.state.get(opt.param_groups[0]["params"][0], {})
+        self.seen.append(int(first["step"]) if first else 0)
+        if batch_idx % 2 == 1:
+            for s in opt.state.values():
+                s["exp_avg"].zero_()
+
+
+def test_a_hook_that_waits_for_the_updates_reads_and_changes_the_optimizer_state_safely():
+    """The asynchronous optimizer, its steps delayed at random: with
+    wait_for_updates() the hook sees every earlier step applied and its change
+    of the moments is never lost, so runs with different delays are equal."""
+    runs = []
+    for seed in (0, 1):
+        strategy = RoundPipeStrategy(num_microbatches=2, seed=3)
+        strategy._chaos = Chaos(seed, {"step": 0.02, "p_copy": 0.02})
+        hook, module = _ResetMoments(), _AdamSeq()
+        _fit(module, strategy, 2, validate=False, max_steps=6, callbacks=[hook])
+        assert hook.seen == list(range(6))
+        runs.append(module)
+        opt = module.trainer.optimizers[0]  # put back as configured after the fit
+        assert [(g["fused"], g["foreach"]) for g in opt.param_groups] == [(None, None)]
+    for a, b in zip(*(m.parameters() for m in runs), strict=True):
+        torch.testing.assert_close(a, b)
