@@ -325,6 +325,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._adapter = None
         self._stack_called = False  # the fit's first training step is checked
         self._restore: list[Callable[[], None]] = []
+        self._unsettle: Callable[[], None] | None = None  # (see _settle_for_callbacks)
         # each pipeline parameter's version counter and storage when the engine
         # last wrote or copied it, with the engine's step count then
         self._noted: tuple[int, list[tuple[int, int]]] | None = None
@@ -715,7 +716,7 @@ class RoundPipeStrategy(ParallelStrategy):
             _refuse_gradient_hooks(self.lightning_module, adapter.layers())
         if self.async_optimizer and trainer is not None and self.optimizers:
             self._check_outside_parameters(adapter)
-        _warn_compiled(adapter.layers(), self.lightning_module)
+        self._restore.extend(_compiled(adapter.layers(), self.lightning_module))
         _warn_low_precision(adapter.layers(), self.precision_plugin.precision)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
         seed = self.seed if self.seed is not None else torch.initial_seed()
@@ -783,7 +784,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._warn_microbatch_split(adapter, m)
             self._route_optimizer_calls(trainer)
-            if self.async_optimizer:
+            if self.async_optimizer and self._unsettle is None:  # (once a fit)
                 self._settle_for_callbacks(trainer)
             self._resume_stale()
             # a rebuild within the fit, or of a resumed one: go on counting
@@ -992,7 +993,9 @@ class RoundPipeStrategy(ParallelStrategy):
         ``on_train_batch_end`` where a weight-averaging callback reads the
         weights after every batch): such hooks would otherwise read weights the
         optimizer thread is writing, and ``on_train_end``'s final weights (an
-        average copied in) would get the last update on top."""
+        average copied in) would get the last update on top. The callback
+        stays for the fit, whatever engines it builds (the Tuner reads the
+        first callback of the list it swaps in while it searches)."""
         readers = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, _PER_STEP)]
         every_batch = bool(readers)
         if every_batch:
@@ -1002,8 +1005,22 @@ class RoundPipeStrategy(ParallelStrategy):
                 "update is applied before it (the update no longer overlaps the next batch)"
             )
         settle = _SettleUpdates(self, every_batch)
-        trainer.callbacks.insert(0, settle)
-        self._restore.append(lambda: trainer.callbacks.remove(settle))
+        callbacks = trainer.callbacks
+        callbacks.insert(0, settle)
+
+        def remove() -> None:
+            # (the Tuner swaps the trainer's callback list while it searches)
+            for found in (callbacks, trainer.callbacks):
+                if any(cb is settle for cb in found):
+                    found.remove(settle)
+
+        self._unsettle = remove
+
+    def _end_fit_callbacks(self) -> None:
+        """The settling callback out of the trainer's list (the fit is over)."""
+        remove, self._unsettle = self._unsettle, None
+        if remove is not None:
+            remove()
 
     def _note_weights(self) -> None:
         """Remember what the engine's master copies hold: each pipeline
@@ -1167,8 +1184,38 @@ class RoundPipeStrategy(ParallelStrategy):
         return closure_loss
 
     # ------------------------------------------------------ out of memory
+    def _recover(self) -> None:
+        """A new engine in place of one that failed where the loop caught the
+        error and went on (the Tuner's batch-size search catches a trial's
+        out-of-memory error, and runs the next trial): every call through the
+        failed one would raise its error again. The weights are those of the
+        last applied step, as after such an error without RoundPipe (the
+        asynchronous optimizer's one-behind weights go with the engine);
+        refused when an optimizer step failed midway."""
+        engine = self.engine
+        if engine is None or engine.healthy:
+            return
+        failure = engine.failure
+        if not engine.updates_applied:
+            self._close()
+            raise RuntimeError(
+                f"RoundPipe cannot go on: the engine failed ({type(failure).__name__}: "
+                f"{failure}) before every optimizer step it had queued was applied, so the "
+                "weights are not those of any step. Restore them from a checkpoint saved "
+                "before the failure"
+            ) from failure
+        rank_zero_info(
+            f"RoundPipe: the engine failed ({type(failure).__name__}) and the loop went on; "
+            "starting a new engine from the weights of the last applied step"
+        )
+        self.precision_plugin.carried = engine.counters()
+        self._final_stale = None
+        self._close()
+        self._rebuild(None)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._recover()
         self._follow_trainable()
         # after an evaluation that averaged weights were swapped in for (and
         # out again, through .data): the training weights back, all of them
@@ -1327,16 +1374,19 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._recover()
         self._newest_weights()
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
+        self._recover()
         self._newest_weights()
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        self._recover()
         self._newest_weights()
 
     def _training_weights(self) -> None:
@@ -1480,8 +1530,11 @@ class RoundPipeStrategy(ParallelStrategy):
         # Tuner's lr_find and scale_batch_size go back to where they started):
         # the queued work finishes, then a new engine starts from the restored
         # weights, as a resumed fit would (a running one cannot go back)
-        restart = engine is not None and self.async_optimizer and engine.iteration > 0
-        if restart:
+        # (an engine that failed, its error caught by the loop: a new one too,
+        # the weights it held are being replaced anyway)
+        failed = engine is not None and not engine.healthy
+        restart = engine is not None and (failed or (self.async_optimizer and engine.iteration > 0))
+        if restart and not failed:
             self._drain()
         super().load_model_state_dict(checkpoint, strict=strict)
         # resumed by a fit only (validate/test/predict from a checkpoint leave
@@ -1539,16 +1592,24 @@ class RoundPipeStrategy(ParallelStrategy):
 
     def _close(self) -> None:
         self.precision_plugin.after_backward = None
-        for undo in reversed(self._restore):
-            undo()
-        self._restore.clear()
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            self._stage_plan = engine.plan  # (what it ran last, for reports)
-            self.precision_plugin.engine = None
-            engine.close()
-            if self._fitting:  # for a checkpoint saved after the fit (the queued steps are done)
-                self.precision_plugin.final = engine.counters()
+        undos, self._restore = self._restore, []
+        failed: BaseException | None = None
+        try:
+            for undo in reversed(undos):
+                try:
+                    undo()
+                except Exception as exc:  # (every undo runs, the engine closes)
+                    failed = failed or exc
+        finally:
+            if self.engine is not None:
+                engine, self.engine = self.engine, None
+                self._stage_plan = engine.plan  # (what it ran last, for reports)
+                self.precision_plugin.engine = None
+                engine.close()
+                if self._fitting:  # for a checkpoint saved after the fit (steps are done)
+                    self.precision_plugin.final = engine.counters()
+        if failed is not None:
+            raise failed
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -1568,7 +1629,10 @@ class RoundPipeStrategy(ParallelStrategy):
                 except Exception as exc:  # (the engine failed meanwhile: nothing to keep)
                     log.warning("RoundPipe: queued optimizer steps not applied: %s", exc)
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                self._end_fit_callbacks()
 
     @override
     def teardown(self) -> None:
@@ -1579,8 +1643,11 @@ class RoundPipeStrategy(ParallelStrategy):
             self._stale = None  # (a checkpoint's, never used: nothing trained)
             self._report()
         finally:
-            self._close()
-            self._leave_servers()
+            try:
+                self._close()
+            finally:
+                self._end_fit_callbacks()
+                self._leave_servers()
         super().teardown()
 
     def _leave_servers(self) -> None:
@@ -1707,12 +1774,30 @@ def _warn_low_precision(layers: list[nn.Module], precision: str) -> None:
         )
 
 
-def _warn_compiled(layers: list[nn.Module], module: nn.Module) -> None:
+def _compiled(layers: list[nn.Module], module: nn.Module) -> list[Callable[[], None]]:
     """``Module.compile()`` on a pipeline layer's module is not carried to the
     workers' copies (``copy.deepcopy`` drops it), and ``torch.compile`` of a
     module holding the stack traces the pipeline's own dispatch (locks,
-    threads), breaking its graph and recompiling on every call: say so."""
+    threads), breaking its graph and recompiling on every call: say so. A
+    holder compiled in place (``Module.compile()`` on the stack or the Hugging
+    Face model) runs uncompiled while the engine is attached, which changes
+    nothing but the speed; the undos returned compile it again."""
     ours = {id(p) for layer in layers for p in layer.parameters()}
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    undo: list[Callable[[], None]] = []
+    for name, m in module.named_modules():
+        impl = m.__dict__.get("_compiled_call_impl")
+        if impl is None or id(m) in inside or not any(id(p) in ours for p in m.parameters()):
+            continue
+        rank_zero_warn(
+            f"RoundPipe: {name or type(m).__name__} was compiled with Module.compile() and holds "
+            "the pipeline's layers: compiled, it would trace the pipeline's dispatch (its graph "
+            "breaks at every hand-off, many times slower), while the layers run uncompiled on "
+            "the workers anyway; it runs uncompiled while RoundPipe runs it (compiled again "
+            "after the fit)"
+        )
+        m._compiled_call_impl = None
+        undo.append(lambda m=m, impl=impl: setattr(m, "_compiled_call_impl", impl))
     holders = [
         name or type(module).__name__
         for name, m in module.named_modules()
@@ -1740,6 +1825,7 @@ def _warn_compiled(layers: list[nn.Module], module: nn.Module) -> None:
             f"({', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''}); the workers "
             "run private copies of the layers, which run uncompiled"
         )
+    return undo
 
 
 def _refuse_lazy_parameters(module: Any) -> None:

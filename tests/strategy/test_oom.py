@@ -240,3 +240,100 @@ def test_no_replan_below_the_largest_layer(oom_when):
             Wide(), loader(seq_data())
         )
     assert strategy.engine is None  # closed by Lightning's exception handling
+
+
+class _TunedSeq(SeqModule):
+    """A batch_size the Tuner scales, over 256 samples."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1e-2, extra=False)
+        self.batch_size = 2
+
+    def train_dataloader(self):
+        return loader(seq_data(256), self.batch_size)
+
+    def val_dataloader(self):
+        return loader(seq_data(64), self.batch_size)
+
+
+@pytest.mark.parametrize("method", ["fit", "validate"])
+@pytest.mark.parametrize("strategy", ["auto", "sync", "async"])
+def test_the_batch_size_finder_goes_on_after_out_of_memory_like_the_default_strategy(
+    oom_when, strategy, method, tmp_path
+):
+    """The Tuner catches a trial's out-of-memory error and tries a smaller
+    batch: the failed engine is replaced (every call through it used to
+    raise the old error again: a wrong batch size, or a crash)."""
+    from lightning.pytorch.tuner import Tuner
+
+    if strategy == "auto":
+        # (the same failure, where a plain run raises it: the first layer's input)
+        def forward(module, args):
+            if args[0].shape[0] >= 16:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+        chosen = "auto"
+    else:
+        oom_when(lambda layers, size, *_: size >= 16)
+        chosen = RoundPipeStrategy(
+            async_optimizer=strategy == "async", num_microbatches=1, oom_replans=0
+        )
+    module = _TunedSeq()
+    if strategy == "auto":
+        module.net[0].register_forward_pre_hook(forward)
+    devices = 1 if strategy == "auto" else 2
+    trainer = L.Trainer(
+        strategy=chosen,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
+    found = Tuner(trainer).scale_batch_size(
+        module, mode="binsearch", method=method, steps_per_trial=2, max_trials=6
+    )
+    assert found == 14
+    if method == "fit":
+        trainer.fit(module)  # (and goes on training with it)
+        assert trainer.global_step == 256 // 14 + 1
+
+
+def test_the_learning_rate_finder_after_a_replan_and_after_an_error(
+    oom_when, monkeypatch, tmp_path
+):
+    """Asynchronous: a first-batch re-plan during the search (the new engine
+    put its callback first in the Tuner's list, where the search reads its
+    results), and a user error during it (undoing the strategy's callback
+    failed in the swapped list, leaving threads and the patched module)."""
+    import threading
+
+    import tqdm
+    from lightning.pytorch.tuner import Tuner
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # (no tqdm monitor thread)
+    hits = oom_when(lambda layers, size, *_: size > 1)  # (more micro-batches fit)
+    module = _TunedSeq()
+    module.batch_size = 16
+    no_val = dict(limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        strategy="roundpipe", accelerator="cpu", devices=2, max_epochs=1, **QUIET, **no_val
+    )
+    found = Tuner(trainer).lr_find(module, num_training=8, early_stop_threshold=None)
+    assert hits and len(found.results["lr"]) == 8
+
+    class Fails(_TunedSeq):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("a bug in the user's training_step")
+            return super().training_step(batch, batch_idx)
+
+    before = {t.ident for t in threading.enumerate()}
+    module = Fails()
+    trainer = L.Trainer(
+        strategy="roundpipe", accelerator="cpu", devices=2, max_epochs=1, **QUIET, **no_val
+    )
+    with pytest.raises(RuntimeError, match=r"a bug in the user's training_step"):
+        Tuner(trainer).lr_find(module, num_training=8)
+    assert {t.ident for t in threading.enumerate()} <= before
+    assert trainer.strategy.engine is None and "forward" not in module.net.__dict__

@@ -2,6 +2,7 @@
 what to change, before any weight changes: never ignored, never found out
 after the whole fit."""
 
+import lightning as L
 import pytest
 import torch
 
@@ -106,13 +107,38 @@ def test_an_on_after_backward_override_is_warned_about():
 def test_a_compiled_model_holding_the_layers_is_warned_about():
     """torch.compile of the model traced the pipeline's dispatch (graph breaks
     at every hand-off, recompiling: the first steps seconds each), silently."""
-    from lightning_roundpipe.strategy import _warn_compiled
+    from lightning_roundpipe.strategy import _compiled
 
     module = SeqModule(extra=False)
     layers = list(module.net)
     module.net = torch.compile(module.net, backend="eager")  # (lazy: nothing compiles here)
     with pytest.warns(UserWarning, match=r"RoundPipe: net was compiled with torch\.compile and "):
-        _warn_compiled(layers, module)
+        _compiled(layers, module)
+
+
+def test_a_stack_compiled_in_place_runs_uncompiled_during_the_fit_and_compiled_after():
+    """Module.compile() on the nn.Sequential (or a Hugging Face model) traced
+    the pipeline's dispatch: the steps 40-100x slower, silently. It runs
+    uncompiled during the fit (its layers run uncompiled on the workers
+    anyway), warned, and is compiled again after it."""
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.during = module.net._compiled_call_impl
+
+    expected = SeqModule(extra=False)
+    cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=2).fit(
+        expected, loader(seq_data(16), 8)
+    )
+    module = SeqModule(extra=False)
+    module.net.compile(backend="eager")
+    compiled = module.net._compiled_call_impl
+    watch = Watch()
+    trainer = cpu_trainer(RoundPipeStrategy(async_optimizer=False), max_steps=2, callbacks=[watch])
+    with pytest.warns(UserWarning, match=r"net was compiled with Module\.compile\(\) and holds"):
+        trainer.fit(module, loader(seq_data(16), 8))
+    assert watch.during is None and module.net._compiled_call_impl is compiled
+    torch.testing.assert_close(state(module), state(expected))
 
 
 @pytest.mark.parametrize("async_optimizer", [False, True])
