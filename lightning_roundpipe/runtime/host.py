@@ -644,6 +644,22 @@ def _running_statistic(owner: nn.Module, attr: str) -> bool:
     )
 
 
+def _chosen_from_inputs(owner: nn.Module, attr: str) -> bool:
+    """Hugging Face's LongRoPE frequencies: every forward copies the long or
+    the short set into ``inv_freq`` (``{layer_type}_inv_freq``) before
+    reading it, chosen by the call's positions alone, so a recompute reads
+    what its forward read (Phi-3, Phi-3.5, Phi-4-mini)."""
+    kinds = getattr(owner, "rope_type", None)
+    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+    return attr.endswith("inv_freq") and "longrope" in kinds
+
+
+def _rope_type(owner: nn.Module) -> str:
+    """A rotary embedding's ``rope_type`` for an error message ('' elsewhere)."""
+    kind = getattr(owner, "rope_type", None)
+    return f", rope_type={kind!r}" if isinstance(kind, (str, dict)) else ""
+
+
 def _batch_norm_in_fp32(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """A replica's batch norm under a 16-bit compute dtype: in fp32 (its
     weights cast up, its input too, its output back), so its fp32 running
@@ -727,16 +743,23 @@ class LayerReplica:
         backward (``recomputed``), a buffer changed in place other than a
         normalization's running statistics (the recompute would read the
         updated state, so the gradient would belong to another forward than
-        the loss: spectral norm's power iteration, a counter)."""
+        the loss: spectral norm's power iteration, a counter; not LongRoPE's
+        frequencies, set from the call's positions before they are read)."""
         for (owner, attr, _), slot, (bound, version) in zip(
             self._buffer_owners, self.info.buffer_slots, self._bound, strict=True
         ):
             now = owner._buffers[attr]
             name = f"{slot.path}.{attr}" if slot.path else attr
+            what = f"{type(owner).__name__}{_rope_type(owner)}"
             if now is not bound:
-                return f"replaced its buffer {name} ({type(owner).__name__}) with a new tensor"
-            if recomputed and now._version != version and not _running_statistic(owner, attr):
-                return f"changed its buffer {name} ({type(owner).__name__}) in place"
+                return f"replaced its buffer {name} ({what}) with a new tensor"
+            if (
+                recomputed
+                and now._version != version
+                and not _running_statistic(owner, attr)
+                and not _chosen_from_inputs(owner, attr)
+            ):
+                return f"changed its buffer {name} ({what}) in place"
         return None
 
     def current_buffers(self) -> list[torch.Tensor]:

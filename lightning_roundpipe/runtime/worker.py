@@ -238,14 +238,22 @@ def _check_state(replicas: list[LayerReplica], recomputed: bool) -> None:
         change = rep.state_change(recomputed)
         if change is None:
             continue
-        hint = (
-            " rope_type='dynamic' rescales its frequencies when a sequence is longer than any "
-            "before: train with sequences of at most max_position_embeddings tokens, or use "
-            "'linear' or 'yarn' rope scaling."
-            if "Rotary" in change
-            else " Keep such state outside the pipeline's layers, or update it outside the "
-            "forward (in a callback)."
-        )
+        if "rope_type='dynamic'" in change:
+            hint = (
+                " rope_type='dynamic' rescales its frequencies when a sequence is longer than "
+                "any before: train with sequences of at most max_position_embeddings tokens, or "
+                "use 'linear' or 'yarn' rope scaling."
+            )
+        elif "rope_type=" in change:
+            hint = (
+                " Its rope scaling updates the frequencies during the forward in a way RoundPipe "
+                "does not follow: use 'linear', 'yarn' or 'longrope' rope scaling."
+            )
+        else:
+            hint = (
+                " Keep such state outside the pipeline's layers, or update it outside the "
+                "forward (in a callback)."
+            )
         raise RuntimeError(
             f"pipeline layer {rep.info.index} ({type(rep.module).__name__}) {change} during its "
             "forward. RoundPipe runs each layer on a private copy per worker and, in training, "

@@ -86,6 +86,41 @@ def test_dynamic_rope_within_its_positions_trains_like_the_default_strategy():
     torch.testing.assert_close(weights["sync"], weights["auto"])
 
 
+class LongRope(CausalLM):
+    """Llama with LongRoPE scaling (Phi-3's, Phi-3.5's, Phi-4-mini's): every
+    forward copies the short or the long frequency set into inv_freq, chosen
+    by the positions, before reading it."""
+
+    def __init__(self) -> None:
+        super().__init__(kind="llama")
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.2, 1.3],
+            "long_factor": [2.0, 3.0, 4.0, 5.0],
+            "original_max_position_embeddings": 10,
+        }
+        self.model = hf_model("llama", layers=2, rope_parameters=rope)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("seq", [8, 12])  # (the short set; the long one)
+def test_longrope_trains_like_the_default_strategy_with_recomputed_stages(seq):
+    """(its in-place copy was refused when a stage was computed again for its
+    backward, naming dynamic RoPE)"""
+    weights = {}
+    for name, strategy in [("auto", "auto"), ("sync", _sync("1,2|1|1,1,1")), ("async", None)]:
+        if strategy is None:
+            strategy = RoundPipeStrategy(num_microbatches=2, plan="1,2|1|1,1,1")
+        module = LongRope()
+        _fit(module, strategy, lm_data(8, seq=seq), steps=3)
+        weights[name] = state(module)
+    torch.testing.assert_close(weights["sync"], weights["auto"])
+    assert any(not torch.equal(a, weights["auto"][k]) for k, a in weights["async"].items())
+
+
 class Normalized(L.LightningModule):
     """Batch norm between linear layers; or an fp32 table added to the
     activations (a positional encoding kept as a buffer)."""
