@@ -10,6 +10,7 @@ operation is synchronous on the worker's thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import threading
@@ -31,6 +32,7 @@ __all__ = [
     "holding_generator",
     "host_to_device_bandwidth",
     "layer_seed",
+    "own_checkpoints",
     "pin",
     "seeded",
     "stage_memory_limit",
@@ -219,6 +221,75 @@ class _SeededOps(TorchDispatchMode):
                 shared.set_state(saved)
 
 
+# the generator of the checkpointed layer a CPU worker's thread is running
+_ACTIVE = threading.local()
+
+
+def own_checkpoints(module: nn.Module, device: torch.device) -> None:
+    """Make the gradient checkpointing of a worker's copy of a layer
+    (transformers' ``_gradient_checkpointing_func`` on its blocks) replay the
+    layer's own random stream, not the process's: ``torch.utils.checkpoint``
+    keeps the default CPU generator's state for the recompute
+    (``preserve_rng_state``) and puts it back after it, so the training
+    loop's thread, drawing meanwhile (a random mask in ``training_step``),
+    drew the layer's numbers and had its own rewound. Here the checkpoint
+    preserves nothing and runs its forward and recompute in contexts that
+    start the layer's generator (a CPU worker's private one, a GPU's default
+    one, under its lock) from the same state (non-reentrant checkpointing,
+    whatever ``use_reentrant`` said: the same gradients)."""
+    for m in module.modules():
+        original = m.__dict__.get("_gradient_checkpointing_func")
+        if original is None or getattr(original, "_roundpipe", False):
+            continue
+        keywords = getattr(original, "keywords", None) or {}
+        user = keywords.get("context_fn")
+
+        def checkpoint(function: Any, *args: Any, _fn: Any = original, _user: Any = user) -> Any:
+            return _fn(
+                function,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=False,
+                context_fn=functools.partial(_checkpoint_contexts, device, _user),
+            )
+
+        checkpoint._roundpipe = True  # type: ignore[attr-defined]
+        m._gradient_checkpointing_func = checkpoint
+
+
+def _checkpoint_contexts(device: torch.device, user: Any) -> tuple[Any, Any]:
+    """The forward's and the recompute's contexts of one checkpoint call (the
+    user's own ``context_fn``'s inside them)."""
+    theirs = user() if user is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    start: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        gen = _generator(device) if device.type != "cpu" else getattr(_ACTIVE, "gen", None)
+        if gen is not None:
+            start.append(generator_state(gen) if device.type != "cpu" else gen.get_state())
+        with theirs[0]:
+            yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if start and device.type == "cpu":
+                gen = torch.Generator()
+                gen.set_state(start[0])
+                stack.enter_context(_SeededOps(gen))
+            elif start:
+                stack.enter_context(_rng_lock(device))
+                shared = _generator(device)
+                saved = generator_state(shared)
+                shared.set_state(start[0])
+                stack.callback(shared.set_state, saved)
+            stack.enter_context(theirs[1])
+            yield
+
+    return forward(), recompute()
+
+
 class LayerRandomness:
     """Reproducible random numbers for one worker's replica of one layer.
 
@@ -258,12 +329,23 @@ class LayerRandomness:
     @contextlib.contextmanager
     def __call__(self, seed: int, training: bool, checkpointed: bool = False) -> Iterator[None]:
         """``checkpointed``: the layer recomputes part of itself in its backward
-        (``torch.utils.checkpoint``, e.g. transformers' gradient checkpointing),
-        which restores the default generator's state for the recompute: such a
-        layer draws from the default generator, seeded, under the lock."""
-        if self.device.type != "cpu" or (checkpointed and training):
+        (transformers' gradient checkpointing, made to replay this layer's
+        own random stream by :func:`own_checkpoints`): on a CPU worker it
+        always draws from its own generator, which the recompute starts again
+        from where the checkpoint's forward started."""
+        if self.device.type != "cpu":
             with seeded(self.device, seed):
                 yield
+            return
+        if checkpointed and training:
+            gen = torch.Generator()
+            gen.manual_seed(seed)
+            _ACTIVE.gen = gen
+            try:
+                with _SeededOps(gen):
+                    yield
+            finally:
+                _ACTIVE.gen = None
             return
         if self.random.get(training) is False and not self.seen.get(training):
             gen = torch.default_generator

@@ -56,6 +56,7 @@ from .device import (
     holding_generator,
     is_out_of_memory,
     layer_seed,
+    own_checkpoints,
 )
 from .host import _STRUCTURES, LayerReplica, _Param, _Structure
 from .nested import call_layer, flatten_tensors, map_tensors
@@ -455,6 +456,8 @@ class Worker:
                     reps.insert(0, reps.pop(k))
                 return rep
         rep = LayerReplica(self.host.layers[layer], structure, self.host.compute_dtype)
+        if rep.checkpointed:
+            own_checkpoints(rep.module, self.device)
         reps.insert(0, rep)
         del reps[_STRUCTURES:]
         if layer not in self._rng:

@@ -1010,9 +1010,8 @@ class _CheckpointedDropoutLM(CausalLM):
 @pytest.mark.parametrize("async_optimizer", [False, True], ids=["sync", "async"])
 def test_gradient_checkpointing_with_dropout_trains_exactly_like_without(async_optimizer):
     """transformers' gradient checkpointing recomputes a block in its backward
-    with the generator state its forward drew from: on CPU workers, which
-    otherwise give each layer a private generator, such a layer draws from the
-    seeded default generator, and backwards hold it, so the recompute draws the
+    with the random stream its forward drew from: on the workers' copies the
+    checkpoint replays the layer's own generator, so the recompute draws the
     forward's dropout masks whatever runs beside it."""
     data = lm_data()
     runs = []
@@ -1023,6 +1022,81 @@ def test_gradient_checkpointing_with_dropout_trains_exactly_like_without(async_o
         runs.append(params(module))
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _MasksAtRandom(CausalLM):
+    """Gradient checkpointing (no dropout: the default strategy's masks are
+    not the pipeline's), two calls with labels=, the second's labels masked
+    at random on the loop's thread while the first call's backward
+    (recomputing checkpointed blocks) runs on the workers."""
+
+    def __init__(self) -> None:
+        super().__init__("llama", lr=1e-2)
+        self.model.gradient_checkpointing_enable()
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        first = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        keep = torch.rand(labels.shape) < 0.5
+        second = self.model(
+            input_ids=ids, attention_mask=mask, labels=labels.masked_fill(~keep, -100)
+        )
+        return first + second.loss
+
+
+def test_gradient_checkpointing_leaves_the_loops_random_numbers_alone():
+    """(torch.utils.checkpoint kept and put back the process's CPU generator
+    on the worker threads: the loop's masks drawn meanwhile were the layer's
+    numbers, and its stream was rewound; runs differed from each other and
+    from the default strategy)"""
+    data = lm_data()
+    expected = _MasksAtRandom()
+    fit(expected, data, "auto", max_steps=3)
+    for _ in range(2):
+        module = _MasksAtRandom()
+        fit(module, data, _sync_run(), devices=2, max_steps=3)
+        for a, b in zip(params(module), params(expected), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_gradient_checkpointing_with_dropout_on_gpu_workers_replays_the_masks():
+    """On CUDA workers the checkpoint's recompute starts the device's
+    generator where its forward did (under the device's lock), the CPU
+    generator untouched: checkpointed training equals the same run without
+    checkpointing, with dropout on, and the loop's masks drawn during the
+    backward are those of a run without RoundPipe's threads."""
+    data = lm_data()
+    runs = []
+    for checkpointing in (False, True):
+        module = _CheckpointedDropoutLM(checkpointing)
+        strategy = RoundPipeStrategy(
+            async_optimizer=False, num_microbatches=4, seed=1, workers_per_device=2
+        )
+        L.seed_everything(0)
+        trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=3, **QUIET)
+        trainer.fit(module, loader(data))
+        runs.append(params(module))
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b)
+    expected = _MasksAtRandom()
+    fit(expected, data, "auto", max_steps=3)
+    module = _MasksAtRandom()
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(async_optimizer=False, num_microbatches=4, workers_per_device=2),
+        accelerator="cuda",
+        devices=1,
+        max_steps=3,
+        **QUIET,
+    )
+    trainer.fit(module, loader(data), loader(data))
+    for a, b in zip(params(module), params(expected), strict=True):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-5, rtol=1e-4)
+
+
+def _sync_run() -> RoundPipeStrategy:
+    return RoundPipeStrategy(async_optimizer=False, num_microbatches=4, plan="1,1,1,1|1|1,1,1,1")
 
 
 class _FailsAtStep(SeqModule):
