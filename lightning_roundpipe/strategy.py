@@ -41,10 +41,11 @@ from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.utils import _sync_module_states  # (DDP's: rank 0's weights to all)
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -325,7 +326,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._adapter = None
         self._stack_called = False  # the fit's first training step is checked
         self._restore: list[Callable[[], None]] = []
-        self._unsettle: Callable[[], None] | None = None  # (see _settle_for_callbacks)
+        # callbacks of the strategy's own for the fit (see _add_fit_callback)
+        self._fit_callbacks: list[tuple[Any, list[Callback], Callback]] = []
         # each pipeline parameter's version counter and storage when the engine
         # last wrote or copied it, with the engine's step count then
         self._noted: tuple[int, list[tuple[int, int]]] | None = None
@@ -509,15 +511,25 @@ class RoundPipeStrategy(ParallelStrategy):
                 raise
             raise self._replicas.error(what, exc) from exc
 
+    def _alone(self) -> bool:
+        """Whether this server's fit was interrupted (an error, here or on
+        another server): collectives of its loop (a checkpoint's barrier, a
+        path broadcast) would wait for servers that may never come, each
+        stuck in another collective of its own; its failure is in the
+        rendezvous store, whence the others' errors name it."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+
     @override
     def barrier(self, name: str | None = None) -> None:
-        if self._distributed():
+        if self._distributed() and not self._alone():
             with self._with_servers(f"a barrier ({name})" if name else "a barrier"):
                 dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self._distributed():
+        if not self._distributed() or self._alone():
             return obj
         box = [obj]
         with self._with_servers("a broadcast"):
@@ -652,6 +664,18 @@ class RoundPipeStrategy(ParallelStrategy):
                         "with the same model, the same trainable parameters and the same "
                         "strategy and Trainer settings"
                     )
+        # every replica starts from rank 0's weights and buffers, as DDP's do (a
+        # head initialised without a seed, LoRA's random A: each server would
+        # apply the same averaged updates to different weights); a resumed
+        # fit's checkpoint is loaded after this, the same on every server
+        with self._with_servers("sending rank 0's weights to the servers"):
+            _sync_module_states(
+                module,
+                self._replicas.group,
+                broadcast_bucket_size=self.reduce_bucket_bytes,
+                src=0,
+                params_and_buffers_to_ignore=(),
+            )
 
     def _check_optimizers(self) -> None:
         module = self.lightning_module
@@ -784,8 +808,11 @@ class RoundPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._warn_microbatch_split(adapter, m)
             self._route_optimizer_calls(trainer)
-            if self.async_optimizer and self._unsettle is None:  # (once a fit)
-                self._settle_for_callbacks(trainer)
+            if not self._fit_callbacks:  # (once a fit, whatever engines it builds)
+                if self._replicas is not None:
+                    self._add_fit_callback(trainer, _ReportFailure(self._replicas))
+                if self.async_optimizer:
+                    self._settle_for_callbacks(trainer)
             self._resume_stale()
             # a rebuild within the fit, or of a resumed one: go on counting
             if self.precision_plugin.carried is not None:
@@ -1004,23 +1031,23 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"RoundPipe: {names} reads the weights after every batch; each asynchronous "
                 "update is applied before it (the update no longer overlaps the next batch)"
             )
-        settle = _SettleUpdates(self, every_batch)
+        self._add_fit_callback(trainer, _SettleUpdates(self, every_batch))
+
+    def _add_fit_callback(self, trainer: Any, callback: Callback) -> None:
+        """``callback`` first in the trainer's list (before the user's), for
+        the fit: whatever engines it builds, out again at its end."""
         callbacks = trainer.callbacks
-        callbacks.insert(0, settle)
-
-        def remove() -> None:
-            # (the Tuner swaps the trainer's callback list while it searches)
-            for found in (callbacks, trainer.callbacks):
-                if any(cb is settle for cb in found):
-                    found.remove(settle)
-
-        self._unsettle = remove
+        callbacks.insert(0, callback)
+        self._fit_callbacks.append((trainer, callbacks, callback))
 
     def _end_fit_callbacks(self) -> None:
-        """The settling callback out of the trainer's list (the fit is over)."""
-        remove, self._unsettle = self._unsettle, None
-        if remove is not None:
-            remove()
+        """The fit's own callbacks out of the trainer's list (the fit is over)."""
+        added, self._fit_callbacks = self._fit_callbacks, []
+        for trainer, callbacks, callback in added:
+            # (the Tuner swaps the trainer's callback list while it searches)
+            for found in (callbacks, trainer.callbacks):
+                if any(cb is callback for cb in found):
+                    found.remove(callback)
 
     def _note_weights(self) -> None:
         """Remember what the engine's master copies hold: each pipeline
@@ -1196,6 +1223,10 @@ class RoundPipeStrategy(ParallelStrategy):
         if engine is None or engine.healthy:
             return
         failure = engine.failure
+        if self._replicas is not None and failure is not None:
+            # (a failure of several servers, or of another one: not this
+            # server's to go on from; its error as it is, a ReplicaError)
+            raise failure
         if not engine.updates_applied:
             self._close()
             raise RuntimeError(
@@ -1432,12 +1463,15 @@ class RoundPipeStrategy(ParallelStrategy):
             self._final_stale = None  # (the one-behind weights are gone with it)
             self._close()
             if not applied:
+                # (with several servers: whose failure it was, first)
+                first = "" if self._replicas is None else self._replicas.reported()
                 raise RuntimeError(
-                    "RoundPipe cannot save the model's state: the engine failed "
-                    f"({type(failure).__name__}: {failure}) before every optimizer step it "
-                    "had queued was applied (the asynchronous optimizer's last one, or a step "
-                    "that failed midway), so the weights are not those of the last step. "
-                    "Resume from a checkpoint saved before the failure"
+                    "RoundPipe cannot save the model's state: "
+                    + (f"{first}; " if first else "")
+                    + f"the engine failed ({type(failure).__name__}: {failure}) before every "
+                    "optimizer step it had queued was applied (the asynchronous optimizer's "
+                    "last one, or a step that failed midway), so the weights are not those of "
+                    "the last step. Resume from a checkpoint saved before the failure"
                 ) from failure
             return
         if engine is not None:
@@ -1621,7 +1655,9 @@ class RoundPipeStrategy(ParallelStrategy):
             # still go into the weights, so the module matches global_step
             if self.engine is not None and self._fitting:
                 self._final_stale = None  # (a failed engine: nothing to resume from)
-            if self.engine is not None and self.engine.healthy and self._replicas is None:
+            if self.engine is not None and self.engine.healthy:
+                # (with several servers too: the queued step's gradients were
+                # reduced with the others' already, or the reducer names why not)
                 try:
                     self._drain()
                     if self._fitting:  # for a checkpoint saved after the failure
@@ -1675,6 +1711,20 @@ try:  # Lightning >= 2.6: EMA and other averages, swapped in for validation thro
 except ImportError:  # pragma: no cover - older Lightning
     _PER_STEP = ()
 _AVERAGING = (StochasticWeightAveraging, *_PER_STEP)
+
+
+class _ReportFailure(Callback):
+    """The first callback with several servers: a failure of this one is in
+    the rendezvous store before any other callback's ``on_exception`` runs
+    (an OnExceptionCheckpoint's save waits at a barrier for the other
+    servers, which, waiting for this one's gradients, would otherwise learn
+    of it only from their watchdog, minutes later)."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas = replicas
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.replicas.report_failure(f"{type(exception).__name__}: {exception}"[:2000])
 
 
 class _SettleUpdates(Callback):

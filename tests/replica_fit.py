@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strategy.modules import CausalLM, lm_data
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank1-bucket", type=int, help="reduce_bucket_bytes on rank 1")
     parser.add_argument("--rank1-steps", type=int, help="max_steps on rank 1")
     parser.add_argument(
+        "--init-by-rank", action="store_true", help="each server's weights start differently"
+    )
+    parser.add_argument(
+        "--exception-checkpoint", action="store_true", help="with an OnExceptionCheckpoint"
+    )
+    parser.add_argument(
         "--stopped-fit-first",
         action="store_true",
         help="first a fit that every server stops with an exception, caught",
@@ -139,8 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         stopped_fit(args)
     L.seed_everything(0)
     module = Replica(args.fail_at, args.kill_at, args.hang_at, not args.no_log)
-    init = [p.detach().clone() for p in module.parameters()]
     rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+    if args.init_by_rank:  # (a head initialised without a seed, LoRA's random A)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.01 * rank)
+    init = [p.detach().clone() for p in module.parameters()]
     strategy = RoundPipeStrategy(
         async_optimizer=args.async_,
         num_microbatches=2,
@@ -157,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip or None,  # clipped: the norm must be the global one
         logger=False,
-        enable_checkpointing=False,
+        callbacks=[OnExceptionCheckpoint(args.out)] if args.exception_checkpoint else None,
+        enable_checkpointing=args.exception_checkpoint,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -178,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / f"error{rank}.txt").write_text(
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         )
+        # the weights the module holds after the failure, with its step count
+        failed = {"params": [p.detach().clone() for p in module.parameters()]}
+        torch.save({**failed, "global_step": trainer.global_step}, args.out / f"failed{rank}.pt")
         raise
     torch.save(
         {

@@ -170,8 +170,9 @@ def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path
 
 def test_asynchronous_replicas_stay_identical(tmp_path):
     """The asynchronous optimizer (one step behind) on each server: every
-    replica applies the same updates."""
-    codes = servers(tmp_path, "--batch-size", "4", "--async", "--clip", "0")
+    replica applies the same updates, to rank 0's weights when the servers
+    started from different ones (as DDP's replicas)."""
+    codes = servers(tmp_path, "--batch-size", "4", "--async", "--clip", "0", "--init-by-rank")
     a, b = result(tmp_path, 0), result(tmp_path, 1)
     assert codes == [0, 0]
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
@@ -189,6 +190,32 @@ def test_a_server_that_raises_is_named_by_the_others(tmp_path):
     assert "ReplicaError" in message and "replica rank 1 failed" in message, message
     assert "ValueError: injected failure on the second server" in message
     assert time.monotonic() - t0 < 60  # well within the watchdog timeout
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_server_that_raises_with_an_exception_checkpoint_fails_both_at_once(tmp_path, async_):
+    """OnExceptionCheckpoint (and no collective of the loop's thread in the
+    steps): the failing server's checkpoint waited at a barrier for the other,
+    which waited for its gradients, both until the watchdog (10 minutes by
+    default). Now both leave at once, each with its error (the healthy one's
+    a ReplicaError naming the other's failure, also with the asynchronous
+    optimizer), the failing one with the weights of its last step, as the
+    other's: its queued update is applied."""
+    extra = ["--async"] if async_ else []
+    t0 = time.monotonic()
+    args = ("--fail-at", "2", "--no-log", "--exception-checkpoint", "--accumulate", "1", *extra)
+    codes = servers(tmp_path, *args, "--watchdog", "120")
+    assert codes == [1, 1], logs(tmp_path)
+    assert time.monotonic() - t0 < 60, logs(tmp_path)
+    assert error(tmp_path, 1).startswith("ValueError: injected failure on the second server")
+    message = error(tmp_path, 0)
+    assert "replica rank 1 failed: ValueError: injected failure on the second" in message, message
+    if not message.startswith("RuntimeError: RoundPipe cannot save"):  # (its step was not whole)
+        assert message.startswith("ReplicaError"), message
+    a, b = (torch.load(tmp_path / f"failed{r}.pt", weights_only=False) for r in (0, 1))
+    # (the healthy server may have counted its next step, queued but never applied)
+    assert b["global_step"] == 2 and a["global_step"] in (2, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
 
 
 def test_a_fit_after_a_stopped_one_is_not_failed_by_its_report(tmp_path):

@@ -171,7 +171,8 @@ class Replicas:
             "uneven data per server; every server must take the same steps)"
         )
 
-    def _reported(self) -> str:
+    def reported(self) -> str:
+        """The failures the others reported, first first ("" for none)."""
         return "; ".join(f"replica rank {r} failed: {m}" for r, m in self.failures().items())
 
     def poll(self) -> str | None:
@@ -203,7 +204,7 @@ class Replicas:
         heartbeats)."""
         if self.store is None:
             return "(no rendezvous store to ask which replica stopped)"
-        reported = self._reported()
+        reported = self.reported()
         if reported:
             return reported
         if self._call(lambda: self.store.add(f"{self.prefix}failures", 0)) is None:
@@ -218,7 +219,7 @@ class Replicas:
         before = self._read("alive")
         time.sleep(3 * self.heartbeat + 0.5)
         after = self._read("alive")
-        reported = self._reported() or self._finished()
+        reported = self.reported() or self._finished()
         if reported:
             return reported
         still = [r for r in before if before[r] == after.get(r)]
