@@ -34,7 +34,9 @@
 # gpu tests): classifiers' scores downloaded with the loss (with_outputs),
 # batch norm in fp32 on CUDA replicas under bf16-mixed, the steps' host code
 # under autocast for the devices' type too, several outputs of a last layer,
-# question-answering models' start/end scores (test_classifier.py's qa case).
+# question-answering models' start/end scores (test_classifier.py's qa case),
+# gradient checkpointing that replays the device generator itself
+# (test_strategy.py's ..._on_gpu_workers_replays_the_masks).
 #
 # Next session (15 device-minutes), after `bash benchmarks/gpu_wheels.sh` here:
 #   call 1 (~9 min): lora (roundpipe, fsdp_offload, deepspeed_offload; check
