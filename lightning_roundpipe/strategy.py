@@ -45,7 +45,10 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.utils import _sync_module_states  # (DDP's: rank 0's weights to all)
+from torch.distributed.utils import (  # (DDP's: rank 0's weights to all)
+    _sync_module_states,
+    _verify_param_shape_across_processes,
+)
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -56,7 +59,7 @@ from .precision import RoundPipePrecision
 from .retry import FirstBatchRetry
 from .runtime import RoundPipeEngine, estimate_costs, use_fused
 from .runtime.options import PRECISIONS, EngineOptions, NonFinite, check_types, plain_int
-from .runtime.replicas import Replicas
+from .runtime.replicas import ReplicaError, Replicas
 
 __all__ = ["RoundPipeStrategy"]
 
@@ -666,9 +669,13 @@ class RoundPipeStrategy(ParallelStrategy):
                     )
         # every replica starts from rank 0's weights and buffers, as DDP's do (a
         # head initialised without a seed, LoRA's random A: each server would
-        # apply the same averaged updates to different weights); a resumed
-        # fit's checkpoint is loaded after this, the same on every server
+        # apply the same averaged updates to different weights; a resumed
+        # fit's checkpoint, loaded before this, is the same file everywhere)
         with self._with_servers("sending rank 0's weights to the servers"):
+            # (every parameter and buffer, frozen ones too: a mismatch is named)
+            _verify_param_shape_across_processes(
+                self._replicas.group, [*module.parameters(), *module.buffers()]
+            )
             _sync_module_states(
                 module,
                 self._replicas.group,
@@ -1211,6 +1218,22 @@ class RoundPipeStrategy(ParallelStrategy):
         return closure_loss
 
     # ------------------------------------------------------ out of memory
+    def _unapplied(self, what: str, failure: BaseException | None) -> RuntimeError:
+        """The error of an engine that failed before every optimizer step it
+        had queued was applied: the weights are not those of the last step
+        (with several servers it names whose failure came first)."""
+        first = "" if self._replicas is None else self._replicas.reported()
+        err = RuntimeError(
+            f"RoundPipe cannot {what}: "
+            + (f"{first}; " if first else "")
+            + f"the engine failed ({type(failure).__name__}: {failure}) before every optimizer "
+            "step it had queued was applied (the asynchronous optimizer's last one, or a step "
+            "that failed midway), so the weights are not those of the last step. Resume from a "
+            "checkpoint saved before the failure"
+        )
+        err.__cause__ = failure
+        return err
+
     def _recover(self) -> None:
         """A new engine in place of one that failed where the loop caught the
         error and went on (the Tuner's batch-size search catches a trial's
@@ -1218,27 +1241,36 @@ class RoundPipeStrategy(ParallelStrategy):
         failed one would raise its error again. The weights are those of the
         last applied step, as after such an error without RoundPipe (the
         asynchronous optimizer's one-behind weights go with the engine);
-        refused when an optimizer step failed midway."""
+        warned when a queued step was not applied."""
         engine = self.engine
         if engine is None or engine.healthy:
             return
         failure = engine.failure
         if self._replicas is not None and failure is not None:
             # (a failure of several servers, or of another one: not this
-            # server's to go on from; its error as it is, a ReplicaError)
-            raise failure
-        if not engine.updates_applied:
-            self._close()
+            # server's to go on from alone)
+            if isinstance(failure, ReplicaError):
+                raise failure
             raise RuntimeError(
                 f"RoundPipe cannot go on: the engine failed ({type(failure).__name__}: "
-                f"{failure}) before every optimizer step it had queued was applied, so the "
-                "weights are not those of any step. Restore them from a checkpoint saved "
-                "before the failure"
+                f"{failure}), and with several servers a failed step is not run again on one "
+                "of them alone"
             ) from failure
-        rank_zero_info(
-            f"RoundPipe: the engine failed ({type(failure).__name__}) and the loop went on; "
-            "starting a new engine from the weights of the last applied step"
-        )
+        if engine.updates_applied:
+            rank_zero_info(
+                f"RoundPipe: the engine failed ({type(failure).__name__}) and the loop went on; "
+                "starting a new engine from the weights of the last applied step"
+            )
+        else:
+            # (the batch-size search, whose trials' weights its final restore
+            # throws away, goes on from such a failure too)
+            rank_zero_warn(
+                f"RoundPipe: the engine failed ({type(failure).__name__}) before every optimizer "
+                "step it had queued was applied (the asynchronous optimizer's last one, or a "
+                "step that failed midway), and the loop went on: a new engine starts from the "
+                "module's weights as they are, which are not those of the last step. Restore "
+                "them from a checkpoint if the run must go on exactly"
+            )
         self.precision_plugin.carried = engine.counters()
         self._final_stale = None
         self._close()
@@ -1463,16 +1495,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._final_stale = None  # (the one-behind weights are gone with it)
             self._close()
             if not applied:
-                # (with several servers: whose failure it was, first)
-                first = "" if self._replicas is None else self._replicas.reported()
-                raise RuntimeError(
-                    "RoundPipe cannot save the model's state: "
-                    + (f"{first}; " if first else "")
-                    + f"the engine failed ({type(failure).__name__}: {failure}) before every "
-                    "optimizer step it had queued was applied (the asynchronous optimizer's "
-                    "last one, or a step that failed midway), so the weights are not those of "
-                    "the last step. Resume from a checkpoint saved before the failure"
-                ) from failure
+                raise self._unapplied("save the model's state", failure) from failure
             return
         if engine is not None:
             self.engine.synchronize()
@@ -1648,7 +1671,7 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         if self._replicas is not None:  # the other servers' errors say why they stop
-            self._replicas.report_failure(f"{type(exception).__name__}: {exception}"[:2000])
+            _report(self._replicas, exception)
         try:
             # the user's step, a callback or an interrupt failed, not the engine:
             # the updates already queued (the asynchronous optimizer's last one)
@@ -1724,7 +1747,12 @@ class _ReportFailure(Callback):
         self.replicas = replicas
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.replicas.report_failure(f"{type(exception).__name__}: {exception}"[:2000])
+        _report(self.replicas, exception)
+
+
+def _report(replicas: Replicas, exception: BaseException) -> None:
+    """This server's failure, for the others' errors (the first report stays)."""
+    replicas.report_failure(f"{type(exception).__name__}: {exception}"[:2000])
 
 
 class _SettleUpdates(Callback):

@@ -651,6 +651,29 @@ def test_a_batch_without_answer_positions_is_refused_or_nan():
         trainer.fit(mod, loader)
 
 
+def test_a_batch_without_answer_ends_trains_the_starts_under_nonfinite_ignore():
+    """The model's loss is NaN ((start + NaN) / 2) but its gradient the start
+    side's: with nonfinite='ignore' the pipeline's too (its NaN weights made
+    every weight NaN)."""
+    ids, mask, start, end = answers(8).tensors
+    end = end.clone()
+    end[:4] = SEQ  # (the first batch: no end to count)
+    dataset = TensorDataset(ids, mask, start, end)
+    ref = Answerer(classifier("llama", task=ANSWERS), lr=0.1)
+    mod = Answerer(copy.deepcopy(ref.model), lr=0.1)
+    fit(ref, "auto", dataset, steps=2)
+    fit(
+        mod,
+        RoundPipeStrategy(async_optimizer=False, nonfinite="ignore"),
+        dataset,
+        devices=2,
+        steps=2,
+    )
+    assert math.isnan(float(mod.losses[0])) and math.isfinite(float(mod.losses[1]))
+    torch.testing.assert_close(mod.losses[1], ref.losses[1])
+    assert_same_weights(mod, ref)
+
+
 def test_question_answering_refusals_name_what_to_change():
     model = classifier("llama", task=ANSWERS)
     ids, mask, start, end = answers(4).tensors
@@ -670,7 +693,7 @@ def test_question_answering_refusals_name_what_to_change():
         call(start_positions=start, end_positions=end[:2])
     own = model.loss_function
     model.loss_function = lambda *args, **kwargs: torch.zeros(())
-    with pytest.raises(ValueError, match=r"computes transformers' ForQuestionAnswering loss"):
+    with pytest.raises(ValueError, match=r"with start_positions= and end_positions= the RoundPipe"):
         call(start_positions=start, end_positions=end)
     model.loss_function = own
 

@@ -695,6 +695,7 @@ class CausalLMAdapter(_Adapter):
             if position_ids.shape[0] != batch.shape[0]:
                 position_ids = position_ids.expand(batch.shape[0], -1)
             inputs["position_ids"] = position_ids
+            self._check_longrope(position_ids)
             given = next((a[k] for k in _CACHE_ARGS if a.get(k) is not None), None)
             no_cache = not self._cache(given, a.get("use_cache"))
             packs = self.layout.packs_sequences
@@ -712,6 +713,34 @@ class CausalLMAdapter(_Adapter):
         if training:
             self._expect(inputs, batch, loss=loss)
         return a, inputs, batch, as_tuple
+
+    def _check_longrope(self, position_ids: torch.Tensor) -> None:
+        """LongRoPE picks its short or long frequencies from the largest
+        position of a call: the model's one call sees the batch's, each
+        micro-batch its own. Refused where they would pick differently (rows'
+        positions on both sides of ``original_max_position_embeddings``)."""
+        rotary, engine = self.layout.rotary, self.engine
+        kinds = getattr(rotary, "rope_type", None)
+        kinds = kinds if isinstance(kinds, dict) else {None: kinds}
+        if "longrope" not in kinds.values() or engine is None:
+            return
+        rows = int(position_ids.shape[0])
+        m = engine.microbatches_for(rows, torch.is_grad_enabled())
+        ends = [int(p.max()) + 1 for p in torch.tensor_split(position_ids, m) if p.numel()]
+        params = self.layout.config.rope_parameters or {}
+        for kind, rope in kinds.items():
+            limit = (params.get(kind) if kind is not None else params) or {}
+            limit = limit.get("original_max_position_embeddings") if rope == "longrope" else None
+            if limit is not None and min(ends) <= limit < max(ends):
+                raise ValueError(
+                    f"{self.name}: rope_type='longrope' picks its short or long frequencies from "
+                    "the largest position of each call, and this batch's micro-batches would "
+                    f"pick differently (their largest positions reach {min(ends)} to "
+                    f"{max(ends)} tokens, original_max_position_embeddings={limit}), where the "
+                    "model's one call picks the long set for every row. Keep each batch's rows "
+                    "on one side of it (group packed sequences by length), or set "
+                    "num_microbatches=1"
+                )
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         a, inputs, _, as_tuple = self._prepare(args, kwargs)

@@ -20,6 +20,7 @@ rows, so it equals the unsplit model's loss; the pooled logits come back with it
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,8 @@ class SequenceClassifierAdapter(CausalLMAdapter):
     router_loss = False  # (a classifier adds no router load-balancing loss)
     task = SEQUENCE_CLASSIFICATION
     loss_name = "ForSequenceClassification"  # (the model's loss_function, transformers')
+    labels = "labels="  # (what the loss is computed from, for messages)
+    scores = "the logits"
 
     def __init__(self, target: nn.Module, name: str) -> None:
         super().__init__(target, name)
@@ -212,9 +215,9 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         if fn is not expected:
             raise ValueError(
                 f"{self.name}: the model's loss_function is {getattr(fn, '__name__', fn)!r}, but "
-                f"with labels= the RoundPipe pipeline computes transformers' {self.loss_name} "
-                f"loss ({expected.__name__}); call the model without labels= and compute the "
-                "loss from the logits"
+                f"with {self.labels} the RoundPipe pipeline computes transformers' "
+                f"{self.loss_name} loss ({expected.__name__}); call the model without "
+                f"{self.labels} and compute the loss from {self.scores}"
             )
 
     def _batch_labels(self, a: dict[str, Any]) -> torch.Tensor:
@@ -482,7 +485,7 @@ class _AnswerLoss:
     which come back with it (``with_outputs``)."""
 
     def __init__(self, starts: int, ends: int) -> None:
-        self.counts = (max(starts, 1), max(ends, 1))
+        self.counts = (starts, ends)
 
     def __call__(self, scores: torch.Tensor, labels: dict[str, torch.Tensor]) -> Any:
         seq = scores.shape[1]
@@ -492,7 +495,10 @@ class _AnswerLoss:
             part = nn.functional.cross_entropy(
                 scores[..., i].float(), target, ignore_index=seq, reduction="sum"
             )
-            total = total + part / self.counts[i]
+            # a side with nothing to count: NaN, as the model's mean over no
+            # rows, with no gradient (the other side's still trains, as there)
+            empty = torch.full((), math.nan, device=scores.device)
+            total = total + (part / self.counts[i] if self.counts[i] else part * 0 + empty)
         return total / 2, scores
 
 
@@ -509,6 +515,8 @@ class QuestionAnsweringAdapter(SequenceClassifierAdapter):
     kind = "Hugging Face question-answering model"
     task = QUESTION_ANSWERING
     loss_name = "ForQuestionAnswering"
+    labels = "start_positions= and end_positions="
+    scores = "out.start_logits and out.end_logits"
     handled = (*(k for k in _HANDLED if k != "labels"), "start_positions", "end_positions")
 
     def __init__(self, target: nn.Module, name: str) -> None:
@@ -575,11 +583,18 @@ class QuestionAnsweringAdapter(SequenceClassifierAdapter):
 
     def _answer_weights(self, microbatches: int, counts: tuple[int, int]) -> list[float]:
         """Each micro-batch's part counts whole (it is divided by the batch's
-        counts already); no position to count: NaN, as the model's loss."""
-        if all(counts):
-            return [1.0] * microbatches
+        counts already). No start or no end to count: the loss is NaN, as the
+        model's (refused first with ``nonfinite="raise"``; with ``"ignore"``
+        the other side trains, as in the model)."""
         what = "answer start" if not counts[0] else "answer end"
-        return self._shares([0] * microbatches, what, "every position is past the sequence")
+        none = [0] * microbatches
+        past = "every position is past the sequence"
+        if not any(counts):
+            return self._shares(none, what, past)
+        engine = self.engine
+        if not all(counts) and engine is not None and engine.nonfinite == "raise":
+            self._shares(none, what, past)  # (raises, naming the empty side)
+        return [1.0] * microbatches
 
     def _answers(
         self, as_tuple: bool, scores: torch.Tensor, loss: torch.Tensor | None = None

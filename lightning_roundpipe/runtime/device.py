@@ -279,9 +279,11 @@ def _checkpoint_contexts(device: torch.device, user: Any) -> tuple[Any, Any]:
                 gen.set_state(start[0])
                 stack.enter_context(_SeededOps(gen))
             elif start:
-                stack.enter_context(_rng_lock(device))
+                # (no lock taken here: on CUDA autograd runs the recompute on
+                # its own device thread while the worker that called backward
+                # holds the device's RNG lock for it, see holding_generator)
                 shared = _generator(device)
-                saved = generator_state(shared)
+                saved = shared.get_state()
                 shared.set_state(start[0])
                 stack.callback(shared.set_state, saved)
             stack.enter_context(theirs[1])

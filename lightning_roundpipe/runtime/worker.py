@@ -35,6 +35,7 @@ one after each micro-batch's activation upload.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -239,7 +240,7 @@ def _check_state(replicas: list[LayerReplica], recomputed: bool) -> None:
         change = rep.state_change(recomputed)
         if change is None:
             continue
-        if "rope_type='dynamic'" in change:
+        if re.search(r"rope_type=.*'dynamic'", change):  # (also in a per-layer-type dict)
             hint = (
                 " rope_type='dynamic' rescales its frequencies when a sequence is longer than "
                 "any before: train with sequences of at most max_position_embeddings tokens, or "

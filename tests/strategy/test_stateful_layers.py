@@ -121,6 +121,26 @@ def test_longrope_trains_like_the_default_strategy_with_recomputed_stages(seq):
     assert any(not torch.equal(a, weights["auto"][k]) for k, a in weights["async"].items())
 
 
+def test_longrope_whose_micro_batches_would_pick_different_frequencies_is_refused():
+    """Rows' positions on both sides of original_max_position_embeddings
+    (packed sequences): the model's one call picks the long set, a
+    micro-batch of short rows would pick the short one."""
+
+    class Packed(LongRope):
+        def training_step(self, batch, batch_idx):
+            ids, _, labels = batch
+            positions = torch.arange(12).repeat(len(ids), 1)
+            positions[len(ids) // 2 :] = torch.arange(6).repeat(2)  # (two packed sequences)
+            return self.model(input_ids=ids, position_ids=positions, labels=labels).loss
+
+    with pytest.raises(
+        ValueError,
+        match=r"rope_type='longrope' picks its short or long frequencies from the largest "
+        r"position of each call.*reach 6 to 12 tokens, original_max_position_embeddings=10",
+    ):
+        _fit(Packed(), RoundPipeStrategy(async_optimizer=False, num_microbatches=2), lm_data(8, 12))
+
+
 class Normalized(L.LightningModule):
     """Batch norm between linear layers; or an fp32 table added to the
     activations (a positional encoding kept as a buffer)."""
