@@ -1243,7 +1243,9 @@ class RoundPipeStrategy(ParallelStrategy):
         asynchronous optimizer's one-behind weights go with the engine);
         warned when a queued step was not applied."""
         engine = self.engine
-        if engine is None or engine.healthy:
+        # (a failure not raised to the loop yet, an interrupt on the optimizer
+        # thread: the next call through the engine raises it, as it should)
+        if engine is None or engine.healthy or not engine.failure_raised:
             return
         failure = engine.failure
         if self._replicas is not None and failure is not None:

@@ -1030,6 +1030,12 @@ class RoundPipeEngine:
         """What failed (a worker's or the optimizer's error), None while healthy."""
         return self._rt.store.failure
 
+    @property
+    def failure_raised(self) -> bool:
+        """Whether :attr:`failure` was raised to a caller (not only recorded
+        by the thread it happened on)."""
+        return self._rt.store.raised
+
     # ------------------------------------------------------------------ work
     def _check(self) -> None:
         if self._rt.closed:
@@ -1045,6 +1051,7 @@ class RoundPipeEngine:
         failure = self._rt.store.failure
         if failure is None:
             return
+        self._rt.store.raised = True
         if isinstance(failure, WorkerError):
             raise WorkerError(
                 str(failure),

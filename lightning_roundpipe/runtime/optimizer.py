@@ -427,6 +427,8 @@ class StepHandle:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"optimizer step {self.window} did not finish in {limit:g} s")
+        if self._store is not None and (self.error is not None or not self._event.is_set()):
+            self._store.raised = True  # (raised to the caller below)
         if self.error is not None:
             raise self.error
         if not self._event.is_set() and self._store is not None:

@@ -71,6 +71,9 @@ class Store:
         self._cond = threading.Condition()
         self._entries: dict[Key, _Entry] = {}
         self._failure: BaseException | None = None
+        #: the failure reached the caller's thread (an error raised to it), so
+        #: a caller that went on from it knows it (see RoundPipeStrategy._recover)
+        self.raised = False
         self.on_fail: list = []  # callables woken by a failure (threads with their own waits)
 
     # ------------------------------------------------------------ failures
