@@ -1218,22 +1218,6 @@ class RoundPipeStrategy(ParallelStrategy):
         return closure_loss
 
     # ------------------------------------------------------ out of memory
-    def _unapplied(self, what: str, failure: BaseException | None) -> RuntimeError:
-        """The error of an engine that failed before every optimizer step it
-        had queued was applied: the weights are not those of the last step
-        (with several servers it names whose failure came first)."""
-        first = "" if self._replicas is None else self._replicas.reported()
-        err = RuntimeError(
-            f"RoundPipe cannot {what}: "
-            + (f"{first}; " if first else "")
-            + f"the engine failed ({type(failure).__name__}: {failure}) before every optimizer "
-            "step it had queued was applied (the asynchronous optimizer's last one, or a step "
-            "that failed midway), so the weights are not those of the last step. Resume from a "
-            "checkpoint saved before the failure"
-        )
-        err.__cause__ = failure
-        return err
-
     def _recover(self) -> None:
         """A new engine in place of one that failed where the loop caught the
         error and went on (the Tuner's batch-size search catches a trial's
@@ -1497,7 +1481,16 @@ class RoundPipeStrategy(ParallelStrategy):
             self._final_stale = None  # (the one-behind weights are gone with it)
             self._close()
             if not applied:
-                raise self._unapplied("save the model's state", failure) from failure
+                # (with several servers: whose failure came first)
+                first = "" if self._replicas is None else self._replicas.reported()
+                raise RuntimeError(
+                    "RoundPipe cannot save the model's state: "
+                    + (f"{first}; " if first else "")
+                    + f"the engine failed ({type(failure).__name__}: {failure}) before every "
+                    "optimizer step it had queued was applied (the asynchronous optimizer's "
+                    "last one, or a step that failed midway), so the weights are not those of "
+                    "the last step. Resume from a checkpoint saved before the failure"
+                ) from failure
             return
         if engine is not None:
             self.engine.synchronize()

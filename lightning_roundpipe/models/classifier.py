@@ -92,6 +92,15 @@ def sequence_classification_loss(
     return fn.binary_cross_entropy_with_logits(pooled, labels.float())
 
 
+def _indices(name: str, key: str, value: Any, what: str) -> None:
+    """Refuse ``value`` (the call's ``key``) unless it is a tensor of integer
+    indices; ``what`` says of what, for the error."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: {key} must be a tensor, got {type(value).__name__}")
+    if value.is_floating_point() or value.dtype == torch.bool:
+        raise TypeError(f"{name}: {what}, got {value.dtype}; pass {key}.long()")
+
+
 def _pool(scores: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """Each row's score at its last non-padding position."""
     last = last.to(scores.device)
@@ -418,13 +427,12 @@ class TokenClassifierAdapter(SequenceClassifierAdapter):
         ids = a.get("input_ids")
         batch = ids if ids is not None else a["inputs_embeds"]
         rows, seq = int(batch.shape[0]), int(batch.shape[1])
-        if not isinstance(labels, torch.Tensor):
-            raise TypeError(f"{name}: labels must be a tensor, got {type(labels).__name__}")
-        if labels.is_floating_point() or labels.dtype == torch.bool:
-            raise TypeError(
-                f"{name}: a token classifier's labels are integer class indices (-100: none), "
-                f"got {labels.dtype}; pass labels.long()"
-            )
+        _indices(
+            name,
+            "labels",
+            labels,
+            "a token classifier's labels are integer class indices (-100: none)",
+        )
         if labels.numel() != rows * seq:
             raise ValueError(
                 f"{name}: labels of shape {tuple(labels.shape)} do not fit a batch of {rows} rows "
@@ -544,13 +552,7 @@ class QuestionAnsweringAdapter(SequenceClassifierAdapter):
         """One answer position per row, as the model reads them (a (rows,) or
         (rows, 1) integer tensor)."""
         name = self.name
-        if not isinstance(positions, torch.Tensor):
-            raise TypeError(f"{name}: {key} must be a tensor, got {type(positions).__name__}")
-        if positions.is_floating_point() or positions.dtype == torch.bool:
-            raise TypeError(
-                f"{name}: {key} are token indices (one per row), got {positions.dtype}; pass "
-                f"{key}.long()"
-            )
+        _indices(name, key, positions, f"{key} are token indices (one per row)")
         if positions.numel() != rows or positions.dim() > 2:
             raise ValueError(
                 f"{name}: {key} of shape {tuple(positions.shape)} do not fit a batch of {rows} "
