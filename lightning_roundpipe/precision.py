@@ -330,7 +330,8 @@ class RoundPipePrecision(Precision):
             # (on the optimizer thread's own param_groups: see ThreadGroups)
             if self._groups is None or self._groups.optimizer is not optimizer:
                 self._groups = ThreadGroups(optimizer)
-            engine.step(self._clipped(optimizer, self._groups.queued_step(**kwargs)))
+            queued = _without_closure(optimizer, self._groups.queued_step(**kwargs))
+            engine.step(self._clipped(optimizer, queued))
         else:
 
             def prepare() -> dict[str, Any] | None:
@@ -350,8 +351,38 @@ class RoundPipePrecision(Precision):
                         return {"nonfinite": names.get(id(p), "a parameter outside the pipeline")}
                 return None
 
-            engine.step(step, prepare=prepare).wait()
+            engine.step(_without_closure(optimizer, step), prepare=prepare).wait()
         return result
+
+
+class ClosureRequiredError(RuntimeError):
+    """An optimizer's step failed because it was called without a closure."""
+
+
+def _without_closure(optimizer: Any, step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step``, whose failure for want of a closure says why there is none.
+
+    An optimizer whose ``step(closure=None)`` still needs one (SAM-style
+    optimizers re-evaluate the loss at perturbed weights) cannot be told apart
+    at setup from one that only accepts it (every torch optimizer does); its
+    failure can: it asserts on the closure or calls ``None``."""
+
+    def run() -> Any:
+        try:
+            return step()
+        except (AssertionError, TypeError, ValueError, RuntimeError) as exc:
+            text = str(exc)
+            if "closure" not in text.lower() and "'NoneType' object is not callable" not in text:
+                raise
+            raise ClosureRequiredError(
+                f"{type(optimizer).__name__}.step failed without a closure "
+                f"({type(exc).__name__}: {text}): it evaluates the loss again inside the step "
+                "(as SAM does), while RoundPipe runs each batch's forward and backward through "
+                "the pipeline once and steps afterwards, without a closure. Return an optimizer "
+                "from configure_optimizers whose step needs no closure (AdamW, SGD, ...)"
+            ) from exc
+
+    return run
 
 
 def _clip(params: list[torch.Tensor], clips: list[tuple[float, GradClipAlgorithmType]]) -> None:

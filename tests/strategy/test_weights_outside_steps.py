@@ -234,6 +234,48 @@ def test_an_optimizer_that_needs_a_closure_is_refused_before_training():
     torch.testing.assert_close(state(module), before)
 
 
+class SharpnessAware(torch.optim.SGD):
+    """A SAM-style optimizer: its step accepts ``closure=None`` (no setup
+    check can tell it from SGD) but evaluates the loss again at perturbed
+    weights, asserting on the closure or calling it."""
+
+    def __init__(self, params, asserts: bool) -> None:
+        super().__init__(params, lr=0.1)
+        self.asserts = asserts
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.asserts:
+            assert closure is not None, "SAM requires a closure, but it was not provided"
+        with torch.enable_grad():
+            closure()  # at the perturbed weights (left out here)
+        return super().step()
+
+
+class WithSharpnessAware(SeqModule):
+    def __init__(self, asserts: bool) -> None:
+        super().__init__(extra=False)
+        self.asserts = asserts
+
+    def configure_optimizers(self):
+        return SharpnessAware(self.parameters(), self.asserts)
+
+
+@pytest.mark.parametrize("asserts", [True, False], ids=["asserts", "calls-none"])
+@pytest.mark.parametrize("async_optimizer", [False, True], ids=["sync", "async"])
+def test_an_optimizer_failing_without_a_closure_says_why_there_is_none(asserts, async_optimizer):
+    module = WithSharpnessAware(asserts)
+    before = state(module)
+    what = "AssertionError: SAM requires a closure" if asserts else "TypeError: 'NoneType'"
+    with pytest.raises(
+        Exception,
+        match=rf"(?s)SharpnessAware\.step failed without a closure \({what}.*steps afterwards, "
+        r"without a closure.*AdamW, SGD",
+    ):
+        _fit(module, RoundPipeStrategy(async_optimizer=async_optimizer), epochs=1)
+    torch.testing.assert_close(state(module), before)
+
+
 class Clamp(L.Callback):
     """The clamp of the section's example, after every batch."""
 
