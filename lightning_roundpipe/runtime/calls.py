@@ -88,6 +88,8 @@ class Job:
     finished: bool = False  # the courier reached the job's end
     queued: int = 0  # items handed to the courier (worker thread only)
     grads_last: bool = False  # its gradients are its last courier item (worker thread only)
+    # each trainable parameter's turn among its window's gradient adds
+    turns: dict[int, int] = field(default_factory=dict)
     names: dict[str, tuple[Kind, int]] = field(init=False)  # "act12" -> ("act", 12)
 
     def __post_init__(self) -> None:

@@ -45,7 +45,10 @@ class Courier:
     (publish a value, signal rule 1, write running statistics back, finish a
     job). Gradients wait, in addition, until the previous step has released
     the host buffer (rule 4) and until their call's :class:`Gain` is known;
-    they are held meanwhile, and nothing behind them waits. A job is done once
+    they are held meanwhile, and nothing behind them waits; and a window's
+    gradients of a parameter are added in their tasks' micro-batch order (the
+    turns given at submission), so the fp32 sum does not depend on which device
+    finished first. A job is done once
     its gradients are added or held for an unknown gain (its compute and copies
     are over; the window's step waits for those gradients by rule 3). The
     courier sleeps on its own condition, woken by its worker, by a release of
@@ -133,7 +136,9 @@ class Courier:
                         if h.job.outstanding == 0:
                             finished.append(h.job)
                     waiting.append(h)
-                elif proto.grad_ready(h.job.call.window, h.param):
+                elif proto.grad_ready(h.job.call.window, h.param) and proto.in_turn(
+                    h.job.call.window, h.param, h.job.turns[h.param.index]
+                ):
                     ready.append(h)
                 else:
                     waiting.append(h)
@@ -174,9 +179,17 @@ class Courier:
             self.store.fail(self.worker.wrap_failure(exc, job, None, courier=True))
 
     def _add_ready(self) -> None:
-        """Add the held gradients that may be added now."""
+        """Add the held gradients that may be added now (an add may make the
+        next turn of a gradient this courier holds come)."""
+        while self._add_some():
+            pass
+
+    def _add_some(self) -> bool:
+        """Add the held gradients ready now; whether there were any."""
         rt = self.worker.rt
         ready = deque(self._ready_grads())
+        if not ready:
+            return False
         while ready:
             # taken off the list, so each gradient is released once added
             h = ready.popleft()
@@ -202,6 +215,7 @@ class Courier:
             if last:
                 rt.job_done(job)
         self._adding = None
+        return True
 
     @staticmethod
     def _complete(item: tuple[Any, Callable[[], None] | None, Job | None]) -> None:

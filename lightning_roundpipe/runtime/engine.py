@@ -1254,8 +1254,14 @@ class RoundPipeEngine:
                 rt.trace.add_schedule(sched)
         rt.forget(call.serial - 4, call.iteration - 4, set(self._last_ordered.values()))
         stateful = self._ordered if train else self._forward_ordered
-        for index, task in enumerate(sched.tasks):
-            job = Job(call, task, index)
+        jobs = [Job(call, task, index) for index, task in enumerate(sched.tasks)]
+        # gradients are added in micro-batch order, whichever device is done first
+        for job in sorted(jobs, key=lambda j: (j.task.mb_start, j.index)):
+            if job.task.needs_grad:
+                params = self._host.stage_params(job.task.start, job.task.stop)
+                job.turns = self._protocol.give_turns(call.window, params)
+        for job in jobs:
+            task = job.task
             if task.ordered:
                 job.after = self._last_ordered.get(task.slot)
                 self._last_ordered[task.slot] = job.key

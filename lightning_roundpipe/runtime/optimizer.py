@@ -191,6 +191,13 @@ class Protocol:
         self.g_done = [0] * n  # rule 4: G copies finished, per parameter
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # rule 1: (param, window)
         self.grads: dict[tuple[int, int], int] = defaultdict(int)  # rule 3: (param, window)
+        # the order a window's gradients of a parameter are added in (float
+        # addition is not associative): each task's turn, given at submission in
+        # micro-batch order, and the next turn, so the sum never depends on which
+        # device finished first
+        self.turns_given: dict[tuple[int, int], int] = defaultdict(int)
+        self.turn: dict[tuple[int, int], int] = defaultdict(int)
+        self.turn_waiting = False  # a courier holds a gradient whose turn has not come
         self.closed = -1  # highest window whose step() was called
         # replicas (servers): windows whose gradients are averaged over them, per
         # parameter, and whether each window's step is skipped on every replica
@@ -219,6 +226,27 @@ class Protocol:
                 self.uses[(p.index, window)] += 1
                 if grads and p.trainable:
                     self.grads[(p.index, window)] += 1
+
+    def give_turns(self, window: int, params: Sequence[_Param]) -> dict[int, int]:
+        """Each trainable parameter's turn for the gradients of the task
+        submitted next in ``window``: its adds happen in the order turns are
+        given (:meth:`in_turn`)."""
+        turns = {}
+        with self.cond:
+            for p in params:
+                if p.trainable:
+                    key = (p.index, window)
+                    turns[p.index] = self.turns_given[key]
+                    self.turns_given[key] += 1
+        return turns
+
+    def in_turn(self, window: int, p: _Param, turn: int) -> bool:
+        """Whether every gradient of ``p`` from ``window`` with an earlier turn
+        was added (call under ``cond``); else the courier will be woken."""
+        if self.turn[(p.index, window)] == turn:
+            return True
+        self.turn_waiting = True
+        return False
 
     def resume_after_window_zero(self) -> None:
         """Numbering as if a window 0 had run (an asynchronous run resumed from
@@ -272,10 +300,16 @@ class Protocol:
         return self.rules.buffer_free(self, window, p)
 
     def after_grad(self, window: int, p: _Param) -> None:
-        """Rule 3 producer: this task's gradient of ``p`` is in the buffer."""
+        """Rule 3 producer: this task's gradient of ``p`` is in the buffer (the
+        next turn's may be added)."""
         with self.cond:
             self.grads[(p.index, window)] -= 1
+            self.turn[(p.index, window)] += 1
+            waiting, self.turn_waiting = self.turn_waiting, False
             self._notify()
+        if waiting:  # (a courier holding a later turn looks again)
+            for wake in list(self.on_release):
+                wake()
 
     # ---------------------------------------------------- optimizer side
     def wait_grads(self, window: int, p: _Param) -> None:
@@ -306,6 +340,8 @@ class Protocol:
     def g_copied(self, window: int, p: _Param) -> None:
         with self.cond:
             self.grads.pop((p.index, window), None)
+            self.turns_given.pop((p.index, window), None)
+            self.turn.pop((p.index, window), None)
             self._notify()
 
     def released(self, window: int, params: Sequence[_Param]) -> None:

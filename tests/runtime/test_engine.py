@@ -517,6 +517,39 @@ def test_state_dict_keys_unchanged():
     assert list(nn.ModuleList(layers).state_dict().keys()) == before
 
 
+class SlowFirstRow(nn.Module):
+    """Identity that sleeps on the micro-batch whose first value is the
+    marker (its round then finishes after later ones on other devices)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0, 0].item() == 100.0:
+            time.sleep(0.2)
+        return x
+
+
+@pytest.mark.parametrize("plan", ["|8|", "5|3|3,2"])
+def test_gradient_sums_do_not_depend_on_which_device_finished_first(plan):
+    """fp32 addition is not associative: the rounds' partial sums of a
+    parameter's gradient are added on the host in micro-batch order, so a
+    round that finishes late (micro-batch 0's, slow here) changes no bit, and
+    runs on 1, 2 and 3 devices with the same rounds are bitwise equal."""
+    torch.manual_seed(3)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    x[0, 0] = 100.0
+
+    def run(n):
+        layers = [SlowFirstRow(), *mlp()]
+        with engine(layers, n, 6, plan, microbatches_per_round=1) as eng:
+            eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            eng.synchronize()
+        return grads(layers)
+
+    one = run(1)
+    for n in (2, 3):
+        for a, b in zip(run(n), one, strict=True):
+            assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
