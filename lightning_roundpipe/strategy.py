@@ -337,6 +337,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._averaging = False  # a weight-averaging callback swaps weights through .data
         self._evaluating = False  # an evaluation's first step has yet to run
         self._evaluated = False  # training resumes after an evaluation
+        # wait_for_updates held the newest weights for the hooks until the next step
+        self._held_for_hooks = False
         # out-of-memory re-planning during the fit's first training batch
         self._retry = FirstBatchRetry(
             self,
@@ -1265,6 +1267,11 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._recover()
+        if self._held_for_hooks:
+            # (the batch's model call goes back to the training weights itself)
+            self._held_for_hooks = False
+            if self.engine is not None:
+                self.engine.release_newest_weights()
         self._follow_trainable()
         # after an evaluation that averaged weights were swapped in for (and
         # out again, through .data): the training weights back, all of them
@@ -1519,9 +1526,12 @@ class RoundPipeStrategy(ParallelStrategy):
             # (global pruning ranks by the masked weights: the settled ones)
             engine.refresh_derived()
             # a forward in the hooks after this (text sampled at the end of an
-            # epoch) computes with these weights, as the module holds them; the
-            # next training call goes back to the one-update-behind copies
-            engine.use_newest_weights()
+            # epoch) computes with these weights, as the module holds them, also
+            # with autograd on (held: such a call is not the next training
+            # call); the next training step goes back to the one-update-behind
+            # copies
+            engine.use_newest_weights(hold=True)
+            self._held_for_hooks = True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -1901,6 +1901,12 @@ class RoundPipeEngine:
         if not self._holding:
             self.use_training_weights()
 
+    def release_newest_weights(self) -> None:
+        """End a hold of :meth:`use_newest_weights` without leaving them yet:
+        the next training call goes back to the training weights (a hook's
+        forward with autograd between steps computed with the newest ones)."""
+        self._holding = False
+
     def stale_weights(self) -> list[torch.Tensor]:
         """The master copies (the weights the next window computes with; in
         asynchronous mode one update behind the parameters), one per distinct

@@ -9,7 +9,7 @@ import torch
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.runtime.optimizer import Chaos
 
-from .modules import DropoutSeq, loader, seq_data
+from .modules import DropoutSeq, SeqModule, loader, seq_data
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
@@ -221,3 +221,58 @@ def test_a_hook_that_waits_for_the_updates_reads_and_changes_the_optimizer_state
         assert [(g["fused"], g["foreach"]) for g in opt.param_groups] == [(None, None)]
     for a, b in zip(*(m.parameters() for m in runs), strict=True):
         torch.testing.assert_close(a, b)
+
+
+class _ForwardWithAutograd(L.Callback):
+    """Hooks that call the model with autograd on (Lightning does not turn it
+    off for callbacks): after wait_for_updates() in a per-batch hook, and at
+    the end of an epoch (where the strategy waits itself)."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+
+    def _check(self, pl_module):
+        x = torch.linspace(-1, 1, 24).reshape(3, 8)
+        plain = torch.nn.Sequential(*(type(m)(*_sizes(m)) for m in pl_module.net))
+        plain.load_state_dict(pl_module.net.state_dict())
+        out = pl_module.net(x)
+        assert out.requires_grad
+        self.gaps.append((out.detach() - plain(x).detach()).abs().max().item())
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        trainer.strategy.wait_for_updates()
+        self._check(pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._check(pl_module)
+
+
+def _sizes(module):
+    return (module.in_features, module.out_features) if hasattr(module, "in_features") else ()
+
+
+def test_a_hooks_forward_with_autograd_computes_with_the_weights_the_module_holds():
+    """With the asynchronous optimizer the devices compute a training step
+    with weights one update behind; a hook's own call with autograd on (not a
+    training step) computes with the module's weights, as a call without
+    autograd does, and training goes on as without the hook."""
+    runs = []
+    for hook in (_ForwardWithAutograd(), None):
+        module = SeqModule(extra=False)
+        strategy = RoundPipeStrategy(num_microbatches=2, seed=3)
+        _fit(
+            module,
+            strategy,
+            2,
+            validate=False,
+            max_steps=6,
+            max_epochs=2,
+            limit_train_batches=3,
+            callbacks=[hook] if hook else [],
+        )
+        runs.append(module)
+        if hook is not None:
+            assert len(hook.gaps) == 8
+            assert max(hook.gaps) < 1e-6
+    for a, b in zip(*(m.parameters() for m in runs), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
