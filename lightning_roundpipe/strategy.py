@@ -153,7 +153,8 @@ class RoundPipeStrategy(ParallelStrategy):
         optimizer_threads: intra-op threads (``torch.set_num_threads``) the
             optimizer thread sets while the engine runs; torch shares the count
             between all threads but the main one (CPU device workers too);
-            restored when the engine closes.
+            restored when the engine closes. Synchronous: the loop's thread
+            has it during each step.
         fuse_optimizer: switch Adam/AdamW to torch's fused CPU kernel (same
             update, several times faster on the host).
         seed: base seed for dropout masks; default: torch's initial seed (set

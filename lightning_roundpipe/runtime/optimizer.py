@@ -638,7 +638,20 @@ class OptimizerWorker:
 
     # ----------------------------------------------------------------- work
     def run(self, job: _Job) -> None:
-        """One update: G copies, unscale, overflow check, clipping, ``fn``, P copies."""
+        """One update: G copies, unscale, overflow check, clipping, ``fn``, P
+        copies; on the caller's thread (synchronous mode) with the optimizer's
+        intra-op thread count there too, put back after."""
+        if self.threads is None or threading.current_thread() is self.thread:
+            self._run(job)
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self._run(job)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _run(self, job: _Job) -> None:
         proto, w = self.protocol, job.window
         trainable = self.host.trainable
         chaos = proto.chaos

@@ -767,3 +767,47 @@ def test_the_optimizer_threads_count_is_put_back_when_the_engine_closes():
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = out.stdout.strip().splitlines()[-1].split("] [")
     assert before + "]" == "[" + after
+
+
+_SYNC_THREADS_PROBE = """
+import torch
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+seen = []
+
+class Counting(torch.optim.SGD):
+    def step(self, closure=None):
+        seen.append(torch.get_num_threads())
+        return super().step(closure)
+
+main = torch.get_num_threads()
+with RoundPipeEngine(
+    layers, ["cpu"] * 2, 2, async_optimizer=False, optimizer_threads=1, profile_iterations=0
+) as eng:
+    opt = Counting([p for l in layers for p in l.parameters()], lr=0.1)
+    for _ in range(2):
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        eng.forward_backward(x, labels=y, loss_fn=torch.nn.functional.mse_loss)
+        eng.step(opt.step)
+print(main, sorted(set(seen)), torch.get_num_threads())
+"""
+
+
+def test_optimizer_threads_apply_to_the_synchronous_step_too():
+    """The synchronous step runs on the loop's thread: the count is set there
+    for the step and put back after it (it was ignored)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", _SYNC_THREADS_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "2 [1] 2"
