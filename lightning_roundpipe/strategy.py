@@ -160,7 +160,7 @@ class RoundPipeStrategy(ParallelStrategy):
         seed: base seed for dropout masks; default: torch's initial seed (set
             by ``seed_everything``).
         watchdog_timeout: seconds a hand-off may take before the run fails with
-            what never arrived.
+            what never arrived (``float("inf")``: never).
         log_every_n_steps: how often the strategy logs its own metrics to the
             Trainer's logger (``roundpipe/step_time``, ``roundpipe/wait_fraction``:
             the share of the step the training loop spent waiting on the
@@ -477,7 +477,8 @@ class RoundPipeStrategy(ParallelStrategy):
                 "SLURM with one task per server, or set MASTER_ADDR, MASTER_PORT and NODE_RANK "
                 "on every server"
             )
-        timeout = datetime.timedelta(seconds=self.options.watchdog_timeout)
+        # (float("inf"), no watchdog: the longest wait timedelta and gloo take)
+        timeout = datetime.timedelta(seconds=min(self.options.watchdog_timeout, 1e9))
         _init_dist_connection(env, "gloo", timeout=timeout)
         rank_zero_only.rank = self.global_rank
         # the reducer times each all-reduce against watchdog_timeout itself (it
@@ -1692,7 +1693,10 @@ class RoundPipeStrategy(ParallelStrategy):
                     if self._fitting:  # for a checkpoint saved after the failure
                         self._final_stale = self._stale_by_name()
                 except Exception as exc:  # (the engine failed meanwhile: nothing to keep)
-                    log.warning("RoundPipe: queued optimizer steps not applied: %s", exc)
+                    if self.async_optimizer:
+                        log.warning("RoundPipe: queued optimizer steps not applied: %s", exc)
+                    else:  # (nothing is ever queued: the stages still running failed)
+                        log.warning("RoundPipe: the engine failed while shutting down: %s", exc)
         finally:
             try:
                 self._close()

@@ -503,7 +503,10 @@ class CausalLMAdapter(_Adapter):
         of the weighted micro-batch losses is the model's loss (the one place
         the loss weighting is decided; a micro-batch's router loss, when on,
         gets the same weight)."""
-        return self._shares([int((shifted(y) != -100).sum()) for y in labels], "token")
+        counts = [int((shifted(y) != -100).sum()) for y in labels]
+        if labels and labels[0].shape[-1] <= 1:  # (nothing to predict the next token of)
+            return self._shares(counts, "token", "sequences of one token have no next token")
+        return self._shares(counts, "token")
 
     def _shares(
         self, counts: list[int], what: str, none: str = "every label is -100"

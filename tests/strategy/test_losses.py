@@ -89,6 +89,15 @@ def test_a_batch_with_no_labelled_token_has_a_nan_loss_as_in_the_model():
         torch.testing.assert_close(a, b)
 
 
+def test_sequences_of_one_token_are_refused_for_having_no_next_token():
+    ids, mask, labels = lm_data(8).tensors
+    one = torch.utils.data.TensorDataset(ids[:, :1], mask[:, :1], labels[:, :1])
+    with pytest.raises(NonFiniteError, match=r"no labelled token \(sequences of one token have"):
+        L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, max_steps=1, **QUIET).fit(
+            CausalLM(), DataLoader(one, batch_size=8)
+        )
+
+
 class SoftPromptLM(CausalLM):
     """A trainable soft prompt outside the model, given as inputs_embeds."""
 
