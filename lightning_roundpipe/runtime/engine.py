@@ -91,7 +91,16 @@ from .profiler import (
 )
 from .replicas import GradientReducer, Replicas, gradient_layer_bytes
 from .store import EngineClosedError, EngineFailure, HandoffTimeout, Key, Store
-from .worker import Call, Gain, Job, Runtime, Worker, WorkerError
+from .worker import (
+    Call,
+    Gain,
+    Job,
+    Runtime,
+    Worker,
+    WorkerError,
+    describe_threads,
+    running_now,
+)
 
 __all__ = ["EngineClosedError", "RoundPipeEngine", "TrafficReport", "estimate_costs"]
 
@@ -1072,7 +1081,18 @@ class RoundPipeEngine:
             self._raise_failure()
             raise
         except HandoffTimeout as exc:
-            raise HandoffTimeout(f"{exc}\n{self._stuck_grid()}") from None
+            # the thread this one waited on times out about now too, with what
+            # it waited for in turn (a stage's input, an optimizer step): that
+            # failure names the cause, this wait only its effect
+            store = self._rt.store
+            deadline = time.monotonic() + min(store.timeout, 2.0)
+            with store.lock:  # (Store.fail notifies it)
+                while store.failure is None and (left := deadline - time.monotonic()) > 0:
+                    store.lock.wait(left)
+            self._raise_failure()
+            running = running_now(self._rt.workers)
+            running = f"; {running}" if running else ""
+            raise HandoffTimeout(f"{exc}{running}\n{self._stuck_grid()}") from None
         finally:
             self.wait_seconds += time.perf_counter() - t0
 
@@ -1155,10 +1175,15 @@ class RoundPipeEngine:
         if not train:
             return min(self.microbatches_per_round or m, m)  # nothing is kept for a backward
         if self.microbatches_per_round is not None:
-            mr = min(self.microbatches_per_round, m)
-            self.round = RoundChoice(
-                mr, None, self.activation_memory, f"microbatches_per_round={mr} as given"
+            given = self.microbatches_per_round
+            mr = min(given, m)
+            reason = (
+                f"microbatches_per_round={given} as given"
+                if mr == given
+                else f"microbatches_per_round={given} given, {mr} used (the batch has {m} "
+                f"micro-batch{'es' if m != 1 else ''})"
             )
+            self.round = RoundChoice(mr, None, self.activation_memory, reason)
             return mr
         per_mb = None
         largest = max(batch_size_of(x) or 1 for x in mbs)
@@ -2040,9 +2065,10 @@ class RoundPipeEngine:
         call more than once; also runs when the engine is garbage collected."""
         stuck = self._finalizer() if self._finalizer.alive else []
         if stuck:
+            # each with what it runs now and what may block it: a device
+            # worker's layer, a courier's copy or gradient add, an optimizer step
             raise RuntimeError(
-                f"worker threads did not stop within 30 s: {', '.join(stuck)}; a layer may be "
-                "blocked"
+                f"RoundPipe threads did not stop within 30 s: {describe_threads(self._rt, stuck)}"
             )
 
     def __enter__(self) -> RoundPipeEngine:

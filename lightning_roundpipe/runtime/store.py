@@ -48,7 +48,17 @@ class EngineClosedError(RuntimeError):
 
 
 class HandoffTimeout(TimeoutError):
-    """A value did not arrive within the watchdog timeout."""
+    """A value did not arrive within the watchdog timeout.
+
+    Attributes:
+        optimizer: the optimizer step that produces the value (its weight
+            copies) has not finished: the wait is the optimizer's, not a
+            device worker's (None: a stage's).
+    """
+
+    def __init__(self, message: str, optimizer: int | None = None) -> None:
+        super().__init__(message)
+        self.optimizer = optimizer
 
 
 class _Entry:
@@ -130,8 +140,8 @@ class Store:
                 if time.monotonic() >= deadline:
                     raise HandoffTimeout(
                         f"waited {self.timeout:g} s for {what or key} ({key!r}); it never "
-                        "arrived. A worker may be stuck; raise watchdog_timeout if stages are "
-                        "this slow"
+                        "arrived: the stage that produces it is slow or stuck, or waits in turn; "
+                        "raise watchdog_timeout if stages are this slow"
                     )
         self.check()
         with self._cond:

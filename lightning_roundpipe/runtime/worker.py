@@ -14,8 +14,9 @@ binds them into its private layer replicas and runs every micro-batch:
   stage input.
 
 Weight gradients are added, as each micro-batch's backward produces them, into
-an fp32 accumulator on the device (so results do not depend on how
-micro-batches are grouped into rounds), which goes down once per task.
+an fp32 accumulator on the device (so low-precision gradients are summed
+in fp32 whatever the rounds), which goes down once per task; the host adds
+the rounds' sums in micro-batch order.
 
 The worker thread never waits for the host to finish anything: a per-worker
 *courier* thread waits for each copy to complete and then publishes the value
@@ -275,6 +276,71 @@ def _copy_range(
             flat[lo:hi].copy_(src[lo - at : hi - at], non_blocking=True)
 
 
+class _Waiting:
+    """While a worker waits outside a layer: what for (:meth:`Worker.activity`)."""
+
+    __slots__ = ("what", "worker")
+
+    def __init__(self, worker: Worker, what: str) -> None:
+        self.worker, self.what = worker, what
+
+    def __enter__(self) -> None:
+        w = self.worker
+        w._waiting, w._since = self.what, time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        w = self.worker
+        w._waiting, w._since = None, time.monotonic()
+
+
+def running_now(workers: list[Worker], skip: Worker | None = None) -> str:
+    """What the device workers (but ``skip``) run now, those computing first:
+    ``"still running: device cpu (worker 0) stage F1, layer 2, micro-batch 5,
+    for 1.0 s; ..."``, or ``""`` when every one is idle. For an error message
+    after a hand-off timed out: the slow one is named, not only the waiter."""
+    now = time.monotonic()
+    busy = [
+        (w._waiting is not None, a) for w in workers if w is not skip and (a := w.activity(now))
+    ]
+    if not busy:
+        return ""
+    return "still running: " + "; ".join(a for _, a in sorted(busy, key=lambda b: b[0]))
+
+
+def describe_threads(rt: Runtime, names: list[str]) -> str:
+    """The threads named ``names`` (that did not stop), each with what it
+    may be blocked in, for the engine's shutdown error."""
+    now = time.monotonic()
+    out = []
+    for name in names:
+        why = "it may be blocked"
+        for w in rt.workers:
+            if name == w.thread.name:
+                doing = w.activity(now)
+                why = (f"running {doing}: " if doing else "") + (
+                    "a layer may be blocked"
+                    if doing is None or w._layer is not None
+                    else "a copy or a wait outside the layers may be blocked"
+                )
+            elif name == w.courier.thread.name:
+                job = w.courier._adding
+                why = f"device {w.device}'s courier (worker {w.index}): a copy or a gradient add"
+                why += f" (stage {job.task.stage})" if job is not None else ""
+                why += " may be blocked"
+        opt = rt.optimizer
+        if opt is not None and name == getattr(opt.thread, "name", None):
+            n = opt.applied
+            why = (
+                f"the optimizer thread, {n} step{'' if n == 1 else 's'} applied so far: an "
+                "optimizer step, its weight copies or a queued call (engine.call) may be blocked"
+            )
+        reducer = rt.reducer
+        if reducer is not None and name == getattr(reducer.thread, "name", None):
+            why = "the gradient reduction across servers may be blocked"
+        out.append(f"{name} ({why})")
+    return "; ".join(out)
+
+
 class Worker:
     """One device worker thread (and its courier)."""
 
@@ -294,7 +360,13 @@ class Worker:
         self._prefetch: _Prefetch | None = None
         self._ahead: dict[Key, Any] = {}  # inputs uploaded one micro-batch ahead
         self.ctx: DeviceContext | None = None
-        self._layer: int | None = None  # the layer running now, for error messages
+        # what the thread runs now, for error messages (plain attributes, read
+        # without a lock by other threads: :meth:`activity`)
+        self._job: Job | None = None  # the task
+        self._mb: list[int | None] = [None]  # its micro-batch
+        self._layer: int | None = None  # the layer
+        self._waiting: str | None = None  # what it waits for, outside a layer
+        self._since = time.monotonic()  # when the above last changed
         self._layers_cpu = 0.0  # CPU time inside layer marks of the task being timed
         self.courier = Courier(self)
         self.thread = threading.Thread(
@@ -331,10 +403,29 @@ class Worker:
     def threads(self) -> list[threading.Thread]:
         return [self.thread, self.courier.thread]
 
+    def activity(self, now: float | None = None) -> str | None:
+        """What this worker runs now (None: idle), as ``"device cpu (worker 0)
+        stage F1, layer 2, micro-batch 5, for 1.0 s"``. Read from plain
+        attributes without a lock (another thread's view: may be a moment old)."""
+        job, layer, mb, waiting = self._job, self._layer, self._mb[0], self._waiting
+        since = self._since
+        if job is None:
+            return None
+        t = job.task
+        text = f"device {self.device} (worker {self.index}) stage {t.stage}"
+        if layer is not None:
+            text += f", layer {layer}"
+        if mb is not None:
+            text += f", micro-batch {mb}"
+        if waiting is not None:
+            text += f", waiting for {waiting}"
+        elapsed = (time.monotonic() if now is None else now) - since
+        return f"{text}, for {max(0.0, elapsed):.1f} s"
+
     # ---------------------------------------------------------------- main
     def _main(self) -> None:
         job: Job | None = None
-        mb: list[int | None] = [None]
+        mb = self._mb
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -345,14 +436,18 @@ class Worker:
                     break
                 mb[0] = None
                 self._layer = None
+                self._waiting = None
+                self._since = time.monotonic()
+                self._job = job
                 self._run(job, mb)
-                job = None
+                self._job = job = None
         except (EngineFailure, HandoffTimeout) as exc:
             if isinstance(exc, HandoffTimeout):
                 self.store.fail(self.wrap_failure(exc, job, mb[0]))
         except BaseException as exc:  # every failure must reach the caller
             self.store.fail(self.wrap_failure(exc, job, mb[0]))
         finally:
+            self._job = None  # (no longer running it: activity)
             if self.ctx is not None:
                 try:  # no copy may still read host memory once the engine frees it
                     self.ctx.synchronize()
@@ -390,7 +485,22 @@ class Worker:
             if is_out_of_memory(exc):
                 extra = self._oom_advice(t)
             if isinstance(exc, HandoffTimeout):
-                extra = "\n" + call.schedule.grid(mark=job.index)
+                # what the others run now: the one that is slow, not only this waiter
+                running = (
+                    ""
+                    if exc.optimizer is not None
+                    else running_now(self.rt.workers, None if courier else self)
+                )
+                extra = ("; " + running if running else "") + "\n"
+                extra += call.schedule.grid(mark=job.index)
+            if isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc):
+                # (batch norm in training, a micro-batch of one sample: a batch of
+                # 5 in 3 micro-batches is cut 2, 2, 1)
+                extra += (
+                    " (this micro-batch holds one sample: give num_microbatches at most half "
+                    "the smallest batch, the epoch's last one included, or drop that one "
+                    "with drop_last=True)"
+                )
             dtype = self.host.compute_dtype
             if (
                 dtype != torch.float32
@@ -408,8 +518,15 @@ class Worker:
                     " (a stage's first layer gets its input itself when its class sets "
                     "input_intact = True: a layer that writes its input in place must not)"
                 )
+            what = f"device {self.device} (worker {self.index}) failed in stage"
+            if isinstance(exc, HandoffTimeout) and exc.optimizer is not None:
+                # the optimizer is late, not this worker: say so first
+                what = (
+                    f"optimizer step {exc.optimizer} did not finish in time: device "
+                    f"{self.device} (worker {self.index}) waited for it in stage"
+                )
             err = WorkerError(
-                f"device {self.device} (worker {self.index}) failed in stage {t.stage} "
+                f"{what} {t.stage} "
                 f"(layers {t.start}-{t.stop - 1}, {t.kind}){where}, round {t.round}, "
                 # (evaluation calls count down from -1 internally: not a number to show)
                 f"{'an evaluation pass' if call.iteration < 0 else f'iteration {call.iteration}'}: "
@@ -485,11 +602,9 @@ class Worker:
             if job.after is not None:
                 # running statistics of the previous round of this slot must be on
                 # the host before this round uploads them
-                with named("RP wait running statistics"):
-                    self.store.wait_until(
-                        lambda: job.after in self.rt.written,
-                        f"stage {t.stage} of the previous round (running statistics)",
-                    )
+                what = f"stage {t.stage} of the previous round (running statistics)"
+                with named("RP wait running statistics"), _Waiting(self, what):
+                    self.store.wait_until(lambda: job.after in self.rt.written, what)
             params = self.host.stage_params(t.start, t.stop)
             self._run_stage(job, mb, params)
             self.courier.finish(job)
@@ -566,8 +681,20 @@ class Worker:
         ctx, t = self.ctx, job.task
         version = job.call.version
         # rule 2: the master copies hold the weights this call must see
-        with named("RP wait weights (rule 2)"):
-            self.protocol.before_upload(job.call.window, version, params)
+        step = version - 1
+        what = f"the weight copies (P copies) of optimizer step {step}"
+        with named("RP wait weights (rule 2)"), _Waiting(self, what):
+            try:
+                self.protocol.before_upload(job.call.window, version, params)
+            except HandoffTimeout:
+                # the optimizer is late (the step, or the copies after it), not a stage
+                raise HandoffTimeout(
+                    f"waited {self.store.timeout:g} s for {what} (window {job.call.window} "
+                    f"computes with its weights): optimizer step {step} has not finished (the "
+                    "step or its weight copies); the optimizer, or a call queued before it, is "
+                    "slow or stuck. Raise watchdog_timeout if optimizer steps are this slow",
+                    optimizer=step,
+                ) from None
         span = self.host.span(t.start, t.stop)
         with ctx.on(ctx.weight_up):
             flat = torch.empty(span.nbytes, dtype=torch.uint8, device=ctx.device)
@@ -678,8 +805,8 @@ class Worker:
     ) -> tuple[_Accumulator | None, list]:
         """An fp32 accumulator on the device for the stage's trainable weights,
         one flat buffer (so it goes down in one copy). Each micro-batch's
-        gradient is added into it as autograd produces it, so the sum does not
-        depend on how micro-batches are grouped into rounds: fp32 weights get a
+        gradient is added into it as autograd produces it, so low-precision
+        gradients are summed in fp32 whatever the rounds: fp32 weights get a
         view of it as ``.grad`` (autograd adds in place); lower-precision
         weights a hook that adds their gradient in fp32 and drops it. The
         weights a backward reached are noted: the others keep no gradient (as
@@ -793,7 +920,7 @@ class Worker:
         # reader can take the value and write it in place (a CPU worker's
         # upload is the host value itself; on CUDA layers write device copies)
         copy = None if ctx.is_cuda else (lambda v: map_tensors(torch.clone, v))
-        with named(f"RP wait {name} mb{j}"):
+        with named(f"RP wait {name} mb{j}"), _Waiting(self, what):
             host, last = self.store.take(key, what, copy)
         self.protocol.chaos("upload")
         if host is None:
@@ -884,7 +1011,7 @@ class Worker:
         last = len(replicas) - 1
         for off, rep in enumerate(replicas):
             layer = job_start + off
-            self._layer = layer
+            self._layer, self._since = layer, time.monotonic()
             self.protocol.chaos("forward")
             seed = layer_seed(call.seed, call.iteration, layer, j)
             checkpointed = rep.checkpointed and rep.module.training
@@ -914,7 +1041,7 @@ class Worker:
                     first.register_hook(timer.hook(layer + 1))
             if save is not None:
                 save(layer + 1, x)
-        self._layer = None
+        self._layer, self._since = None, time.monotonic()
         return x
 
     def _guard(self) -> Any:

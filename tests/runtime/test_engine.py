@@ -994,6 +994,21 @@ def plan_bytes(plan, kind):
     return sum(p.numel() * 4 for layer in layers[st.start : st.stop] for p in layer.parameters())
 
 
+def test_a_round_larger_than_the_batch_says_what_was_given_and_what_is_used():
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with engine(mlp(), 2, 4, "3,3|1|2,2,2", microbatches_per_round=5) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert eng.round.round_size == 4
+        assert eng.round.reason == (
+            "microbatches_per_round=5 given, 4 used (the batch has 4 micro-batches)"
+        )
+    with engine(mlp(), 2, 4, "3,3|1|2,2,2", microbatches_per_round=2) as eng:
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert eng.round.reason == "microbatches_per_round=2 as given"
+
+
 def test_rounds_shrink_to_fit_the_activation_budget():
     # one sample's stage-boundary values, measured in the first iteration,
     # bound the round from the second on

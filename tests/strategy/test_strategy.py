@@ -828,6 +828,19 @@ def test_batch_norm_over_micro_batches_is_warned_of_and_one_micro_batch_is_whole
         ]
 
 
+def test_batch_norm_on_a_one_sample_micro_batch_says_which_option_to_change():
+    """5 samples in 3 micro-batches are cut 2, 2, 1: batch norm's own error
+    on the last gets what to change (the count, or dropping the short batch)."""
+    data = seq_data(5)
+    trainer = L.Trainer(strategy=sync(3), accelerator="cpu", devices=2, max_steps=1, **QUIET)
+    with pytest.raises(
+        Exception,
+        match=r"micro-batch 2.*more than 1 value per channel.*one sample: give "
+        r"num_microbatches at most half the smallest batch.*drop_last=True",
+    ):
+        trainer.fit(BatchNormSeq(), loader(data, 5))
+
+
 class SequenceFirstSeq(SeqModule):
     def __init__(self, batch_first: bool) -> None:
         super().__init__(extra=False)
