@@ -1,4 +1,4 @@
-"""Regenerate every picture in the documentation with one command.
+"""Regenerate the documentation's pictures, all but the GPU profile, with one command.
 
     python examples/make_pictures.py            # into docs/images/
     python examples/make_pictures.py --out /tmp/pics --steps 20
@@ -14,6 +14,9 @@
   missing, the smoke setting is measured on this machine and saved there);
 - the five ordering rules of the asynchronous optimizer, from a recorded trace
   (``protocol_trace.py``).
+
+The H200 profile timeline (``docs/images/gpu-timeline-h200.png``) is drawn
+from a recorded GPU trace by ``benchmarks/trace_summary.py --picture``.
 """
 
 from __future__ import annotations

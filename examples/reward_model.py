@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> L.Trainer:
         accelerator="auto",
         devices=args.devices,
         max_steps=args.steps,
+        # the epochs the steps take (else the progress bar shows "Epoch 0/-2")
+        max_epochs=-(-args.steps // max(1, len(train))),
         val_check_interval=min(args.steps, 30),
         check_val_every_n_epoch=None,
         logger=False,
