@@ -858,6 +858,25 @@ def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
         ({"head_dim": None}, "Validation error for field 'head_dim'"),
         # the model's own checks while it is built (was a traceback)
         ({"pad_token_id": 1000}, "cannot be built from this config: AssertionError: Padding_idx"),
+        # key-value heads that do not divide the heads failed in the first
+        # probe's forward pass (was a traceback)
+        (
+            {"num_key_value_heads": 3},
+            "num_attention_heads (4) must be a multiple of num_key_value_heads (3)",
+        ),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+        ({"intermediate_size": -5}, "intermediate_size must be a positive integer, got -5"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"head_dim": -8}, "head_dim must be a positive integer, got -8"),
+        # no limit would be searched past it (and a note said it was none)
+        (
+            {"max_position_embeddings": 0},
+            "max_position_embeddings must be a positive integer, got 0",
+        ),
+        (
+            {"max_position_embeddings": -1},
+            "max_position_embeddings must be a positive integer, got -1",
+        ),
     ],
 )
 def test_estimate_refuses_config_sizes_that_make_no_model(tmp_path, capsys, extra, expected):
@@ -886,11 +905,83 @@ def test_a_host_too_small_for_the_model_state_is_blamed_alone(tmp_path):
     assert "predicted peak" not in line(text, "fits: ")
 
 
+def test_a_model_that_fails_on_the_probes_is_refused_naming_the_config_file(
+    tmp_path, capsys, monkeypatch
+):
+    """A config the checks let through but whose model fails in its first
+    forward pass (here key-value heads that do not divide the heads, the
+    check bypassed) is refused as a model that cannot be built from the
+    file, with the model's own error (was a traceback); an interrupt still
+    interrupts."""
+    from lightning_roundpipe.models import causal_lm, estimate
+
+    monkeypatch.setattr(estimate, "_check_sizes", lambda config, source: None)
+    path = config_file(tmp_path, num_key_value_heads=3)
+    code, _ = run_cli(path, "--gpu-memory", 24)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(
+        f"error: {path}: Qwen3ForCausalLM cannot be built from this config: its layers fail on "
+        "a short probe input: RuntimeError: The size of tensor a (4) must match"
+    ), err
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(causal_lm, "probe_activations", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(config_file(tmp_path), "--gpu-memory", 24)
+
+
 def test_estimate_says_when_the_config_gives_no_position_limit(tmp_path):
-    code, text = run_cli(config_file(tmp_path, max_position_embeddings=0), "--gpu-memory", 24)
+    """A config with no max_position_embeddings (Mamba's): the longest
+    sequence is searched past the million tokens the plan is shown at, and
+    the note says both, as the report's lines do."""
+    path = tmp_path / "mamba.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "mamba",
+                "vocab_size": 1000,
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "state_size": 4,
+                "expand": 2,
+            }
+        )
+    )
+    code, text = run_cli(path, "--gpu-memory", 80)
     assert code == 0, text
-    assert "the config gives no max_position_embeddings; the search stopped at 1048576" in text
-    assert "past max_position_embeddings" not in text
+    assert "setting: 1 x 1048576 tokens per micro-batch" in text
+    longest = int(text.split("longest sequence at micro-batch 1: ")[1].split()[0])
+    assert longest > 1048576
+    assert (
+        "note: the config gives no max_position_embeddings: the longest sequence is searched "
+        "up to 4194304 tokens, and the plan, memory and step above are shown at 1048576 tokens"
+    ) in text
+    assert "past max_position_embeddings" not in text and "search stopped" not in text
+    # a sequence given: the setting is that, and the note says nothing of it
+    code, text = run_cli(path, "--gpu-memory", 80, "--seq", 4096)
+    assert code == 0 and "setting: 1 x 4096 tokens per micro-batch" in text, text
+    assert (
+        "note: the config gives no max_position_embeddings: the longest sequence is searched "
+        "up to 4194304 tokens\n"
+    ) in text
+
+
+def test_a_frozen_dtype_without_lora_is_refused_naming_both_flags(tmp_path, capsys):
+    """Without LoRA adapters every weight is trained: a dtype for frozen
+    weights would change nothing, so it is refused (it was silently ignored)."""
+    path = config_file(tmp_path)
+    code, _ = run_cli(path, "--gpu-memory", 24, "--frozen-dtype", "bfloat16")
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "frozen_dtype (--frozen-dtype) is the dtype of the frozen base under LoRA" in err
+    assert "needs lora_rank (--lora-rank): without adapters every weight is trained" in err
+    from lightning_roundpipe.models.estimate import estimate
+
+    with pytest.raises(ValueError, match=r"frozen_dtype \(--frozen-dtype\) .* needs lora_rank"):
+        estimate(object(), gpu_memory=24 * 2**30, frozen_dtype=torch.bfloat16)
 
 
 def test_estimate_prints_the_gradient_all_reduce_across_servers(tmp_path, capsys):

@@ -146,16 +146,59 @@ def load_config(source: str) -> Any:
     return config
 
 
+def _size(config: Any, name: str) -> Any:
+    """``config``'s ``name``, or None where it has none, or none for the whole
+    model (a heterogeneous config's per-layer sizes, which it refuses to give
+    as one)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # (transformers' AmbiguousGlobalPerLayerAttributeError)
+        return None
+
+
 def _check_sizes(config: Any, source: str) -> None:
     """A config's sizes must be positive (a negative width gives a tensor
-    error deep in building the model, a zero depth a meaningless estimate)."""
+    error deep in building the model, a zero depth a meaningless estimate),
+    its attention heads a multiple of its key-value heads (else the model
+    fails in its first forward pass), and its position limit, where it gives
+    one, positive (none would be searched past)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        value = getattr(text, name, None)
-        if value is None:
-            continue
+
+    def positive(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
+
+    for name in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "intermediate_size",
+        "head_dim",
+    ):
+        value = _size(text, name)
+        if value is None:
+            continue
+        if name == "intermediate_size" and isinstance(value, (list, tuple)):
+            for each in value:  # (one per layer: Gemma 3n)
+                positive(name, each)
+        elif name == "head_dim" and value == 0 and _size(text, "qk_rope_head_dim") is not None:
+            pass  # (multi-head latent attention: head_dim is its RoPE part, none for NoPE)
+        else:
+            positive(name, value)
+    heads, kv_heads = _size(text, "num_attention_heads"), _size(text, "num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads}): each key-value head serves a group of "
+            "query heads"
+        )
+    # (XLNet's property says -1 for no limit: not the config's own value)
+    if not isinstance(getattr(type(text), "max_position_embeddings", None), property):
+        value = _size(text, "max_position_embeddings")
+        if value is not None:
+            positive("max_position_embeddings", value)
 
 
 def _causal_lm_class(config: Any) -> Any:
@@ -609,6 +652,14 @@ def estimate(
     ):
         if not value > 0:
             raise ValueError(f"{label} must be > 0, got {value!r}")
+    if frozen_dtype is not None and not lora_rank:
+        # (the model is built with every weight trainable: a dtype for its
+        # frozen ones would change nothing, silently)
+        raise ValueError(
+            "frozen_dtype (--frozen-dtype) is the dtype of the frozen base under LoRA adapters "
+            "and needs lora_rank (--lora-rank): without adapters every weight is trained and "
+            "none is frozen"
+        )
     precision = PRECISION_ALIASES.get(precision, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -643,7 +694,15 @@ def estimate(
         applied = applied_tiles(tiles, tokens)
         key = tuple(sorted(applied))
         if key not in models:
-            models[key] = adapter.activation_model(dtype, applied, loss=True, prepare=real)
+            try:
+                models[key] = adapter.activation_model(dtype, applied, loss=True, prepare=real)
+            except (ConfigError, PlanError, MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as exc:  # (the model's own forward pass fails on the config)
+                raise ConfigError(
+                    f"{type(model).__name__} cannot be built from this config: its layers fail "
+                    f"on a short probe input: {type(exc).__name__}: {exc}"
+                ) from exc
         return models[key]
 
     state = host_state_bytes(model, precision, frozen_dtype, double_buffer=async_optimizer)
@@ -732,6 +791,7 @@ def estimate(
             staged_most = max(staging(start_plan), staging(alone))
             device_host = state + staged_most + values / HOST_ACTIVATION_SHARE
     notes = []
+    seq_given = seq is not None
     shown_at = None  # nothing fits: the sequence the plan is shown at instead
     if seq is None:
         if longest:
@@ -855,7 +915,14 @@ def estimate(
         notes.append(
             f"the longest sequence is past max_position_embeddings ({ceiling})"
             if given_ceiling
-            else f"the config gives no max_position_embeddings; the search stopped at {ceiling}"
+            # (the search goes past the setting's own cap, up to its ceiling)
+            else "the config gives no max_position_embeddings: the longest sequence is "
+            f"searched up to {search} tokens"
+            + (
+                ""
+                if seq_given
+                else f", and the plan, memory and step above are shown at {ceiling} tokens"
+            )
         )
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
