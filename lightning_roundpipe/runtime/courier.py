@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .calls import Job
+from .calls import Gain, Job
 from .host import _Param
 from .store import EngineFailure
 
@@ -35,7 +35,9 @@ class _Held:
     # None: no backward of the task reached the parameter (nothing is added,
     # but the add is signalled, as the optimizer's protocol counts it)
     grad: torch.Tensor | None
-    parked: bool = False  # waiting for its call's gain; no longer counted by its job
+    # the factor it waits for (its call's, or an earlier turn's: it is added
+    # after that one), counted there and no longer by its job; None: not parked
+    parked: Gain | None = None
 
 
 class Courier:
@@ -117,9 +119,10 @@ class Courier:
             self._cond.notify()
 
     def _ready_grads(self) -> list[_Held]:
-        """Held gradients whose buffer is free and whose gain is known now
-        (this thread only). Those waiting for their gain no longer keep their
-        job from being done."""
+        """Held gradients whose buffer is free, whose gain is known and whose
+        turn came now (this thread only). Those waiting for a gain (their
+        call's, or an earlier turn's) no longer keep their job from being
+        done: only autograd reaching a loss gives it."""
         if not self._grads:
             return []
         rt = self.worker.rt
@@ -127,21 +130,29 @@ class Courier:
         ready, waiting, finished = [], [], []
         with proto.cond:
             for h in self._grads:
+                window, p = h.job.call.window, h.param
+                turn = h.job.turns[p.index]
                 gain = h.job.call.gain
                 if gain is not None and gain.value is None:
-                    if not h.parked:
-                        h.parked = True
-                        gain.parked += 1
+                    factor = gain
+                elif not proto.grad_ready(window, p):
+                    factor = None
+                elif proto.in_turn(window, p, turn):
+                    ready.append(h)
+                    continue
+                else:
+                    factor = proto.factor_before(window, p, turn)
+                if factor is not None and h.parked is not factor:
+                    if h.parked is None:
                         h.job.outstanding -= 1
                         if h.job.outstanding == 0:
                             finished.append(h.job)
-                    waiting.append(h)
-                elif proto.grad_ready(h.job.call.window, h.param) and proto.in_turn(
-                    h.job.call.window, h.param, h.job.turns[h.param.index]
-                ):
-                    ready.append(h)
-                else:
-                    waiting.append(h)
+                    else:  # (its own factor came; an earlier turn's has not)
+                        h.parked.parked -= 1
+                        proto.cond.notify_all()
+                    h.parked = factor
+                    factor.parked += 1
+                waiting.append(h)
         self._grads = waiting
         for job in finished:
             rt.job_done(job)
@@ -204,8 +215,8 @@ class Courier:
                 rt.host.accumulate(p, h.grad, factor)
             rt.protocol.after_grad(window, p)  # rule 3 producer
             with self.store.lock:
-                if h.parked:
-                    gain.parked -= 1
+                if h.parked is not None:
+                    h.parked.parked -= 1
                     last = False
                     self.store.lock.notify_all()
                 else:

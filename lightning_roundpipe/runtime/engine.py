@@ -1284,7 +1284,7 @@ class RoundPipeEngine:
         for job in sorted(jobs, key=lambda j: (j.task.mb_start, j.index)):
             if job.task.needs_grad:
                 params = self._host.stage_params(job.task.start, job.task.stop)
-                job.turns = self._protocol.give_turns(call.window, params)
+                job.turns = self._protocol.give_turns(call.window, params, call.gain)
         for job in jobs:
             task = job.task
             if task.ordered:

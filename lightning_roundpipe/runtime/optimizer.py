@@ -197,6 +197,8 @@ class Protocol:
         # device finished first
         self.turns_given: dict[tuple[int, int], int] = defaultdict(int)
         self.turn: dict[tuple[int, int], int] = defaultdict(int)
+        # each turn's call's gradient factor when given later (None: known)
+        self.turn_gains: dict[tuple[int, int], list[Any]] = defaultdict(list)
         self.turn_waiting = False  # a courier holds a gradient whose turn has not come
         self.closed = -1  # highest window whose step() was called
         # replicas (servers): windows whose gradients are averaged over them, per
@@ -227,9 +229,10 @@ class Protocol:
                 if grads and p.trainable:
                     self.grads[(p.index, window)] += 1
 
-    def give_turns(self, window: int, params: Sequence[_Param]) -> dict[int, int]:
+    def give_turns(self, window: int, params: Sequence[_Param], gain: Any = None) -> dict[int, int]:
         """Each trainable parameter's turn for the gradients of the task
-        submitted next in ``window``: its adds happen in the order turns are
+        submitted next in ``window`` (of a call whose factor ``gain`` is
+        given later, if not None): its adds happen in the order turns are
         given (:meth:`in_turn`)."""
         turns = {}
         with self.cond:
@@ -238,7 +241,19 @@ class Protocol:
                     key = (p.index, window)
                     turns[p.index] = self.turns_given[key]
                     self.turns_given[key] += 1
+                    self.turn_gains[key].append(gain)
         return turns
+
+    def factor_before(self, window: int, p: _Param, turn: int) -> Any:
+        """The first earlier turn's factor not known yet (a :class:`Gain`
+        whose loss autograd has not reached), or None (call under ``cond``):
+        a gradient behind it waits for that factor, not for a task."""
+        key = (p.index, window)
+        gains = self.turn_gains[key]
+        for gain in gains[self.turn[key] : turn]:
+            if gain is not None and gain.value is None:
+                return gain
+        return None
 
     def in_turn(self, window: int, p: _Param, turn: int) -> bool:
         """Whether every gradient of ``p`` from ``window`` with an earlier turn
@@ -342,6 +357,7 @@ class Protocol:
             self.grads.pop((p.index, window), None)
             self.turns_given.pop((p.index, window), None)
             self.turn.pop((p.index, window), None)
+            self.turn_gains.pop((p.index, window), None)
             self._notify()
 
     def released(self, window: int, params: Sequence[_Param]) -> None:

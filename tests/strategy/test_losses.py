@@ -54,6 +54,42 @@ def test_a_scaled_and_combined_model_loss_trains_like_the_default_strategy(devic
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
 
 
+class MonitoredFirstCallLM(CausalLM):
+    """A first model call whose loss is only logged (never backpropagated),
+    then the call that trains: its gradients are added after the first
+    call's turn, which only the step's settling gives up."""
+
+    def __init__(self, logits: bool) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        watched = self.model(input_ids=ids.flip(1), labels=labels.flip(1)).loss
+        self.log("watched", watched.detach())
+        if not self.logits:
+            return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+        )
+
+
+@pytest.mark.parametrize("logits", [False, True], ids=["labels", "logits"])
+def test_a_call_never_backpropagated_holds_up_no_later_calls_gradients(logits):
+    """Gradients are added in call order; a later call's wait for an earlier
+    call's factor that never comes (its loss was only logged) counts as
+    waiting for that factor, not for a stage, so waiting for the stages
+    after the first batch's backward does not hang (it waited for the
+    watchdog), and the step drops the first call's gradients as autograd would."""
+    ref, got = MonitoredFirstCallLM(logits), MonitoredFirstCallLM(logits)
+    _fit(ref, "auto")
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2, watchdog_timeout=60)
+    _fit(got, strategy, 2)
+    for x, y in zip(ref.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
 def test_asynchronous_training_with_a_combined_loss_trains():
     module = WeightedLM()
     before = [p.detach().clone() for p in module.parameters()]
