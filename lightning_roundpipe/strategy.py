@@ -340,6 +340,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self._evaluated = False  # training resumes after an evaluation
         # wait_for_updates held the newest weights for the hooks until the next step
         self._held_for_hooks = False
+        # from a training step's start to the end of its backward: the model
+        # calls there are the batch's own, never a hook's
+        self._in_batch = False
         # out-of-memory re-planning during the fit's first training batch
         self._retry = FirstBatchRetry(
             self,
@@ -1208,15 +1211,18 @@ class RoundPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         precision = self.precision_plugin
         closure_loss = precision.pre_backward(closure_loss, module)
-        if not self._retry.open:
-            precision.backward(closure_loss, module, optimizer, *args, **kwargs)
-        else:
-            # the fit's first batch: wait for every stage, so that running out
-            # of memory surfaces here, where the batch can still be run again
-            self._retry.backward(
-                lambda loss: precision.backward(loss, module, optimizer, *args, **kwargs),
-                closure_loss,
-            )
+        try:
+            if not self._retry.open:
+                precision.backward(closure_loss, module, optimizer, *args, **kwargs)
+            else:
+                # the fit's first batch: wait for every stage, so that running out
+                # of memory surfaces here, where the batch can still be run again
+                self._retry.backward(
+                    lambda loss: precision.backward(loss, module, optimizer, *args, **kwargs),
+                    closure_loss,
+                )
+        finally:
+            self._in_batch = False
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -1274,6 +1280,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self._held_for_hooks = False
             if self.engine is not None:
                 self.engine.release_newest_weights()
+        self._in_batch = True
         self._follow_trainable()
         # after an evaluation that averaged weights were swapped in for (and
         # out again, through .data): the training weights back, all of them
@@ -1293,6 +1300,8 @@ class RoundPipeStrategy(ParallelStrategy):
             out = super().training_step(*args, **kwargs)
         else:
             out = self._retry.training_step(super().training_step, *args, **kwargs)
+        if out is None or (isinstance(out, Mapping) and out.get("loss") is None):
+            self._in_batch = False  # (no backward follows)
         if first and self.engine is not None and self._adapter is not None:
             self._stack_called = True
             # (a call without gradients, a frozen backbone's, counts too)
@@ -1531,9 +1540,11 @@ class RoundPipeStrategy(ParallelStrategy):
             # epoch) computes with these weights, as the module holds them, also
             # with autograd on (held: such a call is not the next training
             # call); the next training step goes back to the one-update-behind
-            # copies
-            engine.use_newest_weights(hold=True)
-            self._held_for_hooks = True
+            # copies. Called inside a training step (before its backward), the
+            # step's own model calls are training calls: not held
+            hold = not self._in_batch
+            engine.use_newest_weights(hold=hold)
+            self._held_for_hooks = hold
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

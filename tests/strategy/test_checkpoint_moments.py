@@ -239,7 +239,9 @@ def test_a_pipeline_failure_with_on_exception_checkpoint_releases_the_module(tmp
             torch.load(saved, weights_only=False)["state_dict"], state(module)
         )
     else:
-        assert kind == "async" and "cannot save the model's state" in str(failed.value)
+        assert kind == "async" and "cannot save the model's state" in str(failed.value), repr(
+            failed.value
+        )
     module.net[2].fail = False  # the module trains again
     cpu_trainer(strategy(kind), max_epochs=1).fit(module, data())
 
