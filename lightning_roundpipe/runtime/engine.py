@@ -517,6 +517,8 @@ class RoundPipeEngine:
         self._bandwidth: float | None = None
         self._window_has_grads = False
         self._jobs = 0
+        # synchronous steps whose window failed before they ran (weights unchanged)
+        self._steps_not_run = 0
         # inputs whose tensors differ in their first dimension were warned about
         self._warned_ambiguous = False
         # the thread running a synchronous step (its hooks may save a checkpoint:
@@ -1032,7 +1034,7 @@ class RoundPipeEngine:
         """Whether every optimizer step submitted so far has been applied (also
         after a failure: a failed forward or backward leaves the weights those
         of the last step, a step that failed midway leaves them of none)."""
-        return self._optimizer.applied >= self._jobs
+        return self._optimizer.applied + self._steps_not_run >= self._jobs
 
     @property
     def failure(self) -> BaseException | None:
@@ -1813,7 +1815,9 @@ class RoundPipeEngine:
         except BaseException as exc:
             # (a KeyboardInterrupt in the wait) the window is closed and its
             # update counted but will never run: waiting for it would last
-            # until the watchdog, so the engine fails
+            # until the watchdog, so the engine fails. The weights stay those
+            # of the last applied step (a checkpoint may save them)
+            self._steps_not_run += 1
             self._rt.store.fail(exc)
             raise
         error: BaseException | None = None

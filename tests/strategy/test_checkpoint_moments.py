@@ -5,6 +5,8 @@ evaluation that followed the fit, after a fit stopped by an exception, from
 a checkpoint starts from nothing of it; the fused optimizer kernel survives a
 resume and stays out of the checkpoint."""
 
+import time
+
 import lightning as L
 import pytest
 import torch
@@ -244,6 +246,40 @@ def test_a_pipeline_failure_with_on_exception_checkpoint_releases_the_module(tmp
         )
     module.net[2].fail = False  # the module trains again
     cpu_trainer(strategy(kind), max_epochs=1).fit(module, data())
+
+
+class FailsLateInBackward(torch.nn.Module):
+    """Fails in a backward stage's recompute (autograd on), late enough that
+    the synchronous step already waits for the window's stages."""
+
+    fail = False
+
+    def forward(self, x):
+        if self.fail and torch.is_grad_enabled():
+            time.sleep(0.5)
+            raise ValueError("layer failed on purpose")
+        return x
+
+
+def test_a_synchronous_step_whose_window_failed_before_it_ran_can_still_be_saved(tmp_path):
+    """The step never ran: the weights are the last step's, so the
+    on-exception checkpoint is saved (it was refused as if a step had
+    failed midway, whenever the failure came after the step began waiting)."""
+    module = SeqModule(extra=False)
+    layers = list(module.net)
+    module.net = torch.nn.Sequential(*layers[:2], FailsLateInBackward(), *layers[2:])
+    trainer = cpu_trainer(
+        RoundPipeStrategy(async_optimizer=False, num_microbatches=4, plan="3|3|3"),
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[OnExceptionCheckpoint(tmp_path), FailFrom(3)],
+    )
+    with pytest.raises(Exception, match="layer failed on purpose"):
+        trainer.fit(module, data())
+    assert trainer.global_step == 3
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert saved["global_step"] == 3
+    torch.testing.assert_close(saved["state_dict"], state(module))
 
 
 class SavesBeforeStep(L.Callback):
