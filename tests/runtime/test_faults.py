@@ -134,18 +134,24 @@ class Stuck(nn.Module):
         return self.lin(x)
 
 
-def test_watchdog_reports_what_never_arrived_with_the_marked_grid():
+def _timed_out(middle: nn.Module, timeout: float) -> str:
+    """The error of one step through Linear, ``middle``, Linear, Linear on
+    two CPU workers that times out."""
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 8), Stuck(), nn.Linear(8, 8), nn.Linear(8, 1)]
+    layers = [nn.Linear(8, 8), middle, nn.Linear(8, 8), nn.Linear(8, 1)]
     eng = RoundPipeEngine(
-        layers, ["cpu"] * 2, 2, plan="2,1|1|1,2", watchdog_timeout=1.0, profile_iterations=0
+        layers, ["cpu"] * 2, 2, plan="2,1|1|1,2", watchdog_timeout=timeout, profile_iterations=0
     )
     try:
         with pytest.raises((WorkerError, HandoffTimeout)) as info:
             drive(eng, steps=1)
     finally:
         eng.close()
-    text = str(info.value)
+    return str(info.value)
+
+
+def test_watchdog_reports_what_never_arrived_with_the_marked_grid():
+    text = _timed_out(Stuck(), 1.0)
     # which hand-off never arrived, and the grid marked where the pipeline stands
     assert "waited 1 s for" in text
     assert "dev 0 |" in text and "dev 1 |" in text and "^ 0." in text and "[0." in text
@@ -177,17 +183,7 @@ class SlowOnce(nn.Module):
 def test_a_watchdog_timeout_names_the_slow_stage_layer_and_micro_batch():
     """The stage that waits times out, but the message names the one it
     waited on: the worker still in its slow layer (not only the waiter)."""
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, 8), SlowOnce(2.0), nn.Linear(8, 8), nn.Linear(8, 1)]
-    eng = RoundPipeEngine(
-        layers, ["cpu"] * 2, 2, plan="2,1|1|1,2", watchdog_timeout=0.5, profile_iterations=0
-    )
-    try:
-        with pytest.raises((WorkerError, HandoffTimeout)) as info:
-            drive(eng, steps=1)
-    finally:
-        eng.close()
-    text = str(info.value)
+    text = _timed_out(SlowOnce(2.0), 0.5)
     assert "waited 0.5 s for" in text
     assert re.search(
         r"still running: device cpu \(worker 0\) stage \w+, layer 1, micro-batch 0, "
