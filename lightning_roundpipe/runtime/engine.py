@@ -1282,11 +1282,16 @@ class RoundPipeEngine:
         rt.forget(call.serial - 4, call.iteration - 4, set(self._last_ordered.values()))
         stateful = self._ordered if train else self._forward_ordered
         jobs = [Job(call, task, index) for index, task in enumerate(sched.tasks)]
-        # gradients are added in micro-batch order, whichever device is done first
+        # registered in micro-batch order: the order gradients are added in,
+        # whichever device is done first
         for job in sorted(jobs, key=lambda j: (j.task.mb_start, j.index)):
-            if job.task.needs_grad:
-                params = self._host.stage_params(job.task.start, job.task.stop)
-                job.turns = self._protocol.give_turns(call.window, params, call.gain)
+            task = job.task
+            job.turns = self._protocol.register(
+                call.window,
+                self._host.stage_params(task.start, task.stop),
+                grads=task.needs_grad,
+                gain=call.gain,
+            )
         for job in jobs:
             task = job.task
             if task.ordered:
@@ -1295,11 +1300,6 @@ class RoundPipeEngine:
             elif task.kind != "backward" and task.slot in stateful:
                 # reads the running statistics the slot's last writer leaves
                 job.after = self._last_ordered.get(task.slot)
-            self._protocol.register(
-                call.window,
-                self._host.stage_params(task.start, task.stop),
-                grads=task.needs_grad,
-            )
             with store.lock:
                 rt.submitted += 1
             rt.workers[task.device].submit(job)

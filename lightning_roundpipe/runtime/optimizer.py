@@ -192,13 +192,12 @@ class Protocol:
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # rule 1: (param, window)
         self.grads: dict[tuple[int, int], int] = defaultdict(int)  # rule 3: (param, window)
         # the order a window's gradients of a parameter are added in (float
-        # addition is not associative): each task's turn, given at submission in
-        # micro-batch order, and the next turn, so the sum never depends on which
-        # device finished first
-        self.turns_given: dict[tuple[int, int], int] = defaultdict(int)
-        self.turn: dict[tuple[int, int], int] = defaultdict(int)
-        # each turn's call's gradient factor when given later (None: known)
+        # addition is not associative), so the sum never depends on which
+        # device finished first: the turns given at registration, in
+        # micro-batch order (each its call's gradient factor when that is given
+        # later, else None), and the next turn to add
         self.turn_gains: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        self.turn: dict[tuple[int, int], int] = defaultdict(int)
         self.turn_waiting = False  # a courier holds a gradient whose turn has not come
         self.closed = -1  # highest window whose step() was called
         # replicas (servers): windows whose gradients are averaged over them, per
@@ -221,26 +220,21 @@ class Protocol:
         self.cond.notify_all()
 
     # --------------------------------------------------- controller side
-    def register(self, window: int, params: Sequence[_Param], grads: bool) -> None:
-        """A task of ``window`` will use ``params`` (and add their gradients)."""
-        with self.cond:
-            for p in params:
-                self.uses[(p.index, window)] += 1
-                if grads and p.trainable:
-                    self.grads[(p.index, window)] += 1
-
-    def give_turns(self, window: int, params: Sequence[_Param], gain: Any = None) -> dict[int, int]:
-        """Each trainable parameter's turn for the gradients of the task
-        submitted next in ``window`` (of a call whose factor ``gain`` is
-        given later, if not None): its adds happen in the order turns are
-        given (:meth:`in_turn`)."""
+    def register(
+        self, window: int, params: Sequence[_Param], grads: bool, gain: Any = None
+    ) -> dict[int, int]:
+        """A task of ``window`` will use ``params`` (and add their gradients,
+        of a call whose factor ``gain`` is given later if not None): each
+        trainable parameter's turn, its adds happening in the order tasks are
+        registered (:meth:`in_turn`)."""
         turns = {}
         with self.cond:
             for p in params:
-                if p.trainable:
-                    key = (p.index, window)
-                    turns[p.index] = self.turns_given[key]
-                    self.turns_given[key] += 1
+                key = (p.index, window)
+                self.uses[key] += 1
+                if grads and p.trainable:
+                    self.grads[key] += 1
+                    turns[p.index] = len(self.turn_gains[key])
                     self.turn_gains[key].append(gain)
         return turns
 
@@ -355,7 +349,6 @@ class Protocol:
     def g_copied(self, window: int, p: _Param) -> None:
         with self.cond:
             self.grads.pop((p.index, window), None)
-            self.turns_given.pop((p.index, window), None)
             self.turn.pop((p.index, window), None)
             self.turn_gains.pop((p.index, window), None)
             self._notify()
