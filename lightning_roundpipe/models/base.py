@@ -189,6 +189,19 @@ class _Adapter(ABC):
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """What a call to the intercepted module does."""
 
+    def _wants_backward(self, inputs: Any) -> bool:
+        """Whether a call with ``inputs`` is one autograd records, as the
+        module's own call would be: gradients enabled and some pipeline weight
+        or input tensor requiring one. (No weight does under PEFT's
+        ``disable_adapter()`` with the base model frozen, a reference forward:
+        that call runs forward only.) The module's mode does not decide: a
+        model in ``eval()`` (as ``from_pretrained`` returns it) trains with its
+        dropout off, as in plain PyTorch."""
+        if not torch.is_grad_enabled():
+            return False
+        engine = self.engine
+        return engine is None or engine.wants_gradients() or bool(_needing_grad(inputs))
+
     def _outputs_with_backward(self, inputs: Any) -> torch.Tensor:
         """Forward now; when autograd reaches the outputs, run the pipelined
         backward with their gradient (same iteration: same dropout masks)."""
@@ -304,8 +317,6 @@ class SequentialAdapter(_Adapter):
                 f"got {len(args)} positional and keyword {sorted(kwargs)}"
             )
         (x,) = args
-        # autograd decides, not the mode: a model in eval() (as from_pretrained
-        # returns it) trains with its dropout off, as in plain PyTorch
-        if torch.is_grad_enabled():
+        if self._wants_backward(x):
             return self._outputs_with_backward(x)
         return self.engine.forward(x)

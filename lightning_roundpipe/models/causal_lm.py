@@ -708,9 +708,7 @@ class CausalLMAdapter(_Adapter):
                 inputs["packed"] = True
         if self._router_loss(a):
             inputs["router"] = True
-        # autograd decides, not the mode: a model in eval() (as from_pretrained
-        # returns it) trains with its dropout off, as in plain PyTorch
-        training = torch.is_grad_enabled()
+        training = self._wants_backward(inputs)
         loss = a.get("labels") is not None
         inputs.update(self.tile_sizes(loss=training and loss))
         if training:
@@ -750,7 +748,7 @@ class CausalLMAdapter(_Adapter):
         labels, logits_to_keep = a.get("labels"), a.get("logits_to_keep", 0)
         router = "router" in inputs
         engine = self.engine
-        training = torch.is_grad_enabled()
+        training = self._wants_backward(inputs)
         if training and labels is not None:
             # the gradient factor (Lightning's accumulation division, a scaled or
             # combined loss) is whatever autograd brings to the returned loss

@@ -308,7 +308,7 @@ class SequenceClassifierAdapter(CausalLMAdapter):
         config, engine = self.target.config, self.engine
         num_labels = int(config.num_labels)
         problem = None if labels is None else config.problem_type  # (set by _check_labels)
-        training = torch.is_grad_enabled()
+        training = self._wants_backward(inputs)
         if training and labels is not None:
             loss, scores = self._trained(
                 inputs,
@@ -443,7 +443,7 @@ class TokenClassifierAdapter(SequenceClassifierAdapter):
     def call(self, *args: Any, **kwargs: Any) -> Any:
         a, inputs, _, as_tuple = self._prepare(args, kwargs)
         labels, engine = a.get("labels"), self.engine
-        training = torch.is_grad_enabled()
+        training = self._wants_backward(inputs)
         if training and labels is not None:
             loss, scores = self._trained(inputs, labels, _token_loss, self._labelled_tokens)
             return self._output(as_tuple, loss=loss, logits=scores)
@@ -564,7 +564,8 @@ class QuestionAnsweringAdapter(SequenceClassifierAdapter):
         a, inputs, batch, as_tuple = self._prepare(args, kwargs)
         starts, ends = a.get("start_positions"), a.get("end_positions")
         answered = starts is not None and ends is not None  # (else no loss, as the model)
-        if torch.is_grad_enabled() and answered:
+        training = self._wants_backward(inputs)
+        if training and answered:
             seq = int(batch.shape[1])
             starts, ends = starts.clamp(0, seq).long(), ends.clamp(0, seq).long()
             counts = int((starts != seq).sum()), int((ends != seq).sum())
@@ -575,7 +576,7 @@ class QuestionAnsweringAdapter(SequenceClassifierAdapter):
                 lambda ys: self._answer_weights(len(ys), counts),
             )
             return self._answers(as_tuple, scores, loss)
-        if torch.is_grad_enabled():
+        if training:
             return self._answers(as_tuple, self._outputs_with_backward(inputs))
         scores = self.engine.forward(inputs)
         loss = None

@@ -73,6 +73,9 @@ class Call:
     writes_state: bool = False
     # a forward-only pass of a reserved iteration: computed again for its backward
     again: bool = False
+    # trainable weights that required no gradient when the call was submitted
+    # (PEFT's disable_adapter() with trainable biases): it gives them none
+    frozen: frozenset[int] = frozenset()
 
 
 @dataclass(eq=False)

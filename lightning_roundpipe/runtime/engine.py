@@ -110,6 +110,11 @@ log = logging.getLogger(__name__)
 _CPU_TILE_MEMORY = 128 * 2**20
 
 
+#: reserved forward passes remembered for their backward (older ones whose
+#: backward never came are forgotten)
+_RESERVED_KEPT = 64
+
+
 def _state_to_come(
     layers: Sequence[nn.Module],
     compute_dtype: torch.dtype,
@@ -501,8 +506,10 @@ class RoundPipeEngine:
         self.async_optimizer = async_optimizer
         self._iteration = 0
         self._eval_iteration = 0
-        # reserved iterations whose forward-only pass wrote running statistics
-        self._state_written: set[int] = set()
+        # reserved iterations' forward-only passes: the layers' structures and
+        # modes their backward runs with (as autograd would: those of the
+        # forward), and whether they wrote running statistics
+        self._reserved: dict[int, Call] = {}
         self._serial = 0
         self._window = 0
         self._window_scale: dict[int, float] = {}
@@ -1312,11 +1319,18 @@ class RoundPipeEngine:
         loss_fn: Callable[..., torch.Tensor] | None,
         scale: float,
         train: bool,
+        forward: Call | None = None,
     ) -> Call:
         """A call record (its schedule is filled in by :meth:`_submit`).
-        Caller holds ``self._lock``."""
-        # (raises LayoutChanged before anything is counted)
-        structures = [info.structure() for info in self._host.layers]
+        ``forward``: the forward-only pass of the same reserved iteration,
+        whose layers' structures and modes this call runs with. Caller holds
+        ``self._lock``."""
+        if forward is not None:
+            structures, modes = forward.structures, forward.modes
+        else:
+            # (raises LayoutChanged before anything is counted)
+            structures = [info.structure() for info in self._host.layers]
+            modes = [st.modes() for st in structures]
         for st in structures:
             st.refresh()
         self._serial += 1
@@ -1332,13 +1346,47 @@ class RoundPipeEngine:
             self.seed,
             None,  # type: ignore[arg-type]
             train,
-            [st.modes() for st in structures],
+            modes,
             structures,
             profiler if train and profiler is not None and profiler.wants(iteration) else None,
         )
         call.version = self._protocol.read_version(self._window, newest=self._newest)
         call.writes_state = train
+        call.frozen = (
+            forward.frozen
+            if forward is not None
+            else frozenset(
+                p.index for p in self._host.params if p.trainable and not p.param.requires_grad
+            )
+        )
         return call
+
+    def _check_trainable(self) -> None:
+        """Refuses a call that would compute gradients while some pipeline
+        weights require one that did not when the engine was built (they have
+        no gradient buffers). Weights frozen since then get no gradient from
+        the call, as under autograd (PEFT's ``disable_adapter()``)."""
+        unfrozen = [
+            self._names[p.index]
+            for p in self._host.params
+            if p.param.requires_grad and not p.trainable
+        ]
+        if unfrozen:
+            raise ValueError(
+                f"{', '.join(unfrozen[:3])}"
+                f"{f' and {len(unfrozen) - 3} more' if len(unfrozen) > 3 else ''} "
+                f"require{'s' if len(unfrozen) == 1 else ''} a gradient but did not when the "
+                "engine was built (it fixes which weights get gradient buffers and updates). "
+                "Unfreeze weights between steps (RoundPipeStrategy then builds a new engine "
+                "itself, e.g. for BaseFinetuning; outside it, close this engine and build a new "
+                "one)"
+            )
+
+    def wants_gradients(self) -> bool:
+        """Whether any pipeline weight requires a gradient now. None does under
+        PEFT's ``disable_adapter()`` with the base model frozen: a call there
+        records nothing for autograd, so it runs forward only."""
+        return any(p.param.requires_grad for p in self._host.params)
 
     def reserve_iteration(self) -> int:
         """Take the next iteration number now (for a ``forward`` whose
@@ -1371,8 +1419,10 @@ class RoundPipeEngine:
         self._check()
         bsz, mbs = self._split(inputs, training=False)
         m = len(mbs)
+        reserved = iteration is not None
+        if reserved:  # (its backward follows)
+            self._check_trainable()
         with self._lock:
-            reserved = iteration is not None
             if iteration is None:
                 self._eval_iteration -= 1
                 iteration = self._eval_iteration
@@ -1381,10 +1431,11 @@ class RoundPipeEngine:
                 info.has_state and any(modes)
                 for info, modes in zip(self._host.layers, call.modes, strict=True)
             )
-            if call.writes_state and reserved:
+            if reserved:
                 # (one whose backward never came is forgotten after a while)
-                self._state_written = {i for i in self._state_written if i > iteration - 8}
-                self._state_written.add(iteration)
+                recent = iteration - _RESERVED_KEPT
+                self._reserved = {i: c for i, c in self._reserved.items() if i > recent}
+                self._reserved[iteration] = call
             call.again = reserved  # its forward_backward computes these layers again
             self._submit(call, self._forward_slots, mbs, train=False)
         store, top = self._rt.store, self.plan.num_layers
@@ -1451,15 +1502,8 @@ class RoundPipeEngine:
             outputs)``.
         """
         self._check()
-        changed = self.trainable_changed()
-        if changed:
-            raise ValueError(
-                f"requires_grad of {', '.join(changed[:3])}"
-                f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed after "
-                "the engine was built (it fixes which weights get gradient buffers and "
-                "updates); close it and build a new engine (RoundPipeStrategy does so itself "
-                "between steps)"
-            )
+        if iteration not in self._reserved:  # (else checked by its forward)
+            self._check_trainable()
         later = isinstance(scale, str)
         if later and scale != "later":
             raise ValueError(f"scale must be a number or 'later', got {scale!r}")
@@ -1492,11 +1536,10 @@ class RoundPipeEngine:
             loss_scale = self._window_scale.setdefault(window, starting)
             self._window_has_grads = True
             seed = loss_scale if later else float(scale) * loss_scale
-            call = self._call(iteration, labs, weights, loss_fn, seed, train=True)
-            if iteration in self._state_written:  # by its forward-only pass
-                call.writes_state = False
-            # (a reserved pass whose backward never came: forgotten after a while)
-            self._state_written = {i for i in self._state_written if i > iteration}
+            forward = self._reserved.pop(iteration, None)
+            call = self._call(iteration, labs, weights, loss_fn, seed, True, forward)
+            if forward is not None and forward.writes_state:
+                call.writes_state = False  # (its forward-only pass wrote them)
             call.input_grad = input_grads
             call.with_outputs = with_outputs
             if later:

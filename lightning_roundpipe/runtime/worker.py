@@ -628,7 +628,8 @@ class Worker:
         # call) would bump for all, failing autograd's check on the others
         weights = {
             p.index: nn.Parameter(
-                staged.tensors[p.index].data, requires_grad=needs_grad and p.trainable
+                staged.tensors[p.index].data,
+                requires_grad=needs_grad and p.trainable and p.index not in call.frozen,
             )
             for p in params
         }
@@ -824,6 +825,8 @@ class Worker:
             view = acc.flat[off : off + n].view(p.master.shape)
             off += n
             w = weights[p.index]
+            if not w.requires_grad:  # (frozen for this call: no gradient from it)
+                continue
             if w.dtype == torch.float32:
                 w.grad = view
 

@@ -1627,17 +1627,30 @@ def test_an_fp16_overflow_in_input_gradients_skips_the_step():
         assert handle.skipped and eng.scaler.scale == scale / 2
 
 
-def test_a_change_of_requires_grad_after_building_is_refused_by_name():
+def test_a_weight_frozen_after_building_gets_no_gradient_and_one_unfrozen_is_refused():
+    """Frozen within a step (PEFT's disable_adapter() with trainable biases):
+    the call gives it no gradient, as autograd would; unfrozen, it has no
+    gradient buffer: refused by name, before anything runs."""
     layers = mlp()
+    layers[2].weight.requires_grad_(False)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     with engine(layers, 2, 2) as eng:
-        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
-        eng.step()
         assert eng.trainable_changed() == []
         layers[0].weight.requires_grad_(False)  # frozen after the engine was built
         assert eng.trainable_changed() == ["layers[0].weight"]
-        with pytest.raises(ValueError, match=r"requires_grad of layers\[0\]\.weight changed after"):
+        eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        eng.synchronize()
+        assert layers[0].weight.grad is None and layers[0].bias.grad is not None
+        layers[0].weight.requires_grad_(True)
+        layers[2].weight.requires_grad_(True)  # frozen when it was built
+        iteration = eng.iteration
+        with pytest.raises(
+            ValueError,
+            match=r"^layers\[2\]\.weight requires a gradient but did not when the engine was "
+            r"built .* Unfreeze weights between steps",
+        ):
             eng.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        assert eng.iteration == iteration
 
 
 def test_resuming_never_overwrites_a_frozen_weight():

@@ -16,7 +16,18 @@ from torch import nn
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.runtime import LayoutChanged, RoundPipeEngine
 
-from .modules import TINY, VOCAB, CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
+from .modules import (
+    TINY,
+    VOCAB,
+    CausalLM,
+    SeqModule,
+    cpu_trainer,
+    hf_model,
+    lm_data,
+    loader,
+    seq_data,
+    state,
+)
 
 
 class SideBranch(nn.Module):
@@ -162,6 +173,103 @@ def test_peft_disable_adapter_is_followed_within_a_step():
         cpu_trainer(strategy, max_steps=4).fit(module, loader(lm_data(32), 8))
         got[name] = state(module)
     torch.testing.assert_close(got["sync"], got["auto"], atol=1e-5, rtol=1e-4)
+
+
+class ReferenceWithGrad(CausalLM):
+    """The reference forward with the adapters switched off but gradients
+    enabled (no torch.no_grad()), through labels= or the logits; with
+    ``bias="all"`` the biases stay trainable there, so that forward has a
+    backward too, which runs after the adapters are switched on again."""
+
+    def __init__(self, labels: bool, bias: str = "none") -> None:
+        super().__init__("llama", lr=1e-2)
+        from peft import LoraConfig, get_peft_model
+
+        self.model = hf_model("llama", attention_bias=True)
+        torch.manual_seed(1)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias=bias)
+        self.model = get_peft_model(self.model, config)
+        with torch.no_grad():  # (LoRA B starts at zero: the adapters matter at once)
+            for name, p in self.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        self.labels = labels
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        with self.model.disable_adapter():
+            if self.labels:
+                reference = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:
+                reference = self.model(input_ids=ids, attention_mask=mask).logits.float().mean()
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        return loss + 0.5 * reference
+
+    def configure_optimizers(self):
+        # (SGD: a key projection's bias has a gradient that is zero but for
+        # rounding, which Adam would amplify)
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+@pytest.mark.parametrize("labels", [True, False], ids=["labels", "logits"])
+@pytest.mark.parametrize("bias", ["none", "all"])
+def test_a_reference_forward_with_gradients_enabled_trains_like_the_default_strategy(labels, bias):
+    """Under disable_adapter() with the base frozen no weight requires a
+    gradient: the call runs forward only, as autograd records nothing (with
+    labels= it was refused: requires_grad changed after the engine was built).
+    With trainable biases it has a backward, which ran with the adapters as
+    they were when autograd reached it (on again): the gradients were the
+    adapted model's."""
+    got = {}
+    for name, strategy in [("auto", "auto"), ("sync", sync())]:
+        module = ReferenceWithGrad(labels, bias)
+        cpu_trainer(strategy, max_steps=3).fit(module, loader(lm_data(24), 8))
+        got[name] = state(module)
+    torch.testing.assert_close(got["sync"], got["auto"], atol=1e-5, rtol=1e-4)
+
+
+class EvaluatedThenTrained(SeqModule):
+    """The forward runs in eval() (dropout off), the module is back in
+    train() when autograd reaches the pipeline's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.1, extra=False)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.net.eval()
+        out = self.net(x)
+        self.net.train()
+        return nn.functional.mse_loss(out, y)
+
+
+def test_a_backward_runs_in_the_mode_its_forward_ran_in():
+    """(it took the mode at backward time: dropout in the recomputed forward)"""
+    expected = _fit(EvaluatedThenTrained(), "auto")
+    torch.testing.assert_close(_fit(EvaluatedThenTrained(), sync()), expected)
+
+
+def test_unfreezing_a_weight_within_a_step_is_refused_naming_what_to_do():
+    class Unfreezes(SeqModule):
+        def __init__(self) -> None:
+            super().__init__(extra=False)
+            self.net[0].weight.requires_grad_(False)
+
+        def training_step(self, batch, batch_idx):
+            self.net[0].weight.requires_grad_(True)
+            try:
+                return super().training_step(batch, batch_idx)
+            finally:
+                self.net[0].weight.requires_grad_(False)
+
+    with pytest.raises(
+        ValueError,
+        match=r"net\.0\.weight requires a gradient but did not when the engine was built .*"
+        r"Unfreeze weights between steps",
+    ):
+        _fit(Unfreezes(), sync())
 
 
 class AnnealedNumbers(CausalLM):
