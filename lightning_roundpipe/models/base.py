@@ -3,6 +3,7 @@ autograd node for values the pipeline computed, and the ``nn.Sequential`` adapte
 
 from __future__ import annotations
 
+import types
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -157,11 +158,18 @@ class _Adapter(ABC):
         adapter = self
         self.calls = 0  # (the strategy asks whether a step called the stack)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # bound to the target: a deep copy of the model (an EMA or reference
+            # copy made during the fit) binds it to its copy of the target, which
+            # runs its own class forward; pickling stores ``getattr(module,
+            # "forward")``, the class forward again (hence the name)
+            if module is not adapter.target or adapter.engine is None:
+                return type(module).forward(module, *args, **kwargs)
             adapter.calls += 1
             return adapter.call(*args, **kwargs)
 
-        self.target.forward = forward  # instance attribute shadows the class method
+        # (an instance attribute shadows the class method)
+        self.target.forward = types.MethodType(forward, self.target)
         # a wrapper that took the target's bound forward as its own before we
         # patched it (``self.forward = model.forward``: PEFT's AdaptionPrompt)
         # would call around the pipeline: it is pointed at ours too
@@ -171,7 +179,7 @@ class _Adapter(ABC):
             if m is not self.target and _bound_to(m.__dict__.get("forward"), self.target)
         ]
         for m, _ in self._holders:
-            m.forward = forward
+            m.forward = types.MethodType(forward, self.target)
 
     def detach(self) -> None:
         self.target.__dict__.pop("forward", None)

@@ -5,6 +5,8 @@ during the fit, pruning (which renames weights and adds buffers), batch-norm
 statistics reset by replacing their tensors and updated by passes without a
 backward."""
 
+import copy
+import pickle
 import threading
 
 import lightning as L
@@ -270,6 +272,41 @@ def test_unfreezing_a_weight_within_a_step_is_refused_naming_what_to_do():
         r"Unfreeze weights between steps",
     ):
         _fit(Unfreezes(), sync())
+
+
+class FrozenCopy(SeqModule):
+    """A copy of the model made during the fit (a reference or EMA model):
+    its calls run the copy, not the pipeline of the model it was copied from
+    (it called the original's pipeline, with the current weights)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.1, extra=False)
+        self.copies: list[nn.Module] = []  # (a list: not a submodule)
+
+    def on_fit_start(self) -> None:
+        self.copies = [copy.deepcopy(self.net)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        (reference,) = self.copies
+        with torch.no_grad():
+            target = reference(x)
+        # pickled during the fit (torch.save of the model in a callback)
+        loaded = pickle.loads(pickle.dumps(self.net))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), nn.Sequential.forward(loaded, x))
+        out = self.net(x)
+        return nn.functional.mse_loss(out, y) + 0.5 * nn.functional.mse_loss(out, target)
+
+
+def test_a_copy_of_the_model_made_during_the_fit_runs_itself():
+    expected = _fit(FrozenCopy(), "auto")
+    module = FrozenCopy()
+    torch.testing.assert_close(_fit(module, sync()), expected)
+    x = seq_data(4).tensors[0]
+    (reference,) = module.copies
+    with torch.no_grad():  # (after the fit too)
+        torch.testing.assert_close(reference(x), nn.Sequential.forward(reference, x))
 
 
 class AnnealedNumbers(CausalLM):
