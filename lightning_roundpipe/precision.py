@@ -187,19 +187,22 @@ class RoundPipePrecision(Precision):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """``*-mixed``: the steps' own code on the host (modules outside the
+        """``bf16-mixed``: the steps' own code on the host (modules outside the
         pipeline fed its low-precision outputs, the loss) runs under autocast
-        in the compute dtype, as under Lightning's mixed precision; the
-        pipeline's layers compute on the workers' threads in that dtype
-        already (autocast is per thread). ``bf16-true``: floating-point
-        tensors a step makes are bf16, as under Lightning's."""
+        in bf16, as under Lightning's mixed precision; the pipeline's layers
+        compute on the workers' threads in that dtype already (autocast is per
+        thread). ``16-mixed``: the step's own code runs in fp32 (the pipeline
+        gives its outputs in fp32): the loss scale is the pipeline's, applied
+        inside it, so fp16 gradients of host code would not be scaled and
+        would flush to zero. ``bf16-true``: floating-point tensors a step
+        makes are bf16, as under Lightning's."""
         if self.precision == "bf16-true":
             # tensors a step makes are bf16, as under Lightning's bf16-true (the
             # default dtype is the process's: the engine's own code gives dtypes)
             with self.tensor_init_context():
                 yield
             return
-        if not self.precision.endswith("-mixed"):
+        if self.precision != "bf16-mixed":
             yield
             return
         engine = self.engine

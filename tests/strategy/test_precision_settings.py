@@ -273,6 +273,34 @@ def test_fp16_logits_returned_for_a_loss_on_the_host_keep_their_small_gradients(
     assert (fp16 - fp32).norm() / fp32.norm() < 0.02
 
 
+class SmallLossHead(BackboneHead):
+    """A head outside the pipeline with a loss weighted small (an
+    accumulation divisor): fp16 gradients of the host code, unscaled, flush
+    to zero."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) / 2**22
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=float(2**22))
+
+
+def test_fp16_host_code_keeps_its_small_gradients():
+    """16-mixed: the step's code on the host ran under fp16 autocast while
+    the loss scale is the pipeline's: the head's gradients, unscaled, flushed
+    to zero. It runs in fp32: the updates are the fp32 run's."""
+    updates = {}
+    for name, plugins in (("fp32", []), ("fp16", [RoundPipePrecision("16-mixed")])):
+        module = SmallLossHead()
+        before = [p.detach().clone() for p in module.parameters()]
+        strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
+        cpu_trainer(strategy, max_steps=1, plugins=plugins).fit(module, loader(seq_data(8), 8))
+        updates[name] = [p.detach() - b for p, b in zip(module.parameters(), before, strict=True)]
+    for fp16, fp32 in zip(updates["fp16"], updates["fp32"], strict=True):
+        assert (fp16 == 0).float().mean() < 0.01
+        assert (fp16 - fp32).norm() / fp32.norm() < 0.02
+
+
 class MakesTensors(SeqModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
