@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core import LightningModule
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -120,6 +120,59 @@ class RoundPipePrecision(Precision):
         if self.engine is not None and self.engine.iteration == 0:
             self.engine.continue_from(self.carried)
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """16-mixed: the loss scale also as Lightning's own fp16 plugin saves
+        its ``GradScaler`` (under ``"MixedPrecision"``), so a run resumed from
+        this checkpoint under another strategy goes on with the scale."""
+        state = checkpoint.get(type(self).__qualname__)
+        if self.precision != "16-mixed" or not state or "loss_scale" not in state:
+            return
+        growth, backoff, interval = _DEFAULT_SCALER[1:]
+        checkpoint.setdefault(
+            MixedPrecision.__qualname__,
+            {
+                "scale": float(state["loss_scale"]["scale"]),
+                "growth_factor": growth,
+                "backoff_factor": backoff,
+                "growth_interval": interval,
+                "_growth_tracker": int(state["loss_scale"]["good_steps"]),
+            },
+        )
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """16-mixed, resuming a checkpoint another strategy saved with
+        Lightning's fp16 plugin: its ``GradScaler`` scale and count of good
+        steps go on here (Lightning restores a plugin's state by the plugin's
+        class name, so they would be dropped and the scale restart at 2^16)."""
+        theirs = checkpoint.get(MixedPrecision.__qualname__)
+        if (
+            self.precision != "16-mixed"
+            or type(self).__qualname__ in checkpoint
+            or not isinstance(theirs, dict)
+            or "scale" not in theirs
+        ):
+            return
+        settings = tuple(
+            theirs.get(k, d)
+            for k, d in zip(
+                ("growth_factor", "backoff_factor", "growth_interval"),
+                _DEFAULT_SCALER[1:],
+                strict=True,
+            )
+        )
+        if settings != _DEFAULT_SCALER[1:]:
+            rank_zero_warn(
+                f"the checkpoint's GradScaler grew and backed off with growth_factor, "
+                f"backoff_factor, growth_interval = {settings}; RoundPipe goes on from its scale "
+                f"with {_DEFAULT_SCALER[1:]} (torch's defaults)"
+            )
+        tracker = theirs.get("_growth_tracker", 0)
+        self.load_state_dict(
+            {"loss_scale": {"scale": float(theirs["scale"]), "good_steps": int(tracker)}}
+        )
+
     def _outside(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The optimizer's parameters that are not the pipeline's (found once
         per engine, optimizer and parameter count: the check runs at every
@@ -143,11 +196,7 @@ class RoundPipePrecision(Precision):
             return cls()
         if isinstance(plugin, RoundPipePrecision):
             return plugin
-        from lightning.pytorch.plugins.precision import (
-            DoublePrecision,
-            HalfPrecision,
-            MixedPrecision,
-        )
+        from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
         if type(plugin) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
             # (its hooks would not run: RoundPipe computes in its own precision)

@@ -1695,7 +1695,8 @@ class RoundPipeEngine:
         before the first ``forward_backward``."""
         if self._iteration:
             raise RuntimeError("continue_from() must be called before the first forward_backward")
-        self._iteration = int(counters["iteration"])
+        # (none: a checkpoint of another strategy, whose loss scale goes on)
+        self._iteration = int(counters.get("iteration", 0))
         self.scaler.load_state_dict(counters["loss_scale"])
         # (asynchronous fp16: the next window's scale is the one before the last
         # update's; None: it starts with the loaded scale, as before)

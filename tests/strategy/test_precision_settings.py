@@ -316,3 +316,37 @@ def test_tensors_made_in_a_bf16_true_step_are_bf16():
         module, loader(seq_data(16), 8)
     )
     assert torch.get_default_dtype() == torch.float32  # (restored after the step)
+
+
+def test_the_fp16_loss_scale_goes_across_strategies_in_checkpoints(tmp_path):
+    """Lightning restores a precision plugin's state by the plugin's class
+    name: a 16-mixed checkpoint of the default strategy (MixedPrecision) lost
+    its scale under RoundPipe (RoundPipePrecision), which restarted at 2^16,
+    and the other way round. Each now goes on with the other's scale."""
+
+    def lightning_fp16():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+    theirs = tmp_path / "auto.ckpt"
+    trainer = cpu_trainer("auto", max_steps=1, plugins=[lightning_fp16()])
+    trainer.fit(SeqModule(), loader(seq_data(16), 8))
+    trainer.save_checkpoint(theirs)
+    checkpoint = torch.load(theirs, weights_only=False)
+    assert "RoundPipePrecision" not in checkpoint
+    checkpoint["MixedPrecision"].update(scale=1024.0, _growth_tracker=7)  # (after overflows)
+    torch.save(checkpoint, theirs)
+
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
+    plugins = [RoundPipePrecision("16-mixed")]
+    trainer = cpu_trainer(strategy, max_steps=2, plugins=plugins)
+    trainer.fit(SeqModule(), loader(seq_data(16), 8), ckpt_path=theirs)
+    final = trainer.strategy.precision_plugin.final
+    assert final["loss_scale"] == {"scale": 1024.0, "good_steps": 8}
+
+    ours = tmp_path / "roundpipe.ckpt"
+    trainer.save_checkpoint(ours)
+    checkpoint = torch.load(ours, weights_only=False)
+    plugin = lightning_fp16()
+    plugin.load_state_dict(checkpoint["MixedPrecision"])
+    assert plugin.scaler.get_scale() == 1024.0
+    assert plugin.scaler._get_growth_tracker() == 8
