@@ -1350,7 +1350,21 @@ class RoundPipeEngine:
             structures,
             profiler if train and profiler is not None and profiler.wants(iteration) else None,
         )
-        call.version = self._protocol.read_version(self._window, newest=self._newest)
+        if self._stepping == threading.get_ident():
+            # a call from a synchronous step's own hooks (on_before_optimizer_step):
+            # the step waits for them, so its window's weights, which the
+            # parameters hold then as under Lightning (the next window's would
+            # wait for this step: a deadlock until the watchdog)
+            if train:
+                raise RuntimeError(
+                    f"a training call (forward and backward) came from inside optimizer step "
+                    f"{self._window - 1}, e.g. from on_before_optimizer_step: the pipeline's "
+                    "gradients of that step are already taken. Compute it in training_step, or "
+                    "under torch.no_grad() in the hook"
+                )
+            call.version = self._protocol.read_version(self._window - 1)
+        else:
+            call.version = self._protocol.read_version(self._window, newest=self._newest)
         call.writes_state = train
         call.frozen = (
             forward.frozen

@@ -530,3 +530,40 @@ def test_zero_grad_between_the_batches_of_a_window_drops_the_earlier_ones(how):
         _fit(module, strategy, epochs=1, accumulate=2)
         got[name] = state(module)
     torch.testing.assert_close(got["sync"], got["auto"])
+
+
+class ForwardBeforeStep(SeqModule):
+    """The model called from on_before_optimizer_step (a metric of the
+    weights the step is about to change)."""
+
+    def __init__(self, grad: bool = False) -> None:
+        super().__init__(extra=False)
+        self.grad = grad
+        self.seen: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        x = seq_data(4).tensors[0]
+        with torch.set_grad_enabled(self.grad):
+            out = self.net(x)
+        if self.grad:
+            out.sum().backward()
+        with torch.no_grad():  # the weights before the step, as in the parameters
+            torch.testing.assert_close(out, torch.nn.Sequential.forward(self.net, x))
+        self.seen.append(out.detach())
+
+
+def test_a_model_call_in_on_before_optimizer_step_computes_with_the_weights_before_it():
+    """(synchronous: it waited for the step it was called from, until the watchdog)"""
+    module = ForwardBeforeStep()
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2, watchdog_timeout=30)
+    cpu_trainer(strategy, max_steps=3).fit(module, loader(seq_data(32), 8))
+    assert len(module.seen) == 3
+    expected = ForwardBeforeStep()
+    cpu_trainer("auto", max_steps=3).fit(expected, loader(seq_data(32), 8))
+    torch.testing.assert_close(torch.stack(module.seen), torch.stack(expected.seen))
+
+
+def test_a_backward_through_the_model_in_on_before_optimizer_step_is_refused():
+    strategy = RoundPipeStrategy(async_optimizer=False, num_microbatches=2, watchdog_timeout=30)
+    with pytest.raises(RuntimeError, match=r"training call .* from inside optimizer step 0"):
+        cpu_trainer(strategy, max_steps=1).fit(ForwardBeforeStep(grad=True), loader(seq_data(8), 8))
