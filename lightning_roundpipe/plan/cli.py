@@ -2,7 +2,9 @@
 
 ``python -m lightning_roundpipe.plan partition ...`` prints the partitioner's
 plan; ``python -m lightning_roundpipe.plan simulate ...`` prints a bubble table
-for one or more schedules and can write timeline PNGs;
+for one or more schedules and can write timeline PNGs (RoundPipe with the
+plan and round size the runtime would choose, unless ``--plan`` and
+``--round-size`` fix them);
 ``python -m lightning_roundpipe.plan estimate CONFIG --gpu-memory 80 ...``
 prints the plan, memory, longest sequence and simulated throughput of a
 Hugging Face causal LM (it needs torch and transformers, imported only then);
@@ -26,7 +28,7 @@ from typing import Any
 
 from .costs import LayerCosts, PlanError
 from .partition import LayerTooLarge, partition
-from .simulate import SCHEDULES, SimulationResult, simulate
+from .simulate import SCHEDULES, SimulationResult, simulate, stage_over_limit
 from .stages import StagePlan
 
 __all__ = ["main"]
@@ -202,10 +204,13 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
             f"--round-size {args.round_size} is more than the {args.microbatches} micro-batches "
             "of an iteration (-M); a round holds at most all of them"
         )
-    results, skipped = [], []
+    results, skipped, notes = [], [], []
     for name in names:
         rp = name == "roundpipe"
-        plan = StagePlan.parse(args.plan, costs.num_layers) if (rp and args.plan) else None
+        plan, round_size = None, None
+        if rp:
+            plan, round_size, why = _roundpipe_setup(args, costs)
+            notes.append(f"roundpipe: {why}")
         try:
             result = simulate(
                 name,
@@ -216,7 +221,7 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
                 plan=plan,
                 async_optimizer=rp and args.async_optimizer,
                 stages=None if rp else args.stages,
-                microbatches_per_round=args.round_size if rp else None,
+                microbatches_per_round=round_size,
                 stages_per_device=None
                 if rp or name in ("gpipe", "1f1b")
                 else args.stages_per_device,
@@ -229,7 +234,7 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
             continue
         results.append(result)
     out.write(format_table(results) + "\n")
-    for line in skipped:
+    for line in notes + skipped:
         out.write(line + "\n")
     if args.png is not None:
         from .plot import plot_timeline
@@ -240,6 +245,48 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
                 path = path.with_name(f"{path.stem}-{res.schedule}{path.suffix or '.png'}")
             plot_timeline(res, path, time_unit="the unit of the given costs")
             out.write(f"wrote {path}\n")
+
+
+def _roundpipe_setup(args: argparse.Namespace, costs: LayerCosts) -> tuple[StagePlan, int, str]:
+    """RoundPipe's plan and round size as the runtime would choose them, and
+    a line saying which round and why: ``--plan`` (checked against
+    ``--memory-limit``) or the plan the runtime chooses
+    (:func:`~lightning_roundpipe.plan.choose_plan`); ``--round-size`` or the
+    round the runtime chooses (:func:`~lightning_roundpipe.plan.choose_round`
+    with the plan's simulated step per round size). What the runtime alone
+    knows is left out: no host activation budget (a whole batch's
+    activations fit) and every weight upload hidden behind compute."""
+    from .policy import choose_plan, choose_round, simulated_period
+
+    n, m, asyn, comm = args.devices, args.microbatches, args.async_optimizer, args.comm_time
+    limit = _limit(args, costs)
+    if args.plan:
+        plan = StagePlan.parse(args.plan, costs.num_layers)
+        over = stage_over_limit(plan, costs, limit)
+        if over is not None:
+            st, need = over
+            raise PlanError(
+                f"--plan {plan} does not fit --memory-limit {limit:g}: stage {st.label} "
+                f"(layers {st.start}-{st.stop - 1}) needs {need:g} of device memory for one "
+                "micro-batch; give a --plan whose stages fit, drop --plan (the plan chosen "
+                "within the limit), or raise --memory-limit"
+            )
+    else:
+        kw = {"async_optimizer": asyn, "memory_limit": limit, "comm_time": comm}
+        plan = choose_plan(costs, n, m, round_size=args.round_size, **kw)
+    if args.round_size is not None:
+        why = f"{args.round_size} of {m} micro-batches per round (--round-size)"
+        return plan, args.round_size, why
+
+    def period(g: int) -> float:
+        kw = {"async_optimizer": asyn, "round_size": g, "comm_time": comm}
+        return simulated_period(costs, plan, n, m, **kw)
+
+    chosen = choose_round(m, num_devices=n, period=period)
+    why = chosen.reason
+    if chosen.round_size == m:
+        why = f"{m} of {m} micro-batches per round, the {why}"
+    return plan, chosen.round_size, f"{why}, as the runtime chooses (--round-size to fix it)"
 
 
 def _model_name(source: str) -> str:
@@ -301,10 +348,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[*SCHEDULES, "all"],
         help="schedule to simulate (repeatable; default all)",
     )
-    s.add_argument("--plan", help="RoundPipe plan in compact form, e.g. 3,3|1|2,2,2")
+    s.add_argument(
+        "--plan",
+        help="RoundPipe plan in compact form, e.g. 3,3|1|2,2,2 (checked against "
+        "--memory-limit; default: the plan the runtime chooses)",
+    )
     s.add_argument("--stages", type=_ints, help="baselines: layers per stage, e.g. 4,3,3,3")
     s.add_argument("--stages-per-device", type=_count, help="looped baselines (default 2)")
-    s.add_argument("--round-size", type=_count, help="RoundPipe micro-batches per round")
+    s.add_argument(
+        "--round-size",
+        type=_count,
+        help="RoundPipe micro-batches per round (default: the round the runtime chooses, "
+        "choose_round over the plan's simulated step, with no host activation budget and "
+        "weight uploads assumed hidden)",
+    )
     s.add_argument("--comm-time", type=_time, default=0.0, help="activation hop time")
     s.add_argument(
         "--async",

@@ -20,7 +20,13 @@ Schedules (``schedule=``):
   through one local stage before the next.
 
 Baselines use activation checkpointing at stage granularity by default
-(``recompute=True``): a backward op recomputes its stage, then runs backward.
+(``recompute=True``): a backward op recomputes its stage, then runs backward,
+except the model's last layer (the LM head and loss), whose activations are
+kept from its forward as in RoundPipe's fused stage: the head's forward runs
+once per micro-batch in every schedule. This is how the paper's simulator
+models the baselines (it reproduces the reference's 20 baseline cases
+exactly); recomputing the head too would charge the baselines ``M`` extra head
+forwards that RoundPipe does not pay.
 
 Bubble ratio = idle device time / (makespan x N), split into *fill* (before a
 device's first op), *drain* (after its last op) and *steady* (idle time in
@@ -32,15 +38,17 @@ fill (the optimizer runs one step behind, so no flush separates them).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .costs import LayerCosts, PlanError
 from .partition import balanced_partition
 from .schedule import Clock, Copies, Placement, Schedule, Segment, SegmentKind, lower
-from .stages import StagePlan
+from .stages import Stage, StagePlan
 
 __all__ = [
     "SCHEDULES",
@@ -50,6 +58,7 @@ __all__ = [
     "result_from_segments",
     "simulate",
     "simulate_schedules",
+    "stage_over_limit",
     "steady_async_bubble",
 ]
 
@@ -174,6 +183,59 @@ def _result(
 
 
 # ----------------------------------------------------------------- RoundPipe
+def _lowerings(
+    costs: LayerCosts,
+    plan: StagePlan,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool,
+    round_size: int | None = None,
+    comm_time: float = 0.0,
+    optimizer_time: float = 0.0,
+    placement: Placement = "free-first",
+    double_buffer: bool = True,
+    copies: Copies | None = None,
+    record: bool = True,
+) -> tuple[Clock, Iterator[tuple[Schedule, float]]]:
+    """A clock and an endless generator of training iterations lowered on it
+    back to back, exactly as the runtime lowers them: each iteration's
+    schedule and the predicted end of its optimizer step. ``record``: the
+    clock keeps every segment (each schedule carries its own either way)."""
+    clock = Clock(
+        costs,
+        num_devices,
+        async_optimizer=async_optimizer,
+        comm_time=comm_time,
+        optimizer_time=optimizer_time,
+        double_buffer=double_buffer,
+        record=record,
+        copies=copies,
+    )
+
+    def iterations() -> Iterator[tuple[Schedule, float]]:
+        prev: Schedule | None = None
+        it = 0
+        while True:
+            sched = lower(
+                plan,
+                num_devices,
+                num_microbatches,
+                round_size=round_size,
+                clock=clock,
+                iteration=it,
+                placement=placement,
+                # a fixed rotation carries on after the previous iteration's last slot
+                start_device=(prev.tasks[-1].device + 1) % num_devices
+                if prev is not None and placement == "rotate"
+                else 0,
+            )
+            yield sched, clock.step(it)
+            prev, it = sched, it + 1
+
+    return clock, iterations()
+
+
 def simulate_schedules(
     costs: LayerCosts,
     plan: StagePlan,
@@ -195,35 +257,20 @@ def simulate_schedules(
     have two master copies (the runtime's default with the asynchronous
     optimizer; see :class:`Clock`); ``copies``: the host-device copies
     devices wait for (:class:`~.schedule.Copies`)."""
-    clock = Clock(
+    clock, lowered = _lowerings(
         costs,
+        plan,
         num_devices,
+        num_microbatches,
         async_optimizer=async_optimizer,
+        round_size=round_size,
         comm_time=comm_time,
         optimizer_time=optimizer_time,
+        placement=placement,
         double_buffer=double_buffer,
-        record=True,
         copies=copies,
     )
-    out = []
-    for it in range(iterations):
-        out.append(
-            lower(
-                plan,
-                num_devices,
-                num_microbatches,
-                round_size=round_size,
-                clock=clock,
-                iteration=it,
-                placement=placement,
-                # a fixed rotation carries on after the previous iteration's last slot
-                start_device=(out[-1].tasks[-1].device + 1) % num_devices
-                if out and placement == "rotate"
-                else 0,
-            )
-        )
-        clock.step(it)
-    return out, clock
+    return [sched for sched, _ in itertools.islice(lowered, iterations)], clock
 
 
 def result_from_segments(
@@ -252,7 +299,7 @@ def result_from_segments(
         total = makespan * n
         fill = sum(makespan if f is None else f for f in first)
         drain = sum(0.0 if f is None else makespan - e for f, e in zip(first, last))
-        idle = total - sum(busy)
+        idle = max(0.0, total - sum(busy))  # (never below zero by rounding)
         steady = max(0.0, idle - fill - drain)
         ratios = (idle / total, fill / total, drain / total, steady / total)
     return SimulationResult(
@@ -299,6 +346,15 @@ def _simulate_roundpipe(
             placement=placement,
         )
     plan.validate(costs.num_layers)
+    over = stage_over_limit(plan, costs, memory_limit)
+    if over is not None:
+        st, need = over
+        raise PlanError(
+            f"plan {plan} does not fit memory_limit {memory_limit:g}: stage {st.label} "
+            f"(layers {st.start}-{st.stop - 1}) needs {need:g} of device memory for one "
+            "micro-batch; give a plan whose stages fit, plan=None (the plan chosen within "
+            "the limit), or raise memory_limit"
+        )
     kw = dict(
         round_size=mr,
         comm_time=comm_time,
@@ -315,30 +371,207 @@ def _simulate_roundpipe(
     return result_from_segments("roundpipe", clock.segments, n, m, iterations, **extra)
 
 
+#: iterations :func:`steady_async_bubble` always simulates before it may stop
+#: on a settled estimate: the full default count up to 8 devices
+_SETTLE_AFTER = 18
+#: how many consecutive settled estimates it compares
+_SETTLE_SPAN = 9
+#: at most this many iterations per repeating block (:func:`_repeat`)
+_MAX_CYCLE = 8
+
+
+def stage_over_limit(
+    plan: StagePlan, costs: LayerCosts, memory_limit: float | None
+) -> tuple[Stage, float] | None:
+    """The first stage of ``plan`` whose device memory for one micro-batch
+    exceeds ``memory_limit``, and that memory; None when every stage fits
+    (or the limit or the layers' memory is not given)."""
+    if memory_limit is None or costs.memory is None:
+        return None
+    for st, need in zip(plan.stages, plan.stage_memory(costs)):
+        if need > memory_limit:
+            return st, need
+    return None
+
+
 def steady_async_bubble(
-    costs: LayerCosts, plan: StagePlan, n: int, m: int, *, iterations: int | None = None, **kw
+    costs: LayerCosts,
+    plan: StagePlan,
+    n: int,
+    m: int,
+    *,
+    iterations: int | None = None,
+    tolerance: float = 5e-4,
+    **kw,
 ) -> float:
     """Idle fraction of the devices once iterations run back to back with the
     asynchronous optimizer.
 
-    Simulates ``iterations`` (default ``max(8, 2N + 2)``) iterations and
-    measures how busy the devices are between the end of the second iteration
-    (the first ones start on idle devices) and the start of the last one (after
-    it no more work follows): ``1 - busy / (N * window)``."""
+    Measures ``iterations`` (default ``max(8, 2N + 2)``) iterations: how busy
+    the devices are between the end of the second iteration (the first ones
+    start on idle devices) and the start of the last one (after it no more
+    work follows): ``1 - busy / (N * window)``.
+
+    Iterations are lowered one at a time; of each only its busy intervals
+    are kept (no segments on the clock). It stops early in two ways:
+
+    * exactly: once a block of ``q`` iterations (``q <= 8``) repeats, shifted
+      by one period, with the devices rotated alike and the optimizer step
+      shifted too, the clock's state repeats, so every later block is the
+      last one shifted again: those are placed, not simulated, and the
+      answer is the full simulation's;
+    * with the default count (``iterations`` not given) past 18 iterations
+      (more than 8 devices): once the idle fraction over the second half of
+      the iterations so far (the first half is the warm-up) has stayed
+      within ``tolerance`` for 9 iterations in a row; that estimate is
+      returned. With many devices the per-iteration period keeps changing
+      (the round's first device walks around the devices, and a round that
+      wraps past the last device runs longer), so "two equal periods in a
+      row" is not a steady state; the half-window estimate settles within
+      a few dozen iterations where the full count is ``2N + 2``.
+      ``tolerance=0`` simulates the full count.
+
+    ``kw``: as for :func:`simulate_schedules`."""
     k = iterations if iterations is not None else max(8, 2 * n + 2)
     if k < 4:
         raise PlanError(f"iterations must be >= 4 to reach a steady state, got {k}")
-    _, clock = simulate_schedules(costs, plan, n, m, k, async_optimizer=True, **kw)
-    segs = clock.segments
-    t1 = max(s.end for s in segs if s.iteration == 1)
-    t2 = min(s.start for s in segs if s.iteration == k - 1)
-    if t2 <= t1:  # iterations barely overlap: one iteration's period instead
-        t1, t2 = (
-            min(s.start for s in segs if s.iteration == 1),
-            min(s.start for s in segs if s.iteration == 2),
+    if not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise PlanError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    settle = iterations is None and tolerance > 0
+    _, lowered = _lowerings(costs, plan, n, m, async_optimizer=True, record=False, **kw)
+    its: list[_Busy] = []
+    estimates: list[float] = []
+    for sched, step_end in itertools.islice(lowered, k):
+        its.append(_Busy.of(sched, step_end))
+        if len(its) == k:
+            break
+        rep = _repeat(its, n)
+        if rep is not None:
+            return _window_bubble(its, n, 1, k, rep)
+        if settle and len(its) > _SETTLE_AFTER - _SETTLE_SPAN:
+            est = _window_bubble(its, n, len(its) // 2, len(its))
+            if est is None:
+                continue
+            estimates.append(est)
+            last = estimates[-_SETTLE_SPAN:]
+            if (
+                len(its) >= _SETTLE_AFTER
+                and len(last) == _SETTLE_SPAN
+                and max(last) - min(last) <= tolerance
+            ):
+                return est
+    result = _window_bubble(its, n, 1, k)
+    assert result is not None
+    return result
+
+
+@dataclass(frozen=True)
+class _Busy:
+    """One simulated iteration, as :func:`steady_async_bubble` keeps it."""
+
+    start: float  # its first segment's start
+    end: float  # its last segment's end
+    work: float  # busy device time
+    intervals: array  # start, end, start, end, ... of its segments, in task order
+    devices: tuple[int, ...]  # each task's device
+    step_end: float  # the end of its optimizer step
+
+    @classmethod
+    def of(cls, sched: Schedule, step_end: float) -> _Busy:
+        iv = array("d")
+        for seg in sched.predicted:
+            iv.append(seg.start)
+            iv.append(seg.end)
+        starts, ends = iv[0::2], iv[1::2]
+        return cls(
+            min(starts),
+            max(ends),
+            math.fsum(b - a for a, b in zip(starts, ends)),
+            iv,
+            tuple(t.device for t in sched.tasks),
+            step_end,
         )
-    busy = sum(max(0.0, min(s.end, t2) - max(s.start, t1)) for s in segs)
-    return max(0.0, 1.0 - busy / (n * (t2 - t1))) if t2 > t1 else 0.0
+
+
+def _repeat(its: Sequence[_Busy], n: int) -> tuple[int, float] | None:
+    """``(q, period)`` when the last ``q + 1`` iterations each repeat the one
+    ``q`` earlier shifted by ``period`` (intervals, optimizer step), on
+    devices rotated by one offset, and none of them is the first iteration;
+    else None. Then the clock's state repeats too, and so does every later
+    block of ``q`` iterations."""
+    j = len(its) - 1
+    for q in range(1, _MAX_CYCLE + 1):
+        if j - 2 * q < 1:
+            break
+        a, b = its[j - q], its[j]
+        period = b.start - a.start
+        tol = 1e-9 * max(1.0, abs(b.end))
+        offset = (b.devices[0] - a.devices[0]) % n
+        pairs = [(its[i - q], its[i]) for i in range(j - q, j + 1)]
+        # cheap checks first, then interval by interval
+        if any(
+            abs(y.start - x.start - period) > tol
+            or abs(y.end - x.end - period) > tol
+            or abs(y.step_end - x.step_end - period) > tol
+            or abs(y.work - x.work) > tol
+            or len(y.intervals) != len(x.intervals)
+            for x, y in pairs
+        ):
+            continue
+        if all(
+            all((dy - dx) % n == offset for dx, dy in zip(x.devices, y.devices))
+            and all(abs(v - u - period) <= tol for u, v in zip(x.intervals, y.intervals))
+            for x, y in pairs
+        ):
+            return q, period
+    return None
+
+
+def _window_bubble(
+    its: Sequence[_Busy], n: int, first: int, k: int, rep: tuple[int, float] | None = None
+) -> float | None:
+    """``1 - busy / (N * window)`` over the window from the end of iteration
+    ``first`` to the start of iteration ``k - 1``. Iterations past the
+    simulated ones repeat the last block of ``rep = (q, period)``. A window
+    that is empty: with ``first == 1`` one iteration's period instead (from
+    the start of iteration 1 to that of iteration 2); else None."""
+    last = len(its) - 1
+
+    def at(v: int) -> tuple[_Busy, float]:  # iteration v: a simulated one, and a shift
+        if v <= last:
+            return its[v], 0.0
+        assert rep is not None, "iterations past the simulated ones need a repeating block"
+        q, period = rep
+        r = v - last - 1
+        return its[last - q + 1 + r % q], (r // q + 1) * period
+
+    def bounds(v: int) -> tuple[float, float]:
+        it, shift = at(v)
+        return it.start + shift, it.end + shift
+
+    t1, t2 = bounds(first)[1], bounds(k - 1)[0]
+    if t2 <= t1:
+        if first != 1:
+            return None
+        # iterations barely overlap: one iteration's period instead
+        t1, t2 = bounds(1)[0], bounds(2)[0]
+        if t2 <= t1:
+            return 0.0
+    busy = 0.0
+    for v in range(k):
+        it, shift = at(v)
+        lo, hi = it.start + shift, it.end + shift
+        if hi <= t1 or lo >= t2:
+            continue
+        if lo >= t1 and hi <= t2:
+            busy += it.work
+            continue
+        iv = it.intervals
+        busy += sum(
+            max(0.0, min(iv[i + 1] + shift, t2) - max(iv[i] + shift, t1))
+            for i in range(0, len(iv), 2)
+        )
+    return max(0.0, 1.0 - busy / (n * (t2 - t1)))
 
 
 # ----------------------------------------------------------------- baselines
@@ -396,6 +629,8 @@ def _simulate_baseline(
         if v < 1:
             raise PlanError(f"stages_per_device must be >= 1, got {v}")
         weights = [(2 * f if recompute else f) + b for f, b in zip(costs.forward, costs.backward)]
+        if recompute:  # (the head is not recomputed: see below)
+            weights[-1] -= costs.forward[-1]
         stages = balanced_partition(weights, v * n)
     stages = tuple(stages)
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in stages):
@@ -425,12 +660,17 @@ def _simulate_baseline(
     for c in stages:
         bounds.append(bounds[-1] + c)
     last = len(stages) - 1
+    head = costs.num_layers - 1
     queues: list[list[_Op]] = []
     for d in range(n):
         q = []
         for kind, s, mb in _baseline_order(name, n, m, v, d):
             a, b = bounds[s], bounds[s + 1]
             fwd, bwd = costs.forward_time(a, b), costs.backward_time(a, b)
+            # the recompute skips the model's last layer (LM head and loss): its
+            # activations are kept from the forward, as in RoundPipe's fused
+            # stage and the paper's simulator (like for like with RoundPipe)
+            redo = costs.forward_time(a, max(a, min(b, head)))
             # each operation's own host work, as in RoundPipe's (an empty stage: none)
             o = costs.task_overhead if b > a else 0.0
             if kind == "F":
@@ -439,7 +679,7 @@ def _simulate_baseline(
                     op.deps.append(("F", s - 1, mb))
             else:
                 parts: list[tuple[SegmentKind, float]] = (
-                    [("R", fwd + o), ("B", bwd)] if recompute else [("B", bwd + o)]
+                    [("R", redo + o), ("B", bwd)] if recompute else [("B", bwd + o)]
                 )
                 op = _Op(("B", s, mb), d, parts, f"S{s}", mb)
                 op.deps.append(("B", s + 1, mb) if s < last else ("F", s, mb))
@@ -487,12 +727,17 @@ def simulate(
         stages: baselines only: layers per stage (zero allowed), stage ``s``
             bound to device ``s mod N``; default a min-max balanced cut.
         microbatches_per_round: RoundPipe only: ``M_R`` (default ``M``, one
-            round per iteration).
+            round per iteration; the runtime, and ``plan simulate`` without
+            ``--round-size``, choose it with
+            :func:`~lightning_roundpipe.plan.choose_round`).
         stages_per_device: looped baselines: stages per device when ``stages``
             is not given (default 2).
         recompute: baselines only: backward ops recompute their stage first
-            (activation checkpointing), as RoundPipe's backward stages do.
-        memory_limit: RoundPipe only: passed to the partitioner.
+            (activation checkpointing), as RoundPipe's backward stages do;
+            the model's last layer (the head) is not recomputed, as in
+            RoundPipe's fused stage.
+        memory_limit: RoundPipe only: passed to the partitioner; a given
+            ``plan`` must fit it (:func:`stage_over_limit`).
         iterations: RoundPipe only: iterations to simulate back to back.
         optimizer_time: RoundPipe only: time of one host optimizer step.
         placement: RoundPipe only: ``"free-first"`` (rounds start on the

@@ -104,7 +104,7 @@ def test_simulate_all_by_default():
         ]
     )
     assert code == 0
-    assert [ln.split()[0] for ln in text.splitlines()[2:]] == [
+    assert [ln.split()[0] for ln in text.splitlines()[2:7]] == [
         "roundpipe",
         "gpipe",
         "1f1b",
@@ -112,6 +112,7 @@ def test_simulate_all_by_default():
         "looped-bfs",
     ]
     assert "4,3|1|4,3" in text
+    assert text.splitlines()[7].startswith("roundpipe: 4 of 4 micro-batches per round")
 
 
 def test_errors_exit_2_with_message(capsys):
@@ -260,3 +261,79 @@ def test_a_layer_over_the_memory_limit_is_refused_naming_the_flags(capsys):
     assert "layer 0 needs 1 of device memory" in err
     assert "Raise --memory-limit, or give the --memory of a smaller micro-batch" in err
     assert "device_memory_limit" not in err  # (the strategy's option, not a flag here)
+
+
+QWEN3_1_7B = [  # the paper's Qwen3-1.7B case: 28 blocks and the LM head, its hop time
+    "--forward",
+    "7.429x28,22.0655",
+    "--backward",
+    "15.831x28,43.707",
+    "-N",
+    "8",
+    "-M",
+    "16",
+    "--comm-time",
+    "1.6",
+    "--schedule",
+    "roundpipe",
+]
+
+
+def test_simulate_chooses_the_round_as_the_runtime_does():
+    """Without --round-size, RoundPipe runs in the round the runtime would
+    choose (choose_round over the plan's simulated step): on the paper's
+    Qwen3-1.7B case rounds of 8, 19.07% of bubble (the reference's figure),
+    where whole-batch rounds idle 24.48%."""
+    from lightning_roundpipe.plan import LayerCosts, choose_plan, choose_round, simulated_period
+
+    code, text = run(["simulate", *QWEN3_1_7B])
+    assert code == 0
+    row, note = text.splitlines()[2], text.splitlines()[3]
+    assert row.split()[:3] == ["roundpipe", "2286.02", "19.07%"]
+    assert note.startswith("roundpipe: 8 of 16 micro-batches per round: a simulated step 7%")
+    assert "as the runtime chooses (--round-size to fix it)" in note
+    # the runtime's own choice, as the engine makes it for this plan
+    costs = LayerCosts([7.429] * 28 + [22.0655], [15.831] * 28 + [43.707])
+    plan = choose_plan(costs, 8, 16, async_optimizer=False, comm_time=1.6)
+    assert str(plan) in row
+
+    def period(g):
+        return simulated_period(costs, plan, 8, 16, async_optimizer=False, round_size=g)
+
+    assert choose_round(16, num_devices=8, period=period).round_size == 8
+    # a fixed round is taken as given
+    code, text = run(["simulate", *QWEN3_1_7B, "--round-size", "16"])
+    assert text.splitlines()[2].split()[:3] == ["roundpipe", "2449.78", "24.48%"]
+    assert text.splitlines()[3] == "roundpipe: 16 of 16 micro-batches per round (--round-size)"
+
+
+MEMORY = ["--forward", "1x8", "--backward", "2x8", "--memory", "1x8", "-N", "2", "-M", "4"]
+
+
+def test_simulate_checks_a_given_plan_against_the_memory_limit(capsys):
+    """--plan with --memory-limit: the plan's stages are checked against the
+    limit (it used to be ignored)."""
+    argv = ["simulate", *MEMORY, "--schedule", "roundpipe", "--plan", "4,3|1|4,3"]
+    code, _ = run([*argv, "--memory-limit", "3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert (
+        "--plan 4,3|1|4,3 does not fit --memory-limit 3: stage F1 (layers 0-3) needs 4 of "
+        "device memory for one micro-batch; give a --plan whose stages fit, drop --plan (the "
+        "plan chosen within the limit), or raise --memory-limit"
+    ) in err
+    code, text = run([*argv, "--memory-limit", "4"])  # every stage fits
+    assert code == 0 and "4,3|1|4,3" in text
+    code, text = run(["simulate", *MEMORY, "--schedule", "roundpipe", "--memory-limit", "3"])
+    assert code == 0  # the plan chosen within the limit
+    row = text.splitlines()[2].split()
+    assert max(map(int, row[-1].replace("|", ",").split(","))) <= 3
+
+
+def test_the_library_checks_a_given_plan_against_the_memory_limit():
+    from lightning_roundpipe.plan import LayerCosts, PlanError, simulate
+
+    costs = LayerCosts([1.0] * 8, [2.0] * 8, memory=[1.0] * 8)
+    with pytest.raises(PlanError, match=r"plan 4,3\|1\|4,3 does not fit memory_limit 3: stage F1"):
+        simulate("roundpipe", costs, 2, 4, plan="4,3|1|4,3", memory_limit=3)
+    assert simulate("roundpipe", costs, 2, 4, plan="4,3|1|4,3", memory_limit=4).makespan > 0
