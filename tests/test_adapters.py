@@ -2187,16 +2187,17 @@ def xglm() -> nn.Module:
     return transformers.XGLMForCausalLM(cfg)
 
 
-def test_an_unknown_family_is_refused_listing_every_supported_one():
+def test_an_unknown_family_is_refused_naming_where_the_supported_ones_are():
     with pytest.raises(LayerStackNotFound) as err:
         find_adapter(Holder(lm=xglm()))
     message = str(err.value)
     assert message.startswith(
         "no layer stack found in Holder: 'lm' is a Hugging Face model with model_type 'xglm', "
-        "which RoundPipe does not support (supported: Llama (llama), Qwen2 (qwen2),"
+        "which RoundPipe does not support (supported: "
+        f"{len({f.name for f in FAMILIES})} families, e.g. Llama, Qwen2,"
     )
-    for family in FAMILIES:
-        assert f"{family.name} ({'/'.join(family.model_types)})" in message
+    assert "lightning_roundpipe.models.FAMILIES, or 'Supported models'" in message
+    assert len(message) < 600, message
     assert "layers=" not in message  # naming it would not help
     with pytest.raises(LayerStackNotFound, match=r"^layers='lm' is a Hugging Face model with "):
         find_adapter(Holder(lm=xglm()), layers="lm")
@@ -2267,6 +2268,79 @@ def test_layers_is_suggested_only_for_a_sequential():
         find_adapter(Holder(body=nn.Linear(4, 4)))
     with pytest.raises(LayerStackNotFound, match=r"layers='body' is a Linear; .*nn.Sequential$"):
         find_adapter(Holder(body=nn.Linear(4, 4)), layers="body")
+
+
+class _Looped(nn.Module):
+    """A stack kept in an nn.ModuleList (or nn.ModuleDict) of nn.Sequential
+    blocks, which its forward loops over."""
+
+    def __init__(self, n: int, container: type = nn.ModuleList, head: bool = False) -> None:
+        super().__init__()
+        blocks = [mlp(8) for _ in range(n)]
+        if container is nn.ModuleDict:
+            self.blocks = nn.ModuleDict({f"b{i}": b for i, b in enumerate(blocks)})
+        else:
+            self.blocks = container(blocks)
+        self.head = nn.Linear(8, 2) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dict_ = isinstance(self.blocks, nn.ModuleDict)
+        for block in self.blocks.values() if dict_ else self.blocks:
+            x = block(x)
+        return x if self.head is None else self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("n", "container", "head", "first", "shares"),
+    [
+        (4, nn.ModuleList, False, "0", ("25%", "100%")),
+        (2, nn.ModuleList, True, "0", ("47%", "94%")),
+        (3, nn.ModuleDict, False, "b0", ("33%", "100%")),
+    ],
+)
+def test_a_stack_in_a_module_list_is_named_not_one_of_its_blocks(n, container, head, first, shares):
+    """(The refusal suggested layers='model.blocks.0': one block, pipelined
+    alone.) It names the container and says to make the stack one
+    nn.Sequential; so made, the whole stack is found."""
+    root = Holder(model=_Looped(n, container, head))
+    kind = container.__name__
+    total = n * 144 + (18 if head else 0)
+    with pytest.raises(LayerStackNotFound) as err:
+        find_adapter(root)
+    assert str(err.value) == (
+        f"the layer stack of Holder is not clear: the largest candidate, 'model.blocks.{first}' "
+        f"(Sequential, 144 parameters, {shares[0]}), is one of {n} blocks of 'model.blocks' "
+        f"({kind}, {n * 144:,} parameters, {shares[1]}) and holds at most half of Holder's "
+        f"{total:,} parameters. An nn.{kind} is not a stack RoundPipe can pipeline, and "
+        f"layers='model.blocks.{first}' would pipeline that block alone: make 'model.blocks' "
+        "one nn.Sequential of its blocks (nn.Sequential(*blocks), called as "
+        "self.model.blocks(x) instead of a loop over them), or pass layers= naming an "
+        "nn.Sequential that holds the whole stack"
+    )
+    blocks = root.model.blocks
+    root.model.blocks = nn.Sequential(*(blocks.values() if kind == "ModuleDict" else blocks))
+    adapter = find_adapter(root)
+    assert isinstance(adapter, SequentialAdapter) and adapter.target is root.model.blocks
+
+
+def test_the_refusals_name_a_few_supported_families_and_where_all_are():
+    """(Each embedded all of them, some 3,000 characters.)"""
+    families = f"{len({f.name for f in FAMILIES})} families, e.g. Llama, Qwen2, "
+    where = (
+        "all of them: lightning_roundpipe.models.FAMILIES, or 'Supported models' in the user guide"
+    )
+    root = Holder(body=nn.ModuleDict({"a": nn.Linear(64, 64)}), head=mlp(4))
+    for make in (
+        lambda: find_adapter(root),
+        lambda: find_adapter(Holder(body=nn.Linear(4, 4))),
+        lambda: find_adapter(Holder(body=nn.Linear(4, 4)), layers="body"),
+    ):
+        with pytest.raises(LayerStackNotFound) as err:
+            make()
+        message = str(err.value)
+        assert families in message and where in message, message
+        assert len(message) < 600, message
+        assert "GPT-NeoX" not in message
 
 
 def test_the_layer_stack_of_a_family_is_found_by_its_entry():

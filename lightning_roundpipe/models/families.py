@@ -987,6 +987,16 @@ def family_for(model_type: Any) -> Family | None:
     return _BY_TYPE.get(model_type) if isinstance(model_type, str) else None
 
 
+#: the families a message names as examples
+_EXAMPLES = 6
+
+
 def supported_families() -> str:
-    """Every supported family with its model types, for messages."""
-    return ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
+    """The supported families in brief, for messages: how many, a few, and
+    where all are (every family with its model types runs to some 3,000
+    characters, which buried the rest of a message)."""
+    names = list(dict.fromkeys(f.name for f in FAMILIES))
+    return (
+        f"{len(names)} families, e.g. {', '.join(names[:_EXAMPLES])}; all of them: "
+        "lightning_roundpipe.models.FAMILIES, or 'Supported models' in the user guide"
+    )

@@ -118,6 +118,9 @@ def find_adapter(root: nn.Module, layers: str | None = None) -> _Adapter:
     name, chosen = candidates[best]
     if sizes[best] * 2 > total or total == 0:
         return _adapter_for(chosen, name)
+    listed = _listed_stack(root, name, candidates)
+    if listed is not None:
+        raise LayerStackNotFound(listed)
     # the choice is not clear: name what holds the rest
     mine = {id(p) for p in chosen.parameters()}
     within = {id(m) for m in chosen.modules()}
@@ -186,6 +189,39 @@ def _named(root: nn.Module, layers: str) -> _Adapter:
     raise LayerStackNotFound(
         f"layers={layers!r} is a {type(module).__name__}; RoundPipe can pipeline {_WHAT} "
         f"({supported_families()}): put the layers to pipeline in an nn.Sequential"
+    )
+
+
+def _listed_stack(
+    root: nn.Module, name: str, candidates: list[tuple[str, nn.Module]]
+) -> str | None:
+    """The refusal when the largest candidate, ``name``, is one block of a
+    stack held in an ``nn.ModuleList`` (or ``nn.ModuleDict``) with other
+    candidates, which a custom forward loops over: suggesting ``layers=``
+    for one block would pipeline that block alone. None otherwise."""
+    if "." not in name:
+        return None
+    parent_name = name.rsplit(".", 1)[0]
+    parent = root.get_submodule(parent_name)
+    if not isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    blocks = [n for n, _ in candidates if n.rsplit(".", 1)[0] == parent_name]
+    if len(blocks) < 2:
+        return None
+    root_name = type(root).__name__
+    total = _count(root.parameters())
+    kind = type(parent).__name__
+    held = _describe(parent_name, parent, _count(parent.parameters()), total)
+    chosen = root.get_submodule(name)
+    largest = _describe(name, chosen, _count(chosen.parameters()), total)
+    return (
+        f"the layer stack of {root_name} is not clear: the largest candidate, {largest}, is "
+        f"one of {len(blocks)} blocks of {held} and holds at most half of {root_name}'s "
+        f"{total:,} parameters. An nn.{kind} is not a stack RoundPipe can pipeline, and "
+        f"layers={name!r} would pipeline that block alone: make '{parent_name}' one "
+        f"nn.Sequential of its blocks (nn.Sequential(*blocks), called as "
+        f"self.{parent_name}(x) instead of a loop over them), or pass layers= naming an "
+        "nn.Sequential that holds the whole stack"
     )
 
 

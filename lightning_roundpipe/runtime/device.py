@@ -198,12 +198,26 @@ class _SeededOps(TorchDispatchMode):
         self.used = False  # an op that draws ran
         self.tagged = False  # an op tagged random ran (perhaps drawing nothing)
 
+    def __enter__(self) -> _SeededOps:
+        # (in the block, torch.get_rng_state and the like see ``gen`` too:
+        # see _install_streams)
+        super().__enter__()
+        _streams().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _streams().pop()
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         self.tagged = True
         if not _draws(func, args, kwargs):
+            return func(*args, **kwargs)
+        if getattr(_THREAD, "lent", False):
+            # an inner mode (a fork in the block) lent its state for this op
             return func(*args, **kwargs)
         self.used = True
         if _takes_generator(func) and kwargs.get("generator") is None:
@@ -214,11 +228,182 @@ class _SeededOps(TorchDispatchMode):
         with _rng_lock(torch.device("cpu")):
             saved = generator_state(shared)
             shared.set_state(generator_state(self.gen))
+            _THREAD.lent = True
             try:
                 return func(*args, **kwargs)
             finally:
+                _THREAD.lent = False
                 self.gen.set_state(generator_state(shared))
                 shared.set_state(saved)
+
+
+# -------------------------------------------- the default generator, per thread
+#
+# A layer on a CPU worker draws from its own generator (_SeededOps), not from
+# the process's default one. Code in the layer that keeps and puts back "the"
+# generator's state must see that generator too: torch.utils.checkpoint
+# (reentrant or not, called by the user's layer itself) keeps
+# ``torch.get_rng_state()`` in its forward and recomputes the forward in the
+# backward under ``torch.random.fork_rng()`` after ``torch.set_rng_state()``
+# of what it kept. With the process's generator the recompute drew other
+# dropout masks than its forward (silently wrong gradients) and rewound the
+# training loop's thread's random numbers drawn meanwhile. So, on a thread
+# inside such a block, those three functions work on the block's own
+# generator; the state a layer's block hands out is marked, and a fork whose
+# state is set to a marked one (a checkpoint's recompute, in the backward,
+# outside any layer) runs in a _SeededOps mode over a private generator that
+# starts from it: the forward's random numbers again, the process's generator
+# untouched. Anywhere else they are torch's own.
+
+_THREAD = threading.local()
+_MARK = "_roundpipe_layer_stream"  # attribute of a state a layer's block handed out
+
+
+def _streams() -> list[Any]:
+    """This thread's blocks that own the default generator, innermost last:
+    :class:`_SeededOps` (its ``gen``), :class:`_ProcessStream` (a layer
+    that draws from the process's generator) or :class:`_Fork` (a fork
+    outside any layer, not yet given a marked state)."""
+    stack = getattr(_THREAD, "streams", None)
+    if stack is None:
+        stack = _THREAD.streams = []
+    return stack
+
+
+class _ProcessStream:
+    """A layer on a CPU worker that runs without a dispatch mode (it draws
+    nothing): the process's generator, whose state it hands out marked, so
+    that a checkpoint's recompute does not set and put back the process's
+    generator (the loop's thread's numbers drawn meanwhile)."""
+
+    __slots__ = ("drew",)
+
+    def __init__(self) -> None:
+        self.drew = False  # a fork in the layer drew (from a copy of the state)
+
+    def __enter__(self) -> _ProcessStream:
+        _streams().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _streams().pop()
+
+
+class _Fork:
+    """A ``fork_rng`` outside any layer: torch's, unless a marked state is
+    set in it (:meth:`take`)."""
+
+    __slots__ = ("depth", "exits", "taken")
+
+    def __init__(self) -> None:
+        self.depth = torch._C._len_torch_dispatch_stack()
+        self.exits = contextlib.ExitStack()
+        self.taken = False  # the process's generator was left alone
+
+    def take(self, state: torch.Tensor) -> bool:
+        """The rest of the fork draws from a generator that starts at
+        ``state``; False where a dispatch mode entered in the fork since
+        would be left out of order."""
+        if torch._C._len_torch_dispatch_stack() != self.depth:
+            return False
+        gen = torch.Generator()
+        gen.set_state(state)
+        self.exits.enter_context(_SeededOps(gen))
+        self.taken = True
+        return True
+
+
+def _marked(state: torch.Tensor) -> torch.Tensor:
+    setattr(state, _MARK, True)
+    return state
+
+
+_TORCH: dict[str, Any] = {}  # torch's own functions
+_INSTALL_GUARD = threading.Lock()
+
+
+def _get_rng_state() -> torch.Tensor:
+    stack = _streams()
+    top = stack[-1] if stack else None
+    if isinstance(top, _SeededOps):
+        return _marked(top.gen.get_state())
+    if isinstance(top, _ProcessStream):
+        return _marked(generator_state(torch.default_generator))
+    if isinstance(top, _Fork):  # (perhaps a worker's thread: see generator_state)
+        return generator_state(torch.default_generator)
+    return _TORCH["get_rng_state"]()
+
+
+def _set_rng_state(new_state: torch.Tensor) -> None:
+    stack = _streams()
+    top = stack[-1] if stack else None
+    if isinstance(top, _SeededOps):
+        top.gen.set_state(new_state)
+        return
+    if isinstance(top, _Fork):
+        if top.taken:
+            return  # (the fork's own restore: the process's generator was not set)
+        if getattr(new_state, _MARK, False) and top.take(new_state):
+            return
+    _TORCH["set_rng_state"](new_state)
+
+
+@contextlib.contextmanager
+def _fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
+    bound = _TORCH["fork_signature"].bind(*args, **kwargs)
+    bound.apply_defaults()
+    fork = _TORCH["fork_rng"]
+    stack = _streams()
+    top = stack[-1] if stack else None
+    if not bound.arguments["enabled"]:
+        with fork(*args, **kwargs):
+            yield
+    elif top is not None and not isinstance(top, _Fork):
+        # inside a layer: the fork draws from a copy of the layer's stream
+        gen = torch.Generator()
+        gen.set_state(_get_rng_state())
+        inner = _SeededOps(gen)
+        try:
+            with inner, fork(*args, **kwargs):
+                yield
+        finally:  # (what the layer drew, for LayerRandomness)
+            if isinstance(top, _SeededOps):
+                top.used = top.used or inner.used
+                top.tagged = top.tagged or inner.tagged
+            else:
+                top.drew = top.drew or inner.used
+    else:
+        frame = _Fork()
+        stack.append(frame)
+        try:
+            with fork(*args, **kwargs), frame.exits:
+                yield
+        finally:
+            stack.remove(frame)
+
+
+def _install_streams() -> None:
+    """Route ``torch.get_rng_state``, ``torch.set_rng_state`` and
+    ``torch.random.fork_rng`` through this thread's blocks (see above); the
+    same as torch's on a thread in none of them. Once per process."""
+    import inspect
+
+    with _INSTALL_GUARD:
+        if _TORCH:
+            return
+        _TORCH["get_rng_state"] = torch.random.get_rng_state
+        _TORCH["set_rng_state"] = torch.random.set_rng_state
+        _TORCH["fork_rng"] = torch.random.fork_rng
+        _TORCH["fork_signature"] = inspect.signature(torch.random.fork_rng)
+        for fn, name in (
+            (_get_rng_state, "get_rng_state"),
+            (_set_rng_state, "set_rng_state"),
+            (_fork_rng, "fork_rng"),
+        ):
+            functools.update_wrapper(fn, _TORCH[name])
+            setattr(torch.random, name, fn)
+            if getattr(torch, name, None) is _TORCH[name]:
+                setattr(torch, name, fn)
 
 
 # the generator of the checkpointed layer a CPU worker's thread is running
@@ -308,7 +493,11 @@ class LayerRandomness:
     that mode (only their random ops touch shared state, briefly); the others
     run untouched (a layer whose randomness depends on its data, seen only
     later, is caught by a check that the default generator did not move, and
-    seeded from then on). CUDA workers seed the device's
+    seeded from then on). In the layer, ``torch.get_rng_state``,
+    ``torch.set_rng_state`` and ``torch.random.fork_rng`` work on the
+    layer's generator, so that a ``torch.utils.checkpoint`` the layer calls
+    itself recomputes with the forward's random numbers (see
+    :func:`_install_streams`). CUDA workers seed the device's
     generator under a lock that covers kernel launches only (:func:`seeded`)."""
 
     def __init__(
@@ -327,6 +516,7 @@ class LayerRandomness:
         # in which any of them saw the layer draw (each worker's own first call
         # in a mode still runs in the dispatch mode, whatever another's drew)
         self.seen: dict[bool, bool] = {} if seen is None else seen
+        _install_streams()
 
     @contextlib.contextmanager
     def __call__(self, seed: int, training: bool, checkpointed: bool = False) -> Iterator[None]:
@@ -352,8 +542,9 @@ class LayerRandomness:
         if self.random.get(training) is False and not self.seen.get(training):
             gen = torch.default_generator
             before = generator_state(gen).numpy().tobytes()
-            yield
-            if before != generator_state(gen).numpy().tobytes():
+            with _ProcessStream() as stream:
+                yield
+            if stream.drew or before != generator_state(gen).numpy().tobytes():
                 # this layer, or another thread (the training loop drawing random
                 # numbers while workers compute), moved the default generator:
                 # seed this layer from now on, on every worker, to be safe
