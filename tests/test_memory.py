@@ -41,6 +41,21 @@ def test_three_points_give_the_quadratic():
     assert applied_tiles({"loss_chunk": 10, "mlp_tile": 100}, 50) == {"loss_chunk": 10}
 
 
+def test_the_longest_sequence_search_checks_lengths_below_what_it_finds():
+    """A predicate monotone only mostly (lengths 300 to 400 do not fit): the
+    bisection alone finds an edge above that gap; with checks, a checked
+    length in the gap sends the search below it, to the first edge."""
+
+    def fits(s):
+        return s <= 1000 and not 300 <= s <= 400
+
+    assert longest_sequence(fits) == 1000
+    assert longest_sequence(fits, checks=16) == 299
+    tried = []
+    assert longest_sequence(lambda s: tried.append(s) or s <= 1000, checks=16) == 1000
+    assert len(tried) == len(set(tried)) <= 24 + 1 + 16  # monotone: the checks pass
+
+
 def measured_and_predicted(kind, seq, precision, tile_memory, padded=True, **config):
     """Per layer: bytes saved for backward as the profiler measured them in a
     step of 2 micro-batches of 2 sequences (one ``padded``); the activation
@@ -1062,7 +1077,7 @@ def test_estimate_errors_name_the_gpu_memory_and_the_config_file(tmp_path, capsy
     code, _ = run_cli(t5, "--gpu-memory", 24)
     err = capsys.readouterr().err
     assert code == 2 and "model_type 't5' has no causal language model" in err
-    assert "decoder-only causal LMs (supported: Llama (llama)" in err
+    assert "decoder-only causal LMs (supported: " in err and "families, e.g. Llama" in err
     # a rank past the model's width is refused at once (building such adapters
     # took minutes and gigabytes before anything was said)
     (tmp_path / "good").mkdir()
@@ -1160,6 +1175,49 @@ def test_the_estimates_longest_sequence_leaves_room_for_the_gradient_staging(tmp
             # the host memory it names for what the GPUs alone allow is enough
             enough = estimate(small, host_memory=named.device_longest_host, **kw)
             assert enough.longest_seq >= named.device_longest_seq
+
+
+def test_the_estimates_fit_is_monotone_in_the_sequence_with_little_host_memory(
+    tmp_path, monkeypatch
+):
+    """The longest sequence is bisected, so whether a length fits must not
+    come back once lost. With little host memory the plan the engine
+    chooses within the room its first plan's gradient staging leaves may
+    stage more gradients itself, leaving its boundary values too little (or
+    no) room: that plan is passed over for one with fewer boundary values
+    rather than the length declared too long, and the plan checked is the
+    plan shown. On a fine grid every length up to the one named fits and
+    none past it does."""
+    from lightning_roundpipe.models import estimate as estimate_mod
+
+    predicates = []
+
+    def spy(fits, *args, **kwargs):
+        predicates.append(fits)
+        return longest_sequence(fits, *args, **kwargs)
+
+    monkeypatch.setattr(estimate_mod, "longest_sequence", spy)
+    extra = dict(vocab_size=64000, hidden_size=512, intermediate_size=1024, head_dim=128)
+    config = estimate_mod.load_config(str(config_file(tmp_path, num_hidden_layers=6, **extra)))
+    # about the model state and twice the first plan's gradient staging: the
+    # host bounds the sequence, and some plans the devices prefer stage more
+    # gradients than it leaves room for
+    host_memory = 1.86 * 2**30
+    named = estimate_mod.estimate(config, gpu_memory=1.5 * 2**30, host_memory=host_memory)
+    state, staged = named.host["state"], named.host["staging"]
+    assert state + staged < host_memory < state + 3 * staged
+    assert named.longest_bound == "host memory" and named.longest_seq > 0
+    fits = predicates[0]  # (the host-bounded search's: the first)
+    top = 3 * named.longest_seq // 2
+    grid = range(top // 200, top, top // 200)
+    verdicts = [fits(s) for s in grid]
+    lost = [s for s, ok in zip(grid, verdicts, strict=True) if not ok]
+    assert not lost or all(not ok for s, ok in zip(grid, verdicts, strict=True) if s > lost[0]), (
+        [s for s, ok in zip(grid, verdicts, strict=True) if ok and s > lost[0]][:5],
+        lost[:5],
+    )
+    assert fits(named.longest_seq) and not fits(named.longest_seq + 1)
+    assert all(fits(s) == (s <= named.longest_seq) for s in grid)
 
 
 def test_the_estimated_step_is_no_shorter_than_each_links_weight_traffic(tmp_path):

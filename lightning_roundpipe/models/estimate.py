@@ -46,7 +46,7 @@ from ..plan import (
     estimate_reduction,
     simulate,
 )
-from ..plan.decide import Predicted, initial_plan, plan_for_activations
+from ..plan.decide import Predicted, host_need, initial_plan, plan_for_activations
 from ..plan.policy import choose_round
 from ..runtime.host import (
     HOST_ACTIVATION_SHARE,
@@ -111,6 +111,11 @@ OPTIMIZER_BYTES = 16
 #: gradient check (fp32 read) and the weight copy (fp32 read; the write, in
 #: the compute dtype, is added per precision)
 UPDATE_COPY_BYTES = 4 + 4
+
+#: lengths below the longest sequence found that its search tries as well
+#: (:func:`~.memory.longest_sequence`): whether a length fits depends on the
+#: plan the planner picks at it, which does not only grow with the length
+LENGTH_CHECKS = 16
 
 
 def load_config(source: str) -> Any:
@@ -729,14 +734,11 @@ def estimate(
     start_left = left(start_plan)
     host_room = None if start_left is None else HOST_ACTIVATION_SHARE * max(0.0, start_left)
 
-    def plan_at(s: int, b: int, host: bool = True) -> Predicted:
-        """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
-        the bytes a stage may use with it (more than half the GPU when long
-        sequences leave the next stage's weights less room, or none);
-        with ``host``, a plan whose boundary values fit the host (layered or
-        rewalked if need be)."""
+    def choose(s: int, b: int, host_limit: float | None) -> Predicted:
+        """The engine's decision at ``s`` tokens by ``b`` from the first plan,
+        its boundary values within ``host_limit`` host bytes (None: any)."""
         act = activations(s * b)
-        decision = plan_for_activations(
+        return plan_for_activations(
             start_plan,
             sizes,
             act.saved_bytes(s, b),
@@ -748,9 +750,55 @@ def estimate(
             memory_limit=limit,
             device_budget=budget_all,
             boundary=value_bytes(s * b, hidden, size),
-            host_limit=host_room if host else None,
+            host_limit=host_limit,
         )
-        return decision
+
+    def host_ok(plan: StagePlan, tokens: int) -> bool:
+        """Whether a micro-batch of ``tokens`` tokens keeps its boundary
+        values under ``plan`` within the share of the host that the model
+        state and the plan's own gradient staging leave (True: unchecked)."""
+        room = left(plan)
+        if room is None:
+            return True
+        values = boundary_bytes(plan, tokens, hidden, size)
+        return room > 0 and values <= HOST_ACTIVATION_SHARE * room
+
+    def within_host(s: int, b: int) -> tuple[Predicted, StagePlan | None, float]:
+        """The decision at ``s`` tokens by ``b`` whose plan's boundary values
+        fit the host, the engine's own pick where it was passed over (else
+        None), and the host limit the decision was made within.
+
+        The engine bounds a micro-batch's boundary values by a share of the
+        room its first plan's gradient staging leaves (``host_room``), but
+        the plan it chooses within that may stage more gradients and leave
+        its values less room than that (:func:`host_ok`). Such a plan is
+        passed over: chosen again with the limit just below its values, so
+        with fewer boundary values, until the plan chosen fits the room it
+        leaves itself or none fits (the limit falls with each: this ends).
+        The plan shown and checked is then one and the same."""
+        assert host_room is not None
+        bound = host_room
+        value = value_bytes(s * b, hidden, size)
+        decision = choose(s, b, bound)
+        passed = None
+        while max(decision.peaks) <= decision.memory_limit and not host_ok(decision.plan, s * b):
+            need = host_need(decision.plan, value)
+            if need > bound or need <= 0:  # (kept over the limit: nothing fits it)
+                break
+            passed = passed or decision.plan
+            bound = need - 1
+            decision = choose(s, b, bound)
+        return decision, passed, bound
+
+    def plan_at(s: int, b: int, host: bool = True) -> Predicted:
+        """The plan at ``s`` tokens by ``b``, its slots' predicted peaks and
+        the bytes a stage may use with it (more than half the GPU when long
+        sequences leave the next stage's weights less room, or none);
+        with ``host``, a plan whose boundary values fit the host (layered or
+        rewalked if need be; :func:`within_host`)."""
+        if not host or host_room is None:
+            return choose(s, b, None)
+        return within_host(s, b)[0]
 
     def fits(s: int, host: bool = True) -> bool:
         """Whether ``s`` tokens at micro-batch 1 fit the devices (and, with
@@ -759,18 +807,15 @@ def estimate(
             decision = plan_at(s, 1, host)
         except PlanError:
             return False
-        plan = decision.plan
         if max(decision.peaks) > decision.memory_limit:
             return False
-        room = left(plan)
-        if not host or room is None:
-            return True
-        return room > 0 and boundary_bytes(plan, s, hidden, size) <= HOST_ACTIVATION_SHARE * room
+        return not host or host_ok(decision.plan, s)
 
     given_ceiling = int(getattr(settings, "max_position_embeddings", 0) or 0)
     ceiling = given_ceiling or 1 << 20  # (none given: a million tokens)
     search = max(ceiling, 1 << 22)
-    longest = longest_sequence(fits, 1, search)
+    # (fits rests on the planner's pick at each length: monotone mostly, not by construction)
+    longest = longest_sequence(fits, 1, search, checks=LENGTH_CHECKS)
     # which memory bounds it: the host, where the devices would take more
     if longest >= search:  # neither memory: the search's own ceiling
         bound = f"the search's ceiling, {search} tokens"
@@ -782,7 +827,9 @@ def estimate(
     if bound == "host memory":
         # what the GPUs alone allow, and the host memory that would let it run:
         # its plan's boundary values at the engine's default share of the host
-        device_longest = longest_sequence(lambda s: fits(s, host=False), longest + 1, search)
+        device_longest = longest_sequence(
+            lambda s: fits(s, host=False), longest + 1, search, checks=LENGTH_CHECKS
+        )
         if device_longest:
             alone = plan_at(device_longest, 1, host=False).plan
             values = boundary_bytes(alone, device_longest, hidden, size)
@@ -801,7 +848,11 @@ def estimate(
     # (the model state alone over the host: no plan fits it; the devices' own
     # plan is shown, and only the host is blamed)
     host_fits = start_left is None or start_left > 0
-    decision = plan_at(seq, micro_batch, host=shown_at is None and host_fits)
+    passed, chosen_within = None, host_room  # (the engine's own pick, passed over)
+    if shown_at is None and host_fits and host_room is not None:
+        decision, passed, chosen_within = within_host(seq, micro_batch)
+    else:
+        decision = plan_at(seq, micro_batch, host=False)
     plan, peaks, room = decision.plan, decision.peaks, decision.memory_limit
     per_mb = boundary_bytes(plan, seq * micro_batch, hidden, size)
     # a round's boundary values: a quarter of what the host leaves once the
@@ -902,6 +953,14 @@ def estimate(
             f"{how}: {extra / (sum(plan.stage_times(timed)) - extra):.0%} more compute) so "
             f"that a micro-batch keeps {plan.boundaries_per_microbatch()} boundary values on "
             "the host"
+        )
+    if passed is not None:
+        assert host_room is not None
+        notes.append(
+            f"the engine's default limit for a micro-batch's boundary values on the host "
+            f"({gib(host_room)}, from its first plan's gradient staging) would choose plan "
+            f"{passed}, whose own staging ({gib(staging(passed))}) leaves them too little host "
+            f"memory; activation_memory={int(chosen_within)} (bytes) has it choose this one"
         )
     windows = sorted({w for w in activations(seq * micro_batch).windows if w is not None})
     if windows:

@@ -773,9 +773,26 @@ def _embedding_bytes(embed: nn.Module, seq: int) -> float:
     return float(counted[0])
 
 
-def longest_sequence(fits: Any, low: int = 1, high: int = 1 << 24) -> int:
+def longest_sequence(fits: Any, low: int = 1, high: int = 1 << 24, checks: int = 0) -> int:
     """The largest ``s`` in ``[low, high]`` with ``fits(s)`` (monotone), 0 if
-    none: a bisection."""
+    none: a bisection. With ``checks``, as many lengths spread evenly below
+    the one found are tried as well, and where one does not fit the search
+    goes on below it (a predicate that is monotone only mostly): the length
+    returned then fits, the next one does not, nor does any checked length
+    below it fail."""
+    while True:
+        found = _bisect(fits, low, high)
+        if not found:
+            return 0
+        below = sorted({low + (found - low) * k // (checks + 1) for k in range(1, checks + 1)})
+        failed = next((s for s in below if low < s < found and not fits(s)), None)
+        if failed is None:
+            return found
+        high = failed - 1
+
+
+def _bisect(fits: Any, low: int, high: int) -> int:
+    """:func:`longest_sequence` without checks."""
     if not fits(low):
         return 0
     while low < high:
