@@ -1366,8 +1366,10 @@ def sync(microbatches: int = 2, plan: str | None = "2|2|2") -> RoundPipeStrategy
 
 
 def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    # (float32 sums in another order: up to ~2e-5 apart after 3 steps on an
+    # AVX2 CPU, in the scaled embeddings of Gemma)
     for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(x, y, atol=5e-5, rtol=1e-4, msg=name)
 
 
 def trains_like_the_default_strategy(ref: LM, strategy=None, **lm_kwargs) -> LM:

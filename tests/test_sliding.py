@@ -140,8 +140,8 @@ def test_sliding_families_train_like_the_model_without_the_dense_mask(kind, monk
     assert not built
     torch.testing.assert_close(loss, expected)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        if q.grad is not None:  # (float32 sums in another order: ~1.5e-5 on an AVX2 CPU)
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=1e-4, msg=name)
 
 
 def test_the_tiles_share_their_masks_and_backward_in_linear_time():
@@ -190,8 +190,8 @@ def test_gradient_checkpointing_keeps_the_models_mask(frozen):
         eng.synchronize()
     torch.testing.assert_close(loss, expected)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        if q.grad is not None:  # (float32 sums in another order: ~1.5e-5 on an AVX2 CPU)
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("seq", [512, 1024])

@@ -29,6 +29,12 @@ def _sync():
     return RoundPipeStrategy(async_optimizer=False, num_microbatches=2)
 
 
+#: trained weights after steps of a batch summed in micro-batches versus whole:
+#: float32 sums in another order (on an AVX2 CPU up to ~1e-5 off after two
+#: steps at lr 0.05, past assert_close's default for float32)
+TRAINED = {"atol": 5e-5, "rtol": 1e-4}
+
+
 class TupleLM(CausalLM):
     """The model called with ``return_dict=False``, with and without labels."""
 
@@ -56,7 +62,7 @@ def test_return_dict_false_gives_the_models_tuple():
         _fit(module, strategy, val=True)
         assert set(module.kinds) == {tuple}, (name, module.kinds)
         got[name] = (module.val_logits, state(module))
-    torch.testing.assert_close(got["sync"], got["auto"])
+    torch.testing.assert_close(got["sync"], got["auto"], **TRAINED)
 
 
 class GatedSeq(L.LightningModule):
@@ -150,7 +156,7 @@ def test_a_model_in_eval_mode_trains_like_the_default_strategy(kind):
         _fit(module, strategy, data=data)
         got[name] = state(module)
     assert any(not torch.equal(got["sync"][k], before[k]) for k in before)
-    torch.testing.assert_close(got["sync"], got["auto"])
+    torch.testing.assert_close(got["sync"], got["auto"], **TRAINED)
 
 
 class InputGradient(L.LightningModule):
