@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .models import find_adapter
+from .models.finding import trained_outside
 from .plan import PlanError, StagePlan, choose_microbatches, simulate
 from .plan.decide import tightest
 from .precision import RoundPipePrecision
@@ -752,8 +753,21 @@ class RoundPipeStrategy(ParallelStrategy):
         _refuse_prefix_tuning(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_gradient_hooks(self.lightning_module, adapter.layers())
+        trained = None  # a stack the optimizer trains, left out of the pipeline
+        if self.layers is None and trainer is not None and self.optimizers:
+            optimized = {id(p) for g in self.optimizers[0].param_groups for p in g["params"]}
+            trained = trained_outside(self.lightning_module, adapter, optimized)
         if self.async_optimizer and trainer is not None and self.optimizers:
-            self._check_outside_parameters(adapter)
+            self._check_outside_parameters(adapter, trained)
+        elif trained is not None:
+            rank_zero_warn(
+                f"RoundPipe pipelines '{adapter.name}', the largest layer stack, but the "
+                f"optimizer updates none of its parameters (it runs forward only); it updates "
+                f"those of '{trained}', which trains on the host, outside the pipeline. To "
+                f"pipeline the stack being trained pass layers={trained!r} to "
+                f"RoundPipeStrategy; to keep this choice, and silence this warning, pass "
+                f"layers={adapter.name!r}"
+            )
         self._restore.extend(_compiled(adapter.layers(), self.lightning_module))
         _warn_low_precision(adapter.layers(), self.precision_plugin.precision)
         costs = estimate_costs(adapter.layers(), PRECISIONS[self.precision_plugin.precision])
@@ -876,10 +890,12 @@ class RoundPipeStrategy(ParallelStrategy):
                 "num_microbatches=1"
             )
 
-    def _check_outside_parameters(self, adapter: Any) -> None:
+    def _check_outside_parameters(self, adapter: Any, trained: str | None = None) -> None:
         """With the asynchronous optimizer the training loop must never read a
         parameter the optimizer thread may be writing: every optimized
-        parameter has to live in the pipeline (whose devices read master copies)."""
+        parameter has to live in the pipeline (whose devices read master copies).
+        ``trained``: the layer stack outside the pipeline that the optimizer
+        trains, when it updates nothing in the pipelined one."""
         inside = {id(p) for layer in adapter.layers() for p in layer.parameters()}
         optimized = {id(p) for g in self.optimizers[0].param_groups for p in g["params"]}
         outside = [
@@ -889,6 +905,14 @@ class RoundPipeStrategy(ParallelStrategy):
         ]
         if outside:
             shown = ", ".join(outside[:5]) + (" ..." if len(outside) > 5 else "")
+            if trained is not None:
+                raise ValueError(
+                    f"the optimizer updates parameters outside the pipeline ({shown}): "
+                    f"RoundPipe pipelines '{adapter.name}', the largest layer stack, whose "
+                    f"parameters the optimizer does not update, while it trains '{trained}'. "
+                    f"Pass layers={trained!r} to RoundPipeStrategy to pipeline the stack being "
+                    "trained (or use strategy='roundpipe_sync' to train it on the host)"
+                )
             raise ValueError(
                 f"the optimizer updates parameters outside the pipeline ({shown}); with the "
                 "asynchronous optimizer the training loop would read them while they change. "

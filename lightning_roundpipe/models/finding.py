@@ -24,7 +24,7 @@ from .layout import (
     layout_problem,
 )
 
-__all__ = ["find_adapter", "hf_adapter"]
+__all__ = ["find_adapter", "hf_adapter", "trained_outside"]
 
 _WHAT = "an nn.Sequential or a Hugging Face decoder-only causal LM (or classifier)"
 
@@ -101,14 +101,7 @@ def find_adapter(root: nn.Module, layers: str | None = None) -> _Adapter:
     if layers is not None:
         return _named(root, layers)
     modules = [(n, m) for n, m in root.named_modules() if n]
-    candidates: list[tuple[str, nn.Module]] = []
-    inside: set[int] = set()  # modules within a candidate
-    for name, module in modules:
-        if id(module) in inside:
-            continue
-        if _is_candidate(module):
-            candidates.append((name, module))
-            inside.update(id(m) for m in module.modules())
+    candidates = _candidates(modules)
     root_name = type(root).__name__
     if not candidates:
         raise LayerStackNotFound(_nothing_found(root, modules))
@@ -170,6 +163,38 @@ def find_adapter(root: nn.Module, layers: str | None = None) -> _Adapter:
         f"at most half of its {total:,} parameters; {rest} would run outside the pipeline. "
         f"{advice}"
     )
+
+
+def _candidates(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The layer stacks among ``modules`` (named, outermost first) that are
+    not inside another one."""
+    found: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()  # modules within a candidate
+    for name, module in modules:
+        if id(module) in inside:
+            continue
+        if _is_candidate(module):
+            found.append((name, module))
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def trained_outside(root: nn.Module, adapter: _Adapter, optimized: set[int]) -> str | None:
+    """The name of the layer stack outside ``adapter``'s that holds the most
+    of the parameters in ``optimized`` (ids) when the pipelined stack holds
+    none of them: a frozen stack (a distillation teacher) chosen for its
+    size over the one being trained, which would then train on the host.
+    None otherwise."""
+    pipelined = {id(p) for layer in adapter.layers() for p in layer.parameters()}
+    if pipelined & optimized:
+        return None
+    held = {
+        name: _count(p for p in module.parameters() if id(p) in optimized)
+        for name, module in _candidates([(n, m) for n, m in root.named_modules() if n])
+        if not {id(p) for p in module.parameters()} & pipelined
+    }
+    best = max(held, key=lambda n: held[n], default=None)
+    return best if best is not None and held[best] > 0 else None
 
 
 def _named(root: nn.Module, layers: str) -> _Adapter:

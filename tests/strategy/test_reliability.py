@@ -4,6 +4,7 @@ import gc
 import signal
 import threading
 import time
+import warnings
 
 import lightning as L
 import pytest
@@ -163,6 +164,79 @@ def test_async_refuses_optimized_parameters_outside_the_pipeline():
         r"\(extra.weight, extra.bias\); .*Use strategy='roundpipe_sync'",
     ):
         t.fit(SeqModule(), loader(seq_data(8)))
+
+
+class Distilled(L.LightningModule):
+    """A frozen teacher larger than the student it trains: the largest stack,
+    chosen for its size, is not the one the optimizer updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        width = 32
+        self.teacher = torch.nn.Sequential(
+            torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+            torch.nn.Tanh(), torch.nn.Linear(width, 1),
+        ).requires_grad_(False)  # fmt: skip
+        self.student = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            target = self.teacher(x)
+        out = self.student(x)
+        loss = torch.nn.functional.mse_loss(out, y) + torch.nn.functional.mse_loss(out, target)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.student.parameters(), lr=1e-2)
+
+
+def test_a_frozen_stack_chosen_over_the_one_being_trained_is_named():
+    """(It was pipelined in silence, the student trained on the host, and the
+    asynchronous refusal did not say which layers= fixes it.)"""
+
+    def fit(strategy):
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=2, **QUIET)
+        module = Distilled()
+        trainer.fit(module, loader(seq_data(16)))
+        return trainer
+
+    with pytest.warns(UserWarning) as record:
+        trainer = fit(RoundPipeStrategy(async_optimizer=False, num_microbatches=2))
+    messages = [str(w.message) for w in record if "largest layer stack" in str(w.message)]
+    assert messages == [
+        "RoundPipe pipelines 'teacher', the largest layer stack, but the optimizer updates "
+        "none of its parameters (it runs forward only); it updates those of 'student', which "
+        "trains on the host, outside the pipeline. To pipeline the stack being trained "
+        "pass layers='student' to RoundPipeStrategy; to keep this choice, and silence this "
+        "warning, pass layers='teacher'"
+    ]
+    assert trainer.strategy.pipeline_layers[0] is trainer.lightning_module.teacher[0]
+    with pytest.raises(ValueError) as err:
+        fit(RoundPipeStrategy(num_microbatches=2))
+    assert str(err.value) == (
+        "the optimizer updates parameters outside the pipeline (student.0.weight, "
+        "student.0.bias, student.2.weight, student.2.bias): RoundPipe pipelines 'teacher', the "
+        "largest layer stack, whose parameters the optimizer does not update, while it trains "
+        "'student'. Pass layers='student' to RoundPipeStrategy to pipeline the stack being "
+        "trained (or use strategy='roundpipe_sync' to train it on the host)"
+    )
+    for async_optimizer in (False, True):
+        for layers in ("student", "teacher")[: 2 - async_optimizer]:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                chosen = fit(
+                    RoundPipeStrategy(
+                        async_optimizer=async_optimizer, num_microbatches=2, layers=layers
+                    )
+                )
+            stack = getattr(chosen.lightning_module, layers)
+            assert chosen.strategy.pipeline_layers[0] is stack[0]
+            assert not [w for w in record if "largest layer stack" in str(w.message)]
 
 
 @pytest.mark.chaos
