@@ -87,6 +87,10 @@ _HANDLED = (
     "return_dict",
 )
 
+# the loss arguments of transformers' causal LM loss (ForCausalLMLoss), which
+# its Trainer passes: a causal LM's adapter reads them, a classifier's does not
+_LM_LOSS_ARGS = ("num_items_in_batch", "shift_labels")
+
 
 def causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, empty: float | None = 0.0
@@ -106,9 +110,10 @@ class _LMLoss:
     logits, plus ``coef`` times the router load-balancing loss of the
     micro-batch when the head returns router statistics."""
 
-    def __init__(self, coef: float, experts: int) -> None:
+    def __init__(self, coef: float, experts: int, scale: float = 1.0) -> None:
         self.coef = coef
         self.experts = experts
+        self.scale = scale  # of the cross-entropy (num_items_in_batch=: see _item_scale)
 
     def __call__(self, out: Any, labels: torch.Tensor) -> torch.Tensor:
         logits = out["logits"] if isinstance(out, dict) else out
@@ -116,6 +121,8 @@ class _LMLoss:
             loss = logits.loss(labels)
         else:
             loss = causal_lm_loss(logits, labels)
+        if self.scale != 1.0:
+            loss = loss * self.scale
         if not isinstance(out, dict):
             return loss
         aux = balance_loss(*(out[k] for k in ROUTER_KEYS), self.experts)
@@ -217,7 +224,7 @@ class CausalLMAdapter(_Adapter):
     #: ``*ForCausalLM`` does; a sequence classifier does not)
     router_loss = True
     #: the call arguments the adapter reads; any other with a value is refused
-    handled: tuple[str, ...] = _HANDLED
+    handled: tuple[str, ...] = (*_HANDLED, *_LM_LOSS_ARGS)
 
     def __init__(self, target: nn.Module, name: str) -> None:
         layout = layout_of(target)
@@ -508,6 +515,15 @@ class CausalLMAdapter(_Adapter):
             return self._shares(counts, "token", "sequences of one token have no next token")
         return self._shares(counts, "token")
 
+    def _item_weights(self, labels: list[torch.Tensor]) -> list[float]:
+        """:meth:`_token_weights` for a call with ``num_items_in_batch=``,
+        whose loss is a sum, 0 with no labelled token (each micro-batch's
+        cross-entropy is then 0 and scaled by 0; its router loss, when on,
+        weighs alike in each)."""
+        counts = [int((shifted(y) != -100).sum()) for y in labels]
+        total = sum(counts)
+        return [c / total if total else 1 / len(counts) for c in counts]
+
     def _shares(
         self, counts: list[int], what: str, none: str = "every label is -100"
     ) -> list[float]:
@@ -614,6 +630,43 @@ class CausalLMAdapter(_Adapter):
             )
         if labels is not None:
             self._check_labels(a)
+
+    def _loss_arguments(self, a: dict[str, Any]) -> float | None:
+        """transformers' causal LM loss arguments, as its loss reads them (only
+        with ``labels=``; without, the model ignores them too):
+        ``shift_labels`` (the targets already shifted, used instead of the
+        labels) becomes the labels it is the shift of, and the factor that
+        turns the mean over the batch's labelled tokens into their sum over
+        ``num_items_in_batch`` is returned (None: no such argument)."""
+        labels, shift = a.get("labels"), a.get("shift_labels")
+        items = a.get("num_items_in_batch")
+        if labels is None:
+            return None
+        if shift is not None:
+            if not isinstance(shift, torch.Tensor) or shift.shape != labels.shape:
+                raise TypeError(
+                    f"{self.name}: shift_labels must be a tensor of the labels' shape "
+                    f"{tuple(labels.shape)}, got {_shape(shift)}"
+                )
+            if bool((shift[..., -1] != -100).any()):
+                raise ValueError(
+                    f"{self.name}: shift_labels with a target at the last position (the next "
+                    "token of a sequence that goes on past this batch, as context-parallel "
+                    "shards have) is not supported by the RoundPipe pipeline, whose loss "
+                    "predicts tokens within each sequence; set shift_labels[..., -1] to -100, "
+                    "or pass labels= alone"
+                )
+            first = torch.full_like(shift[..., :1], -100)
+            a["labels"] = labels = torch.cat([first, shift[..., :-1]], dim=-1)
+        if items is None:
+            return None
+        count = float(items.item() if isinstance(items, torch.Tensor) else items)
+        if not count > 0:
+            raise ValueError(
+                f"{self.name}: num_items_in_batch must be a positive number of labelled "
+                f"tokens, got {items!r}"
+            )
+        return float((shifted(labels) != -100).sum()) / count
 
     def _check_labels(self, a: dict[str, Any]) -> None:
         """Refuse a call with ``labels=`` whose loss the pipeline would not
@@ -745,6 +798,7 @@ class CausalLMAdapter(_Adapter):
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         a, inputs, _, as_tuple = self._prepare(args, kwargs)
+        scale = self._loss_arguments(a)  # (num_items_in_batch=: the sum over it)
         labels, logits_to_keep = a.get("labels"), a.get("logits_to_keep", 0)
         router = "router" in inputs
         engine = self.engine
@@ -755,8 +809,8 @@ class CausalLMAdapter(_Adapter):
             loss = engine.forward_backward(
                 inputs,
                 labels=labels,
-                loss_fn=_LMLoss(self._aux_coef, self._experts),
-                loss_weights=self._token_weights,
+                loss_fn=_LMLoss(self._aux_coef, self._experts, 1.0 if scale is None else scale),
+                loss_weights=self._token_weights if scale is None else self._item_weights,
                 scale="later",
                 input_grads=bool(_needing_grad(inputs)),
             )
@@ -781,7 +835,10 @@ class CausalLMAdapter(_Adapter):
             out = out["logits"]
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(out, labels, empty=None)
+            if scale is None:
+                loss = causal_lm_loss(out, labels, empty=None)
+            else:  # (none labelled: 0, the sum over num_items_in_batch)
+                loss = causal_lm_loss(out, labels) * scale
             if aux is not None:
                 loss = loss + self._aux_coef * aux
         return self._output(as_tuple, loss=loss, logits=_keep(out, logits_to_keep), aux_loss=aux)

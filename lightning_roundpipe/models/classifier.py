@@ -151,6 +151,7 @@ class SequenceClassifierAdapter(CausalLMAdapter):
     task = SEQUENCE_CLASSIFICATION
     loss_name = "ForSequenceClassification"  # (the model's loss_function, transformers')
     labels = "labels="  # (what the loss is computed from, for messages)
+    handled = _HANDLED  # (a causal LM's loss arguments are not a classifier's)
     scores = "the logits"
 
     def __init__(self, target: nn.Module, name: str) -> None:

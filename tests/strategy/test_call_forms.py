@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
 
-from .modules import CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
+from .modules import TINY, CausalLM, SeqModule, cpu_trainer, lm_data, loader, seq_data, state
 
 
 def _fit(module, strategy, *, steps=2, precision="32-true", data=None, val=False):
@@ -395,3 +395,102 @@ def test_a_last_layer_with_several_outputs_trains_like_the_default_strategy(as_d
     _fit(ref, "auto", steps=3, data=seq_data(16))
     _fit(mod, _sync(), steps=3, data=seq_data(16))
     torch.testing.assert_close(state(mod), state(ref))
+
+
+class ItemsLM(CausalLM):
+    """transformers' Trainer loss arguments: the loss summed over the batch's
+    labelled tokens and divided by ``num_items_in_batch`` (here twice the
+    real count, as over an accumulation window of two batches), the targets
+    passed pre-shifted as ``shift_labels`` (with ``labels=`` as the model
+    needs); every other batch has no labelled token at all."""
+
+    def __init__(self, kind: str, form: str) -> None:
+        super().__init__(kind=kind, lr=0.05)
+        if kind == "mixtral":
+            from transformers import MixtralConfig, MixtralForCausalLM
+
+            torch.manual_seed(0)
+            config = MixtralConfig(
+                **TINY, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
+            )
+            config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+            self.model = MixtralForCausalLM(config)
+        self.form = form
+        self.losses, self.val_losses = [], []
+
+    def _loss(self, batch, batch_idx):
+        ids, mask, labels = batch
+        if batch_idx % 2 and "items" in self.form:  # (without: NaN, as the model's)
+            labels = torch.full_like(labels, -100)
+        kw = {}
+        if "items" in self.form:
+            count = (nn.functional.pad(labels, (0, 1), value=-100)[:, 1:] != -100).sum()
+            kw["num_items_in_batch"] = 2 * count + 3
+        if "shift" in self.form:
+            kw["shift_labels"] = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+            labels = torch.zeros_like(labels)  # (read for its presence only)
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self._loss(batch, batch_idx))
+
+    def configure_optimizers(self):
+        # (SGD: AdamW's normalised steps blow float noise in tiny gradients up)
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "form"), [("llama", "items"), ("llama", "shift"), ("mixtral", "items+shift")]
+)
+def test_transformers_loss_arguments_train_like_the_default_strategy(kind, form):
+    """(They were refused: transformers' Trainer passes them.) The MoE model
+    adds its router loss unscaled, as the model does (one micro-batch: with
+    more, each adds its own router loss, see the user guide)."""
+    got = {}
+    sync = RoundPipeStrategy(async_optimizer=False, num_microbatches=1)
+    for name, strategy in [("auto", "auto"), ("sync", sync if kind == "mixtral" else _sync())]:
+        module = ItemsLM(kind, form)
+        _fit(module, strategy, steps=4, val=True)
+        got[name] = (module.losses, module.val_losses, state(module))
+    losses = torch.stack(got["auto"][0])
+    assert losses.isfinite().all()
+    assert (losses[1::2] == 0).all() == (form == "items"), losses  # (mixtral: + router loss)
+    torch.testing.assert_close(got["sync"], got["auto"], **TRAINED)
+
+
+def test_transformers_loss_arguments_it_cannot_follow_are_refused():
+    module = CausalLM(kind="llama")
+    ids, mask, labels = lm_data(4)[:]
+    trainer = cpu_trainer(_sync(), max_steps=1, num_sanity_val_steps=0)
+    calls = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            for kw, error in [
+                (
+                    {"shift_labels": labels},
+                    r"^model: shift_labels with a target at the last position .* set "
+                    r"shift_labels\[\.\.\., -1\] to -100, or pass labels= alone$",
+                ),
+                (
+                    {"shift_labels": labels[:, 1:]},
+                    r"^model: shift_labels must be a tensor of the labels' shape \(4, 12\), got ",
+                ),
+                (
+                    {"num_items_in_batch": 0},
+                    r"^model: num_items_in_batch must be a positive number of labelled tokens, "
+                    r"got 0$",
+                ),
+            ]:
+                with pytest.raises((TypeError, ValueError), match=error):
+                    pl_module.model(input_ids=ids, attention_mask=mask, labels=labels, **kw)
+                calls.append(kw)
+
+    trainer.callbacks.append(Probe())
+    trainer.fit(module, loader(lm_data(8), 4))
+    assert len(calls) == 3
