@@ -759,6 +759,7 @@ class CausalLMAdapter(_Adapter):
                 if self._chunked:
                     _check_packed_chunks()
                 inputs["packed"] = True
+        self._check_dynamic_rope(batch, position_ids)
         if self._router_loss(a):
             inputs["router"] = True
         training = self._wants_backward(inputs)
@@ -767,6 +768,29 @@ class CausalLMAdapter(_Adapter):
         if training:
             self._expect(inputs, batch, loss=loss)
         return a, inputs, batch, as_tuple
+
+    def _check_dynamic_rope(self, batch: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        """rope_type='dynamic' rescales its frequencies, replacing a buffer of
+        the rotary embedding, in the forward of a call longer than any before
+        (than ``max_position_embeddings`` at first): state the pipeline's
+        copies cannot follow (each worker's would rescale on its own). Refused
+        here, before anything runs, rather than by the worker that saw it."""
+        rotary = self.layout.rotary
+        kinds = getattr(rotary, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        if not any(isinstance(k, str) and "dynamic" in k for k in kinds):
+            return
+        end = int(position_ids.max()) + 1 if position_ids is not None else int(batch.shape[1])
+        cached = getattr(rotary, "max_seq_len_cached", None)
+        if cached is None or end <= int(cached):
+            return
+        raise ValueError(
+            f"{self.name}: rope_type='dynamic' rescales its frequencies when a sequence is "
+            f"longer than any before, which the pipeline's copies of the layers cannot follow, "
+            f"and this batch reaches position {end} (max_position_embeddings="
+            f"{self.layout.config.max_position_embeddings}): train with sequences of at most "
+            f"{int(cached)} tokens, or use 'linear' or 'yarn' rope scaling"
+        )
 
     def _check_longrope(self, position_ids: torch.Tensor) -> None:
         """LongRoPE picks its short or long frequencies from the largest

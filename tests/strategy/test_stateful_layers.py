@@ -73,8 +73,20 @@ class DynamicRope(CausalLM):
 
 
 def test_dynamic_rope_past_its_positions_is_refused_with_what_to_do():
-    with pytest.raises(RuntimeError, match=r"rotary\.inv_freq.*rope_type='dynamic'.*'yarn'"):
-        _fit(DynamicRope(), _sync(), lm_data(8, seq=12))
+    """On the host, before anything runs (a worker refused it from inside
+    the forward that rescaled the frequencies)."""
+    message = (
+        "model: rope_type='dynamic' rescales its frequencies when a sequence is longer than "
+        "any before, which the pipeline's copies of the layers cannot follow, and this batch "
+        "reaches position 12 (max_position_embeddings=8): train with sequences of at most 8 "
+        "tokens, or use 'linear' or 'yarn' rope scaling"
+    )
+    module = DynamicRope()
+    before = state(module)
+    with pytest.raises(ValueError) as err:
+        _fit(module, _sync(), lm_data(8, seq=12))
+    assert str(err.value) == message
+    torch.testing.assert_close(state(module), before)
 
 
 def test_dynamic_rope_within_its_positions_trains_like_the_default_strategy():
