@@ -464,10 +464,37 @@ class Worker:
     def wrap_failure(
         self, exc: BaseException, job: Job | None, mb: int | None, courier: bool = False
     ) -> WorkerError:
+        """The :class:`WorkerError` that takes ``exc`` to the caller, naming
+        the device, stage and micro-batch; never raises itself (a failure the
+        worker cannot report would leave the caller waiting for the watchdog)."""
+        try:
+            return self._wrap_failure(exc, job, mb, courier)
+        except Exception:
+            log.debug("could not describe a failure on %s", self.device, exc_info=True)
+        t = None if job is None else job.task
+        err = WorkerError(
+            f"device {self.device} (worker {self.index}) failed"
+            + ("" if t is None else f" in stage {t.stage} (layers {t.start}-{t.stop - 1})")
+            + ("" if mb is None else f", micro-batch {mb}")
+            + f": {type(exc).__name__}: {_message(exc)}",
+            device=str(self.device),
+            worker=self.index,
+            stage="-" if t is None else t.stage,
+            layers=(0, 0) if t is None else (t.start, t.stop),
+            microbatch=mb,
+            iteration=-1 if job is None else job.call.iteration,
+        )
+        err.__cause__ = exc
+        return err
+
+    def _wrap_failure(
+        self, exc: BaseException, job: Job | None, mb: int | None, courier: bool
+    ) -> WorkerError:
+        text = _message(exc)
         if job is None:
             err = WorkerError(
                 f"device {self.device} (worker {self.index}) failed outside a stage: "
-                f"{type(exc).__name__}: {exc}",
+                f"{type(exc).__name__}: {text}",
                 device=str(self.device),
                 worker=self.index,
                 stage="-",
@@ -493,7 +520,7 @@ class Worker:
                 )
                 extra = ("; " + running if running else "") + "\n"
                 extra += call.schedule.grid(mark=job.index)
-            if isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc):
+            if isinstance(exc, ValueError) and "more than 1 value per channel" in text:
                 # (batch norm in training, a micro-batch of one sample: a batch of
                 # 5 in 3 micro-batches is cut 2, 2, 1)
                 extra += (
@@ -505,7 +532,7 @@ class Worker:
             if (
                 dtype != torch.float32
                 and isinstance(exc, RuntimeError)
-                and ("dtype" in str(exc) or "scalar type" in str(exc))
+                and ("dtype" in text or "scalar type" in text)
             ):
                 extra = (
                     f" (the pipeline's layers compute in {str(dtype).removeprefix('torch.')}, "
@@ -513,7 +540,7 @@ class Worker:
                     "floating-point buffer or tensor of its own into its activations must cast "
                     "it to the activations' dtype, e.g. x + self.pe.to(x.dtype))"
                 )
-            if "leaf Variable that requires grad is being used in an in-place" in str(exc):
+            if "leaf Variable that requires grad is being used in an in-place" in text:
                 extra = (
                     " (a stage's first layer gets its input itself when its class sets "
                     "input_intact = True: a layer that writes its input in place must not)"
@@ -530,7 +557,7 @@ class Worker:
                 f"(layers {t.start}-{t.stop - 1}, {t.kind}){where}, round {t.round}, "
                 # (evaluation calls count down from -1 internally: not a number to show)
                 f"{'an evaluation pass' if call.iteration < 0 else f'iteration {call.iteration}'}: "
-                f"{type(exc).__name__}: {exc}{extra}",
+                f"{type(exc).__name__}: {text}{extra}",
                 device=str(self.device),
                 worker=self.index,
                 stage=t.stage,
@@ -1370,3 +1397,15 @@ class Worker:
         job.call.profiler.add(job.call.iteration, fwd, bwd, timer.saved)
         if not self.ctx.is_cuda:
             self._layers_cpu += timer.layers_cpu(t.start, t.stop)
+
+
+def _message(exc: BaseException) -> str:
+    """``str(exc)``, or, where that itself raises (a user's exception class
+    whose ``__str__`` fails), its ``repr`` or at least a note: the failure
+    still reaches the user at once, not after the watchdog."""
+    for show in (str, repr):
+        try:
+            return show(exc)
+        except Exception:
+            continue
+    return "(its message could not be formatted)"

@@ -290,3 +290,39 @@ def test_threads_that_do_not_stop_are_named_with_what_blocks_them():
             t.join(10)
         real()
     assert not any(t.is_alive() for t in threads)
+
+
+class Unprintable(RuntimeError):
+    """A user's exception whose message cannot be formatted."""
+
+    def __str__(self) -> str:
+        raise ValueError("its __str__ fails")
+
+
+def test_a_failure_whose_message_cannot_be_formatted_still_reaches_the_caller_at_once():
+    """(Formatting it raised inside the worker: the worker died unreported,
+    and the caller waited for the watchdog, which blamed another worker.)"""
+    before = threading.active_count()
+    eng = RoundPipeEngine(
+        model(),
+        ["cpu"] * 3,
+        3,
+        plan="2,3|1|1,2,2",
+        watchdog_timeout=60,
+        chaos=Fault("forward", after=2, exc=lambda _: Unprintable()),
+    )
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError) as info:
+            drive(eng)
+    finally:
+        eng.close()
+    assert time.monotonic() - t0 < 20
+    assert re.search(
+        r"failed in stage \w+ .*micro-batch \d.*: Unprintable: Unprintable\(\)", str(info.value)
+    )
+    assert isinstance(info.value.__cause__, Unprintable)
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
