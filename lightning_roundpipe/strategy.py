@@ -266,6 +266,9 @@ class RoundPipeStrategy(ParallelStrategy):
             )
         if workers_per_device < 1:
             raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            # (torch.manual_seed's range: past it the seeds wrapped around, 2**64 ran as 0)
+            raise ValueError(f"seed must be in [-2**63, 2**64) or None, got {seed!r}")
         if isinstance(oom_replans, bool) or not isinstance(oom_replans, int) or oom_replans < 0:
             raise ValueError(f"oom_replans must be an integer >= 0, got {oom_replans!r}")
         if (

@@ -773,6 +773,15 @@ def test_the_startup_log_and_plan_errors_name_the_layers(caplog):
         ({"async_optimizer": "false"}, "async_optimizer must be True or False, got 'false'"),
         ({"fuse_optimizer": "no"}, "fuse_optimizer must be True or False, got 'no'"),
         ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
+        # (past torch.manual_seed's range the seed wrapped around: 2**64 ran as 0)
+        (
+            {"seed": 2**64},
+            r"seed must be in \[-2\*\*63, 2\*\*64\) or None, got 18446744073709551616",
+        ),
+        (
+            {"seed": -(2**63) - 1},
+            r"seed must be in \[-2\*\*63, 2\*\*64\) or None, got -9223372036854775809",
+        ),
         ({"plan": 5}, "plan must be a string or 'auto', got 5"),
         ({"layers": 123}, "layers must be a string or None, got 123"),
         ({"trace_dir": 123}, "trace_dir must be a string or a path or None, got 123"),
