@@ -241,8 +241,10 @@ def _cmd_simulate(args: argparse.Namespace, out) -> None:
 
         for res in results:
             path = args.png
+            if not path.suffix:  # (what the plot is saved as: the path printed is that)
+                path = path.with_name(f"{path.name}.png")
             if len(results) > 1:
-                path = path.with_name(f"{path.stem}-{res.schedule}{path.suffix or '.png'}")
+                path = path.with_name(f"{path.stem}-{res.schedule}{path.suffix}")
             plot_timeline(res, path, time_unit="the unit of the given costs")
             out.write(f"wrote {path}\n")
 

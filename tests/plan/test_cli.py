@@ -337,3 +337,17 @@ def test_the_library_checks_a_given_plan_against_the_memory_limit():
     with pytest.raises(PlanError, match=r"plan 4,3\|1\|4,3 does not fit memory_limit 3: stage F1"):
         simulate("roundpipe", costs, 2, 4, plan="4,3|1|4,3", memory_limit=3)
     assert simulate("roundpipe", costs, 2, 4, plan="4,3|1|4,3", memory_limit=4).makespan > 0
+
+
+def test_simulate_png_without_a_suffix_says_the_file_it_wrote(tmp_path):
+    """(It printed the path given while the plot was saved with .png added.)"""
+    pytest.importorskip("matplotlib")
+    base = ["simulate", "--forward", "1x4", "--backward", "2x4", "-N", "2", "-M", "4"]
+    code, text = run([*base, "--schedule", "roundpipe", "--png", str(tmp_path / "one")])
+    assert code == 0 and f"wrote {tmp_path / 'one.png'}" in text.splitlines()
+    assert (tmp_path / "one.png").exists() and not (tmp_path / "one").exists()
+    code, text = run(
+        [*base, "--schedule", "gpipe", "--schedule", "1f1b", "--png", str(tmp_path / "t")]
+    )
+    assert code == 0 and f"wrote {tmp_path / 't-1f1b.png'}" in text.splitlines()
+    assert (tmp_path / "t-gpipe.png").exists() and (tmp_path / "t-1f1b.png").exists()
