@@ -28,7 +28,7 @@ from typing import Any
 
 from .costs import LayerCosts, PlanError
 from .partition import LayerTooLarge, partition
-from .simulate import SCHEDULES, SimulationResult, simulate, stage_over_limit
+from .simulate import SCHEDULES, SimulationResult, check_within_limit, simulate
 from .stages import StagePlan
 
 __all__ = ["main"]
@@ -264,15 +264,14 @@ def _roundpipe_setup(args: argparse.Namespace, costs: LayerCosts) -> tuple[Stage
     limit = _limit(args, costs)
     if args.plan:
         plan = StagePlan.parse(args.plan, costs.num_layers)
-        over = stage_over_limit(plan, costs, limit)
-        if over is not None:
-            st, need = over
-            raise PlanError(
-                f"--plan {plan} does not fit --memory-limit {limit:g}: stage {st.label} "
-                f"(layers {st.start}-{st.stop - 1}) needs {need:g} of device memory for one "
-                "micro-batch; give a --plan whose stages fit, drop --plan (the plan chosen "
-                "within the limit), or raise --memory-limit"
-            )
+        check_within_limit(
+            plan,
+            costs,
+            limit,
+            plan_option="--plan",
+            limit_option="--memory-limit",
+            chosen="drop --plan",
+        )
     else:
         kw = {"async_optimizer": asyn, "memory_limit": limit, "comm_time": comm}
         plan = choose_plan(costs, n, m, round_size=args.round_size, **kw)

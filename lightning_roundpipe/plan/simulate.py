@@ -48,17 +48,17 @@ from typing import Literal
 from .costs import LayerCosts, PlanError
 from .partition import balanced_partition
 from .schedule import Clock, Copies, Placement, Schedule, Segment, SegmentKind, lower
-from .stages import Stage, StagePlan
+from .stages import StagePlan
 
 __all__ = [
     "SCHEDULES",
     "ScheduleName",
     "Segment",
     "SimulationResult",
+    "check_within_limit",
     "result_from_segments",
     "simulate",
     "simulate_schedules",
-    "stage_over_limit",
     "steady_async_bubble",
 ]
 
@@ -346,15 +346,7 @@ def _simulate_roundpipe(
             placement=placement,
         )
     plan.validate(costs.num_layers)
-    over = stage_over_limit(plan, costs, memory_limit)
-    if over is not None:
-        st, need = over
-        raise PlanError(
-            f"plan {plan} does not fit memory_limit {memory_limit:g}: stage {st.label} "
-            f"(layers {st.start}-{st.stop - 1}) needs {need:g} of device memory for one "
-            "micro-batch; give a plan whose stages fit, plan=None (the plan chosen within "
-            "the limit), or raise memory_limit"
-        )
+    check_within_limit(plan, costs, memory_limit)
     kw = dict(
         round_size=mr,
         comm_time=comm_time,
@@ -380,18 +372,29 @@ _SETTLE_SPAN = 9
 _MAX_CYCLE = 8
 
 
-def stage_over_limit(
-    plan: StagePlan, costs: LayerCosts, memory_limit: float | None
-) -> tuple[Stage, float] | None:
-    """The first stage of ``plan`` whose device memory for one micro-batch
-    exceeds ``memory_limit``, and that memory; None when every stage fits
-    (or the limit or the layers' memory is not given)."""
+def check_within_limit(
+    plan: StagePlan,
+    costs: LayerCosts,
+    memory_limit: float | None,
+    *,
+    plan_option: str = "plan",
+    limit_option: str = "memory_limit",
+    chosen: str = "plan=None",
+) -> None:
+    """Refuse ``plan`` when a stage's device memory for one micro-batch
+    exceeds ``memory_limit`` (nothing to check without the limit or the
+    layers' memory), naming the first such stage; the options are named as
+    the caller takes them (``chosen``: how to get the plan chosen instead)."""
     if memory_limit is None or costs.memory is None:
-        return None
+        return
     for st, need in zip(plan.stages, plan.stage_memory(costs)):
         if need > memory_limit:
-            return st, need
-    return None
+            raise PlanError(
+                f"{plan_option} {plan} does not fit {limit_option} {memory_limit:g}: stage "
+                f"{st.label} (layers {st.start}-{st.stop - 1}) needs {need:g} of device memory "
+                f"for one micro-batch; give a {plan_option} whose stages fit, {chosen} (the "
+                f"plan chosen within the limit), or raise {limit_option}"
+            )
 
 
 def steady_async_bubble(
@@ -737,7 +740,7 @@ def simulate(
             the model's last layer (the head) is not recomputed, as in
             RoundPipe's fused stage.
         memory_limit: RoundPipe only: passed to the partitioner; a given
-            ``plan`` must fit it (:func:`stage_over_limit`).
+            ``plan`` must fit it (:func:`check_within_limit`).
         iterations: RoundPipe only: iterations to simulate back to back.
         optimizer_time: RoundPipe only: time of one host optimizer step.
         placement: RoundPipe only: ``"free-first"`` (rounds start on the
