@@ -105,6 +105,11 @@ def causal_lm_loss(
     return total / (count if empty is None else count.clamp(min=1))
 
 
+def _token_counts(labels: list[torch.Tensor]) -> list[int]:
+    """Each micro-batch's labelled next tokens."""
+    return [int((shifted(y) != -100).sum()) for y in labels]
+
+
 class _LMLoss:
     """The pipeline's loss function: :func:`causal_lm_loss` of the head's
     logits, plus ``coef`` times the router load-balancing loss of the
@@ -510,7 +515,7 @@ class CausalLMAdapter(_Adapter):
         of the weighted micro-batch losses is the model's loss (the one place
         the loss weighting is decided; a micro-batch's router loss, when on,
         gets the same weight)."""
-        counts = [int((shifted(y) != -100).sum()) for y in labels]
+        counts = _token_counts(labels)
         if labels and labels[0].shape[-1] <= 1:  # (nothing to predict the next token of)
             return self._shares(counts, "token", "sequences of one token have no next token")
         return self._shares(counts, "token")
@@ -520,7 +525,7 @@ class CausalLMAdapter(_Adapter):
         whose loss is a sum, 0 with no labelled token (each micro-batch's
         cross-entropy is then 0 and scaled by 0; its router loss, when on,
         weighs alike in each)."""
-        counts = [int((shifted(y) != -100).sum()) for y in labels]
+        counts = _token_counts(labels)
         total = sum(counts)
         return [c / total if total else 1 / len(counts) for c in counts]
 
