@@ -187,7 +187,7 @@ class Courier:
             pass
         except BaseException as exc:  # every failure must reach the caller
             job = job or self._adding
-            self.store.fail(self.worker.wrap_failure(exc, job, None, courier=True))
+            self.store.fail(self.worker.reported(exc, job, None, courier=True))
 
     def _add_ready(self) -> None:
         """Add the held gradients that may be added now (an add may make the

@@ -445,7 +445,7 @@ class Worker:
             if isinstance(exc, HandoffTimeout):
                 self.store.fail(self.wrap_failure(exc, job, mb[0]))
         except BaseException as exc:  # every failure must reach the caller
-            self.store.fail(self.wrap_failure(exc, job, mb[0]))
+            self.store.fail(self.reported(exc, job, mb[0]))
         finally:
             self._job = None  # (no longer running it: activity)
             if self.ctx is not None:
@@ -460,6 +460,23 @@ class Worker:
             self._replicas.clear()
             self._prefetch = None
             self._ahead.clear()
+
+    def reported(
+        self, exc: BaseException, job: Job | None, mb: int | None, courier: bool = False
+    ) -> BaseException:
+        """What the caller's thread raises for ``exc``: a :class:`WorkerError`
+        naming where it happened, or, for a ``KeyboardInterrupt`` or
+        ``SystemExit`` raised in a layer or hook, that exception itself with
+        where as a note: an interrupt stays one, so Lightning shuts down as it
+        does when the layer runs on its own thread."""
+        err = self.wrap_failure(exc, job, mb, courier)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return err
+        try:
+            exc.add_note(f"(raised on a RoundPipe worker thread: {err})")
+        except Exception:  # (a note is only a courtesy)
+            log.debug("could not note where %r was raised", exc, exc_info=True)
+        return exc
 
     def wrap_failure(
         self, exc: BaseException, job: Job | None, mb: int | None, courier: bool = False

@@ -104,3 +104,68 @@ def test_an_interrupt_mid_hand_off_or_in_the_steps_wait_ends_the_fit_at_once(
     assert not ARMED.is_set()  # (it was raised)
     assert "not applied" not in caplog.text
     assert {t.ident for t in threading.enumerate()} <= before
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, exc):
+        ctx.exc = exc
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ctx.exc
+
+
+class InterruptingLayer(torch.nn.Module):
+    """Raises ``exc`` once, in its forward or its backward, once armed
+    (a user's layer calling ``sys.exit`` or Ctrl+C landing on a worker)."""
+
+    def __init__(self, exc: BaseException, backward: bool) -> None:
+        super().__init__()
+        self.exc, self.backward = exc, backward
+
+    def forward(self, x):
+        if not (ARMED.is_set() and torch.is_grad_enabled()):
+            return torch.tanh(x)
+        ARMED.clear()
+        if self.backward:
+            return torch.tanh(_RaiseInBackward.apply(x, self.exc))
+        raise self.exc
+
+
+class InterruptedInALayer(ArmAtThirdBatch):
+    def __init__(self, exc: BaseException, backward: bool) -> None:
+        super().__init__(extra=False)
+        self.net[3] = InterruptingLayer(exc, backward)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "sync", "async"])
+@pytest.mark.parametrize(
+    "exc, backward", [(KeyboardInterrupt(), False), (SystemExit(3), True)], ids=["ctrl-c", "exit"]
+)
+def test_an_interrupt_raised_in_a_layer_on_a_worker_stays_an_interrupt(strategy, exc, backward):
+    """KeyboardInterrupt or SystemExit from a layer on a worker thread
+    reaches Lightning as itself, as under the default strategy (Ctrl+C: a
+    graceful shutdown; SystemExit: its code), noting where it was raised."""
+    ARMED.clear()
+    before = {t.ident for t in threading.enumerate()}
+    chosen = (
+        strategy
+        if strategy == "auto"
+        else RoundPipeStrategy(async_optimizer=strategy == "async", watchdog_timeout=30)
+    )
+    trainer = cpu_trainer(chosen, max_steps=5, devices=2)
+    with pytest.raises(SystemExit) as raised:
+        trainer.fit(InterruptedInALayer(exc, backward), loader(seq_data(48), 8))
+    assert not ARMED.is_set()  # (it was raised)
+    assert trainer.interrupted
+    if isinstance(exc, SystemExit):
+        assert raised.value.code == 3
+        if strategy != "auto":
+            (note,) = raised.value.__notes__
+            assert note.startswith("(raised on a RoundPipe worker thread: device cpu")
+            assert "micro-batch" in note and "stage" in note
+    else:
+        assert raised.value.code == 1  # Lightning's exit after its graceful shutdown
+    assert {t.ident for t in threading.enumerate()} <= before
