@@ -572,6 +572,121 @@ def test_probe_products_in_fp32_reuse_a_parameters_copy_until_it_changes():
     assert copy() is None  # (other tests' parameters may still have theirs)
 
 
+def test_probe_products_find_a_parameters_copy_through_a_saved_view(monkeypatch):
+    """A weight that autograd saved while the probes count saved bytes (a
+    saved-tensor hook) comes back in the backward as a view of the weight's
+    storage, not of the parameter object: its fp32 copy is still the
+    parameter's, not converted again (each backward converted a block's
+    weights again)."""
+    from lightning_roundpipe.runtime.profiler import saved_bytes
+
+    lin = torch.nn.Linear(48, 80).bfloat16()
+    x = torch.randn(5, 48, dtype=torch.bfloat16, requires_grad=True)
+    converted = []
+    float_ = torch.Tensor.float
+
+    def counting(t, *args, **kwargs):
+        converted.append(tuple(t.shape))
+        return float_(t, *args, **kwargs)
+
+    with saved_bytes(lin, {}, 0), _Fp32Matmuls():
+        y = lin(x)
+        kept = _Fp32Matmuls._weights[lin.weight][1]
+    with _Fp32Matmuls():
+        monkeypatch.setattr(torch.Tensor, "float", counting)
+        y.sum().backward(inputs=[x])
+    monkeypatch.undo()
+    assert (80, 48) not in converted and (48, 80) not in converted, converted
+    assert _Fp32Matmuls._weights[lin.weight][1] is kept
+    expected = lin.weight.float().sum(0).bfloat16().expand(5, 48)
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_probe_products_keep_a_parameters_copy_across_a_parametrization():
+    """Registering a parametrization sets the parameter to itself (a new
+    version, the same values; PEFT's LoRA on expert weights does it at
+    every forward): its fp32 copy stays; a real change still replaces it."""
+    lin = torch.nn.Linear(48, 80).bfloat16()
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    with _Fp32Matmuls():
+        lin(x)
+        kept = _Fp32Matmuls._weights[lin.weight][1]
+        torch.nn.utils.parametrize.register_parametrization(lin, "weight", torch.nn.Identity())
+        torch.nn.utils.parametrize.remove_parametrizations(lin, "weight")
+        lin(x)
+        assert _Fp32Matmuls._weights[lin.weight][1] is kept
+        with torch.no_grad():
+            lin.weight.set_(lin.weight * 2)
+        changed = lin(x)
+    assert _Fp32Matmuls._weights[lin.weight][1] is not kept
+    assert torch.equal(changed, (x.float() @ lin.weight.float().t() + lin.bias.float()).bfloat16())
+
+
+def test_probe_backwards_allocate_weight_gradients_without_computing_them():
+    """In a backward, a product larger than each of its operands (a weight's
+    gradient at the probes' lengths) is allocated with its shape, dtype and
+    strides and not computed; the input's gradient is computed; forward
+    products are computed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # (entered first: sees what reaches the kernels)
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                self.seen.append(func)  # (not the shapes worked out on the meta device)
+            return func(*args, **(kwargs or {}))
+
+    w = torch.nn.Parameter(torch.randn(80, 48, dtype=torch.bfloat16))
+    x = torch.randn(5, 48, dtype=torch.bfloat16, requires_grad=True)
+    with Ops() as ops, _Fp32Matmuls():
+        y = x @ w.t()
+        forward = ops.seen.count(torch.ops.aten.mm.default)
+        gx, gw = torch.autograd.grad(y.sum(), [x, w])
+    assert forward == 1
+    assert ops.seen.count(torch.ops.aten.mm.default) == 2  # and the input's gradient only
+    assert torch.ops.aten.empty_strided.default in ops.seen
+    assert gw.shape == w.shape and gw.dtype == w.dtype
+    torch.testing.assert_close(gx, w.float().sum(0).bfloat16().expand(5, 48))
+
+
+@pytest.mark.parametrize("lora", [None, 4], ids=["full", "lora"])
+def test_probes_that_skip_unread_gradient_values_count_the_same_bytes(monkeypatch, lora):
+    """The probes' shortcuts (weight gradients allocated, not computed; a
+    tiled backward's parameter gradients neither zeroed nor added) change
+    no byte they count: a tiled Mixture-of-Experts model's activation model
+    is the one the full computation gives, in bf16 and fp32."""
+    from transformers import AutoConfig
+
+    from lightning_roundpipe.models import estimate as est
+    from lightning_roundpipe.models.memory import _LiveBytes
+
+    config = AutoConfig.for_model(
+        model_type="mixtral",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+    def probed(dtype, tiles):
+        adapter = est.hf_adapter(est._meta_model(config, lora), "model")
+        torch.manual_seed(0)
+        return adapter.activation_model(dtype, tiles, loss=True, prepare=est.materialiser(dtype))
+
+    cases = [(d, t) for d in (torch.bfloat16, torch.float32) for t in ({}, {"mlp_tile": 50})]
+    quick = [probed(*case) for case in cases]
+    monkeypatch.setattr(_Fp32Matmuls, "_weight_gradient", staticmethod(lambda *a: None))
+    monkeypatch.setattr(_LiveBytes, "bytes_only", False)
+    assert quick == [probed(*case) for case in cases]
+
+
 def test_random_values_for_the_probes_are_finite_of_a_weights_scale_and_reproducible():
     from lightning_roundpipe.models.estimate import _fill_random
 
@@ -861,6 +976,82 @@ def test_estimate_refuses_what_it_cannot_read(tmp_path, capsys):
     bad.write_text("{}")
     code, _ = run_cli(bad, "--gpu-memory", 24)
     assert code == 2 and "a config JSON needs 'model_type'" in capsys.readouterr().err
+
+
+def test_estimate_says_what_is_wrong_with_a_config_directory_or_type(tmp_path, capsys):
+    """A directory without config.json, or with a broken one, and a model
+    type transformers does not know: each says so in a line, naming the
+    file (not transformers' "Unrecognized model" or its list of 800 types)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _ = run_cli(empty, "--gpu-memory", 24)
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {empty}: a directory without config.json" in err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama",')
+    code, _ = run_cli(broken, "--gpu-memory", 24)
+    err = capsys.readouterr().err
+    assert code == 2 and f"{broken / 'config.json'}: not a config JSON file (Expecting" in err
+    typo = config_file(tmp_path, model_type="qwen-3")
+    code, _ = run_cli(typo, "--gpu-memory", 24)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err) < 400, err
+    assert f"{typo}: model_type 'qwen-3' is not one transformers " in err
+    assert "did you mean 'qwen3'" in err
+    config_file(tmp_path, model_type="nothing-like-any")
+    code, _ = run_cli(tmp_path, "--gpu-memory", 24)  # (the directory holding it)
+    err = capsys.readouterr().err
+    assert code == 2 and "model_type 'nothing-like-any' is not one" in err
+    assert "did you mean" not in err and len(err) < 400
+
+
+def test_estimate_warns_about_sizes_a_config_leaves_to_transformers_defaults(
+    tmp_path, capsys, caplog
+):
+    """A deciding size missing from the file (or misspelt) takes
+    transformers' default for the model type, and a warning names it and
+    its value; names a config class maps (GPT-2's n_embd) count as given."""
+    path = config_file(tmp_path, hidden_sise=64)
+    data = json.loads(path.read_text())
+    del data["hidden_size"], data["num_key_value_heads"]
+    path.write_text(json.dumps(data))
+    code, _ = run_cli(path, "--gpu-memory", 24, "--seq", 16)
+    err = capsys.readouterr().err
+    assert (
+        f"warning: {path} leaves out hidden_size, num_key_value_heads: the estimate uses "
+        "transformers' defaults for 'qwen3' (hidden_size=4096, num_key_value_heads=32)\n"
+    ) in err
+    # (the default is what the check then refuses: said after the warning)
+    assert code == 2 and err.index("warning: ") < err.index(
+        f"error: {path}: num_attention_heads (4) must be a multiple of num_key_value_heads (32)"
+    )
+    data["num_attention_heads"] = 32
+    path.write_text(json.dumps(data))
+    code, text = run_cli(path, "--gpu-memory", 24, "--seq", 16)
+    err = capsys.readouterr().err
+    assert code == 0 and "leaves out hidden_size, num_key_value_heads" in err
+    assert "model: " in text
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "n_positions": 256,
+                "vocab_size": 300,
+            }
+        )
+    )
+    from lightning_roundpipe.models.estimate import load_config
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_roundpipe.models.estimate"):
+        load_config(str(gpt2))
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(

@@ -121,24 +121,34 @@ LENGTH_CHECKS = 16
 def load_config(source: str) -> Any:
     """A Hugging Face config from a JSON file, a directory holding
     ``config.json``, or a model name whose config is in the local cache
-    (nothing is downloaded)."""
+    (nothing is downloaded). A size the file leaves out takes transformers'
+    default for its model type, and a warning says which and what."""
     import transformers
 
     path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{source}: a directory without config.json (the file a Hugging Face model "
+                "directory keeps its config in); pass the path of the config JSON file"
+            )
+        path = path / "config.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{source}: not a config JSON file ({exc})") from None
+            raise ValueError(f"{path}: not a config JSON file ({exc})") from None
         if not isinstance(data, dict) or "model_type" not in data:
-            raise ValueError(f"{source}: a config JSON needs 'model_type'")
+            raise ValueError(f"{path}: a config JSON needs 'model_type'")
+        _check_model_type(data["model_type"], path)
         try:
             config = transformers.AutoConfig.for_model(**data)
         except ValueError:
             raise
         except Exception as exc:  # (transformers' own validation: its message says what)
-            raise ValueError(f"{source}: {type(exc).__name__}: {exc}") from exc
-        _check_sizes(config, source)
+            raise ValueError(f"{path}: {type(exc).__name__}: {exc}") from exc
+        _note_defaults(data, config, path)  # (first: a default may be what a check refuses)
+        _check_sizes(config, str(path))
         return config
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
@@ -149,6 +159,65 @@ def load_config(source: str) -> Any:
         ) from exc
     _check_sizes(config, source)
     return config
+
+
+def _check_model_type(model_type: Any, path: Path) -> None:
+    """A model type transformers knows, or an error naming the closest ones
+    (transformers' own lists all of its 800-odd types)."""
+    import difflib
+
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    known = list(CONFIG_MAPPING.keys())
+    close = difflib.get_close_matches(str(model_type).lower(), known, n=3, cutoff=0.75)
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    raise ValueError(
+        f"{path}: model_type {model_type!r} is not one transformers "
+        f"{transformers.__version__} knows ({len(known)} types; {hint}a newer transformers "
+        "may know it)"
+    )
+
+
+#: the sizes that decide an estimate, warned about when a config file leaves
+#: them to transformers' defaults
+_DECIDING_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def _note_defaults(data: dict, config: Any, path: Path) -> None:
+    """Warn about the deciding sizes ``data`` (a config file's contents)
+    leaves out, which ``config`` took from transformers' defaults (a
+    multimodal model's from its ``text_config``): a typo in a field's name
+    would otherwise estimate another model without a word."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    given = data.get("text_config") if text is not config else data
+    if not isinstance(given, dict):
+        given = {}
+    aliases = getattr(type(text), "attribute_map", {}) or {}
+    taken = [
+        f"{name}={value}"
+        for name in _DECIDING_SIZES
+        if name not in given
+        and aliases.get(name) not in given
+        and (value := _size(text, name)) is not None
+    ]
+    if taken:
+        _log.warning(
+            "%s leaves out %s: the estimate uses transformers' defaults for %r (%s)",
+            path,
+            ", ".join(t.split("=")[0] for t in taken),
+            getattr(text, "model_type", type(text).__name__),
+            ", ".join(taken),
+        )
 
 
 def _size(config: Any, name: str) -> Any:

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -312,6 +313,10 @@ class _Fp32Matmuls(TorchDispatchMode):
 
     # parameter -> (its version when copied, its fp32 copy)
     _weights = WeakIdKeyDictionary()
+    # its storage -> the parameter (while it lives)
+    _by_storage: ClassVar[weakref.WeakValueDictionary[int, nn.Parameter]] = (
+        weakref.WeakValueDictionary()
+    )
 
     _OPS = frozenset(
         {
@@ -333,6 +338,12 @@ class _Fp32Matmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten.set_.source_Tensor:
+            return self._set(func, args, kwargs)
+        if func in self._OPS and not torch.is_grad_enabled():
+            unread = self._weight_gradient(func, args, kwargs)
+            if unread is not None:
+                return unread
         if func in self._OPS:
             dtype = next(
                 (
@@ -358,20 +369,75 @@ class _Fp32Matmuls(TorchDispatchMode):
         return func(*args, **kwargs)
 
     @classmethod
+    def _set(cls, func, args, kwargs) -> Any:
+        """``dest.set_(src)``; where ``src`` is ``dest``'s own storage in its
+        own geometry (nothing changes but the version: how
+        ``torch.nn.utils.parametrize`` registers a parametrization, which
+        PEFT's LoRA on Mixture-of-Experts weights does at each forward), the
+        parameter's fp32 copy stays its copy."""
+        dest, src = args[0], args[1]
+        same = (
+            _storage_key(dest) == _storage_key(src)
+            and dest.size() == src.size()
+            and dest.stride() == src.stride()
+            and dest.storage_offset() == src.storage_offset()
+        )
+        param = cls._by_storage.get(_storage_key(dest)) if same else None
+        kept = None if param is None else cls._weights.get(param)
+        fresh = kept is not None and kept[0] == param._version
+        out = func(*args, **kwargs)
+        if fresh:  # (autograd counts the in-place op once, above this mode, on return)
+            cls._weights[param] = (param._version + 1, kept[1])
+        return out
+
+    @staticmethod
+    def _weight_gradient(func, args, kwargs) -> torch.Tensor | None:
+        """A product in a backward whose result is larger than each of its
+        operands (at the probes' short lengths: a weight's gradient, from
+        the activations and their gradients), allocated with its shape and
+        not computed (None: any other product). Only gradients are added
+        into it and nothing reads its values, while the bytes are what the
+        probes count: a Mixtral-8x7B block's tiled backward computed its
+        experts' gradients, 1.4B values each, twice per probe."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+        def meta(v: Any) -> Any:
+            return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+        try:
+            shape = func(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+        except Exception:  # (no meta kernel for this op: computed)
+            return None
+        if not isinstance(shape, torch.Tensor) or shape.numel() <= max(
+            (t.numel() for t in tensors), default=0
+        ):
+            return None
+        return torch.empty_strided(shape.size(), shape.stride(), dtype=shape.dtype)
+
+    @classmethod
     def _fp32(cls, a: torch.Tensor) -> torch.Tensor:
-        """``a`` in fp32; a parameter, or a view of one, from its kept copy."""
+        """``a`` in fp32; a parameter, or a view of one, from its kept copy.
+        A view that autograd saved for the backward is no view of the
+        parameter object when unpacked, only of its storage: found by that
+        (a Mixtral-8x7B block's backward converted its expert weights again
+        each time, a fifth of its probes' time)."""
         base = a if a._base is None else a._base
+        key = _storage_key(a)
+        if not isinstance(base, nn.Parameter):
+            base = cls._by_storage.get(key)
         if not (
-            isinstance(base, nn.Parameter)
+            base is not None
             and base.dtype == a.dtype
             and base.is_contiguous()
             and base.storage_offset() == 0
+            and _storage_key(base) == key
         ):
             return a.float()
         kept = cls._weights.get(base)
         if kept is None or kept[0] != base._version:
             kept = (base._version, base.detach().float())
             cls._weights[base] = kept
+            cls._by_storage[key] = base
         return kept[1].as_strided(a.size(), a.stride(), a.storage_offset())
 
 
@@ -387,6 +453,10 @@ class _LiveBytes(TorchDispatchMode):
     A storage counts from the op that creates it until it is freed. (The
     CPU allocator keeps no statistics, and torch's memory trackers are
     private tools of its distributed package: hence this one.)"""
+
+    #: what a tiled backward reads (:mod:`.tiling`): the parameters' gradient
+    #: values are never read, so it allocates them without computing them
+    bytes_only = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ come inline (``--forward 0.1,1x12,3 --backward 0.2,2x12,6``; ``VxK`` repeats
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -301,13 +302,27 @@ def _model_name(source: str) -> str:
     return path.stem
 
 
+def _with_warnings(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the estimate's logged warnings written to stderr as
+    ``warning: ...`` (what the config left to defaults)."""
+    logger = logging.getLogger("lightning_roundpipe.models.estimate")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger.addHandler(handler)
+    try:
+        return fn(*args)
+    finally:
+        logger.removeHandler(handler)
+
+
 def _cmd_estimate(args: argparse.Namespace, out) -> None:
     # (torch and transformers: the rest of the planning layer needs neither)
     import torch
 
     from ..models.estimate import ConfigError, GiB, estimate, load_config
 
-    config = load_config(args.config)
+    config = _with_warnings(load_config, args.config)
     try:
         result = estimate(
             config,
