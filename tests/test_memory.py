@@ -703,6 +703,27 @@ def test_random_values_for_the_probes_are_finite_of_a_weights_scale_and_reproduc
     assert torch.isfinite(small).all() and small.std() > 0
 
 
+def test_estimate_makes_stages_smaller_where_their_gradient_staging_would_not_fit(tmp_path):
+    """Where the first plan's page-locked gradient staging would not fit the
+    host the model state leaves, the plan starts with smaller stages, as the
+    engine does: a short sequence fits, and needs no more host memory than a
+    longer one (it needed more, and did not fit while a longer one did)."""
+    from lightning_roundpipe.models.estimate import GiB, estimate, load_config
+
+    config = load_config(str(config_file(tmp_path)))
+    roomy = estimate(config, gpu_memory=1.25 * GiB, host_memory=64 * GiB, seq=16)
+    state, staged = roomy.host["state"], roomy.host["staging"]
+    assert staged > 0
+    host = state + 0.75 * staged  # the first plan's staging does not fit
+    short = estimate(config, gpu_memory=1.25 * GiB, host_memory=host, seq=16)
+    assert short.plan != roomy.plan
+    assert short.host["staging"] <= 0.75 * staged and short.host["total"] <= host
+    assert short.longest_seq >= 64
+    longer = estimate(config, gpu_memory=1.25 * GiB, host_memory=host, seq=64)
+    assert longer.host["total"] >= short.host["total"]
+    assert longer.host["total"] <= host
+
+
 def test_estimate_prints_plan_memory_longest_sequence_and_throughput(tmp_path):
     path = config_file(tmp_path)
     code, text = run_cli(path, "--gpu-memory", 1.25, "--gpus", 2, "--host-memory", 4)

@@ -53,6 +53,7 @@ from ..runtime.host import (
     gradient_bytes,
     plan_staging_bytes,
     state_bytes,
+    within_staging,
 )
 from ..runtime.options import PRECISION_ALIASES, PRECISIONS
 from ..runtime.profiler import active_parameters, estimate_costs
@@ -797,9 +798,30 @@ def estimate(
     # decides it: from its first plan; what one micro-batch's boundary values
     # may take on the host before the plan changes is 80% of that
     spare = None if host_memory is None else host_memory - state
-    start_plan = initial_plan(
+    start_plan = uncapped = initial_plan(
         sizes, gpus, m, given=None, async_optimizer=async_optimizer, memory_limit=limit
     )
+    # smaller stages where the first plan's gradient staging would not fit
+    # the host the model state leaves, as the engine starts
+    size_cap: int | None = None
+    if spare is not None and spare > 0:
+        start_plan, cap = within_staging(
+            start_plan,
+            lambda cap: initial_plan(
+                sizes,
+                gpus,
+                m,
+                given=None,
+                async_optimizer=async_optimizer,
+                memory_limit=limit,
+                size_limit=int(cap),
+            ),
+            lambda p: p.stage_memory(sizes),
+            grads,
+            gpus,
+            spare,
+        )
+        size_cap = None if cap is None else int(cap)
     start_left = left(start_plan)
     host_room = None if start_left is None else HOST_ACTIVATION_SHARE * max(0.0, start_left)
 
@@ -817,6 +839,7 @@ def estimate(
             user_plan=False,
             async_optimizer=async_optimizer,
             memory_limit=limit,
+            size_limit=size_cap,
             device_budget=budget_all,
             boundary=value_bytes(s * b, hidden, size),
             host_limit=host_limit,
@@ -903,8 +926,9 @@ def estimate(
             alone = plan_at(device_longest, 1, host=False).plan
             values = boundary_bytes(alone, device_longest, hidden, size)
             # (the staging of the first plan bounds what the plan may choose,
-            # as in the engine; the chosen one's what it then takes)
-            staged_most = max(staging(start_plan), staging(alone))
+            # as in the engine; the chosen one's what it then takes; with that
+            # much host the first plan's stages are not made smaller for it)
+            staged_most = max(staging(uncapped), staging(alone))
             device_host = state + staged_most + values / HOST_ACTIVATION_SHARE
     notes = []
     seq_given = seq is not None

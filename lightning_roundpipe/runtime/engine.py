@@ -38,6 +38,7 @@ from ..plan.decide import (
     initial_plan,
     plan_for_activations,
     stage_peaks,
+    tightest,
 )
 from ..plan.policy import (
     RoundChoice,
@@ -59,6 +60,7 @@ from .host import (
     host_available,
     plan_staging_bytes,
     state_bytes,
+    within_staging,
 )
 from .nested import (
     batch_size_of,
@@ -468,8 +470,42 @@ class RoundPipeEngine:
             copies = 2 if self.double_buffer else 1
             state = _state_to_come(layers, compute_dtype, copies, optimizer_state)
             if any(d.type == "cuda" for d in devs):
-                # and the page-locked blocks the gradient downloads take
-                state += plan_staging_bytes(plan, gradient_bytes(layers), len(devs))
+                # and the page-locked blocks the gradient downloads take: where
+                # those of the first plan's stages would not fit, smaller stages
+                grads = gradient_bytes(layers)
+                if not user_plan and state < room:
+                    smaller, cap = within_staging(
+                        plan,
+                        lambda cap: initial_plan(
+                            costs,
+                            n,
+                            m,
+                            given=None,
+                            async_optimizer=async_optimizer,
+                            memory_limit=limit,
+                            size_limit=int(tightest(size_limit, cap)),
+                            round_size=self.options.microbatches_per_round,
+                        ),
+                        lambda p: p.stage_memory(costs),
+                        grads,
+                        n,
+                        room - state,
+                    )
+                    if cap is not None:
+                        log.info(
+                            "RoundPipe: plan %s instead of %s: its stages' gradient downloads "
+                            "stage %.2f GiB of page-locked host memory, not %.2f GiB, within the "
+                            "%.2f GiB the training state leaves",
+                            smaller,
+                            plan,
+                            plan_staging_bytes(smaller, grads, n) / 2**30,
+                            plan_staging_bytes(plan, grads, n) / 2**30,
+                            (room - state) / 2**30,
+                        )
+                        plan = smaller
+                        self.size_limit = size_limit = int(tightest(size_limit, cap))
+                        self._initial = (plan, limit)
+                state += plan_staging_bytes(plan, grads, n)
             if state < room:
                 room -= state
             else:  # no room then: budgets from what is there, and a warning

@@ -53,6 +53,7 @@ __all__ = [
     "plan_staging_bytes",
     "staging_bytes",
     "state_bytes",
+    "within_staging",
 ]
 
 log = logging.getLogger(__name__)
@@ -1086,6 +1087,42 @@ def plan_staging_bytes(plan: StagePlan, layer_grad_bytes: Sequence[int], devices
         [sum(layer_grad_bytes[st.start : st.stop]) for st in plan.stages if st.kind != "forward"],
         devices,
     )
+
+
+def within_staging(
+    first: StagePlan,
+    plan_for: Callable[[float], StagePlan],
+    stage_sizes: Callable[[StagePlan], Sequence[float]],
+    layer_grad_bytes: Sequence[int],
+    devices: int,
+    room: float,
+) -> tuple[StagePlan, float | None]:
+    """A plan whose gradient staging (:func:`plan_staging_bytes`) fits
+    ``room`` host bytes, and the stage-size cap it was planned within (None:
+    ``first`` fits, or no smaller stages fit either; ``first`` is kept then).
+
+    Larger stages stage more (a power of two per stage's gradients), so a
+    short sequence, whose activations let the stages be large, can need more
+    host memory than a long one. Where ``first`` stages too much, the cap on
+    a stage's size (``stage_sizes`` of a plan, in the unit ``plan_for(cap)``
+    plans within) falls by a factor of sqrt(2) from its largest stage's
+    until the plan's staging fits, or ``plan_for`` finds no plan
+    (:class:`PlanError`: the cap is below a layer)."""
+    from ..plan import PlanError
+
+    staged = plan_staging_bytes(first, layer_grad_bytes, devices)
+    if staged <= room:
+        return first, None
+    cap = max(stage_sizes(first))
+    for _ in range(128):  # (a cap below every layer raises well before)
+        cap /= math.sqrt(2)
+        try:
+            plan = plan_for(cap)
+        except PlanError:
+            break
+        if plan_staging_bytes(plan, layer_grad_bytes, devices) <= room:
+            return plan, cap
+    return first, None
 
 
 #: of the host memory available when an engine starts, less the training

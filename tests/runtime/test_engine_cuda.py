@@ -170,3 +170,31 @@ def test_the_hosts_activation_budget_leaves_room_for_gradient_staging(monkeypatc
         staged = plan_staging_bytes(eng._initial[0], gradient_bytes(layers), 1)
         assert staged > 0
         assert cpu_limit - eng._host_limit == pytest.approx(0.8 * staged, abs=2)
+
+
+def test_the_first_plan_has_smaller_stages_where_its_gradient_staging_would_not_fit(
+    monkeypatch, caplog
+):
+    """The page-locked blocks the gradient downloads take grow with the
+    stages: where the first plan's would not fit the host memory the
+    training state leaves, the engine starts from smaller stages (and
+    keeps them as its stage cap), as `plan estimate` predicts."""
+    from lightning_roundpipe.runtime import engine as engine_mod
+    from lightning_roundpipe.runtime.host import gradient_bytes, plan_staging_bytes
+
+    layers = mlp()
+    grads = gradient_bytes(layers)
+    with RoundPipeEngine(copy.deepcopy(layers), [0], 4) as eng:
+        first = eng.plan
+    staged = plan_staging_bytes(first, grads, 1)
+    room = int(0.75 * staged)
+    monkeypatch.setattr(engine_mod, "_state_to_come", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(engine_mod, "host_available", lambda *args, **kwargs: room)
+    with (
+        caplog.at_level("INFO", logger="lightning_roundpipe.runtime.engine"),
+        RoundPipeEngine(layers, [0], 4) as eng,
+    ):
+        assert str(eng.plan) != str(first)
+        assert plan_staging_bytes(eng.plan, grads, 1) <= room
+        assert eng.size_limit is not None
+    assert f"instead of {first}: its stages' gradient downloads stage" in caplog.text

@@ -306,3 +306,42 @@ def test_parameters_that_are_more_than_floating_values_are_refused(kind):
     ):
         host.HostState([torch.nn.Linear(4, 4), layer], torch.float32)
     assert layer.weight is before  # nothing was moved
+
+
+def test_within_staging_makes_stages_smaller_until_their_gradient_staging_fits():
+    """A first plan whose stages' gradient downloads stage more page-locked
+    memory than the host leaves is replaced by one planned within a smaller
+    stage cap (falling by sqrt(2) from its largest stage) whose staging fits;
+    a first plan that fits is kept, and so is one no smaller stages help."""
+    from lightning_roundpipe.plan import LayerCosts, PlanError
+    from lightning_roundpipe.plan.decide import initial_plan
+    from lightning_roundpipe.runtime.host import plan_staging_bytes, within_staging
+
+    grads = [1000] * 16  # fp32 gradient bytes per layer
+    costs = LayerCosts([1.0] * 16, [2.0] * 16, memory=[3000] * 16)
+    first = initial_plan(costs, 1, 4, given=None, async_optimizer=True, memory_limit=None)
+    asked = []
+
+    def plan_for(cap):
+        asked.append(cap)
+        return initial_plan(
+            costs, 1, 4, given=None, async_optimizer=True, memory_limit=None, size_limit=int(cap)
+        )
+
+    def sizes(plan):
+        return plan.stage_memory(costs)
+
+    staged = plan_staging_bytes(first, grads, 1)
+    assert within_staging(first, plan_for, sizes, grads, 1, staged) == (first, None)
+    assert asked == []
+    plan, cap = within_staging(first, plan_for, sizes, grads, 1, staged * 0.6)
+    assert plan_staging_bytes(plan, grads, 1) <= staged * 0.6 < staged
+    assert max(plan.stage_memory(costs)) <= cap < max(sizes(first))
+    assert asked[0] == pytest.approx(max(sizes(first)) / 2**0.5)
+    # below one layer's gradients nothing fits: the first plan stays
+    assert within_staging(first, plan_for, sizes, grads, 1, 500) == (first, None)
+
+    def refusing(cap):
+        raise PlanError("no plan")
+
+    assert within_staging(first, refusing, sizes, grads, 1, 10) == (first, None)
