@@ -37,10 +37,15 @@ __all__ = ["main"]
 
 def _numbers(text: str) -> list[float]:
     out: list[float] = []
-    for tok in text.split(","):
-        tok = tok.strip()
+    tokens = [tok.strip() for tok in text.split(",")]
+    if not any(tokens):
+        return out
+    for tok in tokens:
         if not tok:
-            continue
+            raise argparse.ArgumentTypeError(
+                f"{text!r} has an empty entry: give one number or VALUExCOUNT between "
+                "each pair of commas"
+            )
         value, _, count = tok.partition("x")
         try:
             v = float(value)

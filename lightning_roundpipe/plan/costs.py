@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -54,7 +55,23 @@ def _as_values(
             raise PlanError(f"LayerCosts.{name}[{i}] must be a number, got {v!r}")
         if not math.isfinite(v) or v < 0:
             raise PlanError(f"LayerCosts.{name}[{i}] must be finite and >= 0, got {v!r}")
+    try:
+        total = math.fsum(out)
+    except OverflowError:
+        total = math.inf
+    if total > _MOST:
+        # (stage sums, their recomputes and the micro-batches' would overflow
+        # to inf, and every plan would tie)
+        raise PlanError(
+            f"LayerCosts.{name} adds up to {total:.3g}, past {_MOST:.3g}, what stage sums "
+            "times micro-batches can take without overflowing; give the values in a larger "
+            "unit (seconds, not nanoseconds; GiB, not bytes)"
+        )
     return out
+
+
+#: the most a cost list may add up to: a millionth of the largest float
+_MOST = sys.float_info.max / 1e6
 
 
 @dataclass(frozen=True)

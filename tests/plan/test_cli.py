@@ -145,6 +145,12 @@ def test_bad_number_list_is_an_argparse_error(capsys):
         main(["partition", "--forward", "1,x", "--backward", "1,1", "-N", "1", "-M", "1"])
     assert exc.value.code == 2
     assert "is not a number or VALUExCOUNT" in capsys.readouterr().err
+    # an empty entry is refused, not dropped (a layer would go missing)
+    for given in ("1,,2", "1,2,"):
+        with pytest.raises(SystemExit) as exc:
+            main(["partition", "--forward", given, "--backward", "1x3", "-N", "1", "-M", "1"])
+        assert exc.value.code == 2
+        assert f"argument --forward: {given!r} has an empty entry" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

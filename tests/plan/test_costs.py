@@ -32,6 +32,13 @@ def test_unknown_memory_is_zero():
         ({"forward": [1, float("nan")], "backward": [1, 1]}, r"forward\[1\]"),
         ({"forward": [1], "backward": [float("inf")]}, r"backward\[0\]"),
         ({"forward": [1], "backward": [1], "memory": [1, 2]}, "memory has 2 entries"),
+        # (finite each, but stage sums over them would overflow to inf)
+        (
+            {"forward": [1e308, 1e308], "backward": [1, 1]},
+            r"forward adds up to inf, past 1.8e\+302, .* give the values in a larger unit",
+        ),
+        ({"forward": [1], "backward": [1e303]}, r"backward adds up to 1e\+303, past"),
+        ({"forward": [1], "backward": [1], "memory": [1e305]}, r"memory adds up to 1e\+305"),
         ({"forward": [1], "backward": ["a"]}, r"backward\[0\] must be a number"),
         ({"forward": "12", "backward": [1]}, "must be a list of numbers"),
         (
