@@ -649,6 +649,11 @@ def test_probe_backwards_allocate_weight_gradients_without_computing_them():
     assert ops.seen.count(torch.ops.aten.mm.default) == 2  # and the input's gradient only
     assert torch.ops.aten.empty_strided.default in ops.seen
     assert gw.shape == w.shape and gw.dtype == w.dtype
+    # a forward's product under no_grad is read (a rotary table): computed
+    inv, pos = torch.rand(4, 1), torch.arange(6.0)[None]
+    with _Fp32Matmuls(), torch.no_grad():
+        table = inv @ pos
+    torch.testing.assert_close(table, inv * pos)
     torch.testing.assert_close(gx, w.float().sum(0).bfloat16().expand(5, 48))
 
 

@@ -340,7 +340,9 @@ class _Fp32Matmuls(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten.set_.source_Tensor:
             return self._set(func, args, kwargs)
-        if func in self._OPS and not torch.is_grad_enabled():
+        # (in autograd's backward, not a recompute in it, which enables grad,
+        # nor a forward's no_grad region, whose products are read: rotary tables)
+        if func in self._OPS and _in_backward() and not torch.is_grad_enabled():
             unread = self._weight_gradient(func, args, kwargs)
             if unread is not None:
                 return unread
@@ -527,6 +529,12 @@ class _LiveBytes(TorchDispatchMode):
         k = self._tile_op
         self.tile_ops[k] = max(self.tile_ops[k], self.live - self._tile_start)
         self._tile_op += 1
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs autograd's backward (torch's checkpoint
+    asks the same)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _storage_key(t: torch.Tensor) -> int:
