@@ -816,7 +816,7 @@ def estimate(
                 memory_limit=limit,
                 size_limit=int(cap),
             ),
-            lambda p: p.stage_memory(sizes),
+            sizes,
             grads,
             gpus,
             spare,

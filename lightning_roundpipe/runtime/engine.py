@@ -486,7 +486,7 @@ class RoundPipeEngine:
                             size_limit=int(tightest(size_limit, cap)),
                             round_size=self.options.microbatches_per_round,
                         ),
-                        lambda p: p.stage_memory(costs),
+                        costs,
                         grads,
                         n,
                         room - state,

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..plan import StagePlan
+    from ..plan import LayerCosts, StagePlan
 
 __all__ = [
     "HostState",
@@ -1092,7 +1092,7 @@ def plan_staging_bytes(plan: StagePlan, layer_grad_bytes: Sequence[int], devices
 def within_staging(
     first: StagePlan,
     plan_for: Callable[[float], StagePlan],
-    stage_sizes: Callable[[StagePlan], Sequence[float]],
+    estimates: LayerCosts,
     layer_grad_bytes: Sequence[int],
     devices: int,
     room: float,
@@ -1104,8 +1104,8 @@ def within_staging(
     Larger stages stage more (a power of two per stage's gradients), so a
     short sequence, whose activations let the stages be large, can need more
     host memory than a long one. Where ``first`` stages too much, the cap on
-    a stage's size (``stage_sizes`` of a plan, in the unit ``plan_for(cap)``
-    plans within) falls by a factor of sqrt(2) from its largest stage's
+    a stage's size (its size-based memory in ``estimates``, which
+    ``plan_for(cap)`` plans within) falls by a factor of sqrt(2) from its largest stage's
     until the plan's staging fits, or ``plan_for`` finds no plan
     (:class:`PlanError`: the cap is below a layer)."""
     from ..plan import PlanError
@@ -1113,7 +1113,7 @@ def within_staging(
     staged = plan_staging_bytes(first, layer_grad_bytes, devices)
     if staged <= room:
         return first, None
-    cap = max(stage_sizes(first))
+    cap = max(first.stage_memory(estimates))
     for _ in range(128):  # (a cap below every layer raises well before)
         cap /= math.sqrt(2)
         try:

@@ -332,16 +332,16 @@ def test_within_staging_makes_stages_smaller_until_their_gradient_staging_fits()
         return plan.stage_memory(costs)
 
     staged = plan_staging_bytes(first, grads, 1)
-    assert within_staging(first, plan_for, sizes, grads, 1, staged) == (first, None)
+    assert within_staging(first, plan_for, costs, grads, 1, staged) == (first, None)
     assert asked == []
-    plan, cap = within_staging(first, plan_for, sizes, grads, 1, staged * 0.6)
+    plan, cap = within_staging(first, plan_for, costs, grads, 1, staged * 0.6)
     assert plan_staging_bytes(plan, grads, 1) <= staged * 0.6 < staged
     assert max(plan.stage_memory(costs)) <= cap < max(sizes(first))
     assert asked[0] == pytest.approx(max(sizes(first)) / 2**0.5)
     # below one layer's gradients nothing fits: the first plan stays
-    assert within_staging(first, plan_for, sizes, grads, 1, 500) == (first, None)
+    assert within_staging(first, plan_for, costs, grads, 1, 500) == (first, None)
 
     def refusing(cap):
         raise PlanError("no plan")
 
-    assert within_staging(first, refusing, sizes, grads, 1, 10) == (first, None)
+    assert within_staging(first, refusing, costs, grads, 1, 10) == (first, None)
