@@ -4,6 +4,7 @@ sets, or alone as the one-server reference).
 
     python tests/replica_fit.py OUT --nodes N --batch-size B [--async] [--fail-at K]
         [--kill-at K] [--hang-at K] [--oom-once] [--no-log] [--steps S]
+    python tests/replica_fit.py --zygote   # forks servers on request (see zygote())
 
 Writes ``OUT/rank{r}.pt`` (the parameters, the logged metrics and how many
 samples the replica saw), ``OUT/last.ckpt`` (rank 0, through the Trainer) or,
@@ -13,7 +14,9 @@ when the fit fails, ``OUT/error{r}.txt`` with the exception.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import select
 import signal
 import sys
 import time
@@ -207,5 +210,64 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
+def zygote() -> None:
+    """``--zygote``: with everything a server imports imported, read one JSON
+    request per line on stdin (``argv``, ``env``, ``log``) and fork a server
+    for each, answering ``{"pid": ...}``; answer ``{"exit": pid, "code": ...}``
+    as each ends (the code as subprocess gives it: negative for a signal).
+    Leaves at the end of its input. A forked server returns from here and
+    ends as the interpreter does at the end of a script."""
+    children: set[int] = set()
+    pending = b""
+    while True:
+        readable = select.select([0], [], [], 0.2)[0]
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            _answer({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if not readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            for pid in children:  # (its parent left: whatever still runs is killed)
+                os.killpg(pid, signal.SIGKILL)
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _become_server(request)
+                main(request["argv"])
+                return
+            children.add(pid)
+            _answer({"pid": pid})
+
+
+def _answer(message: dict) -> None:
+    os.write(1, json.dumps(message).encode() + b"\n")
+
+
+def _become_server(request: dict) -> None:
+    """In a forked server: a session of its own (killed as a group, as a
+    launched server), the launch's environment and its output to its log."""
+    os.setsid()
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(request["env"])
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--zygote"]:
+        zygote()
+    else:
+        main()

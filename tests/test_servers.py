@@ -8,12 +8,16 @@ or started with the variables a manual launch sets (``MASTER_ADDR``,
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -47,59 +51,145 @@ def env() -> dict[str, str]:
     return out
 
 
+class Zygote:
+    """Where the manually launched servers start: forked from a process of
+    ``tests/replica_fit.py --zygote`` that imported torch, Lightning,
+    transformers and this package once (a fresh interpreter spent about
+    10 s of CPU on those imports, most of a server's time here). Each server
+    still runs in a process and a session of its own, with the environment
+    variables a manual launch sets, and ends as an interpreter does (its
+    exit code, atexit, threads at shutdown); the torchrun test launches
+    real interpreters."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--zygote"],
+            env=env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self.exits: dict[int, int] = {}
+        self._pending = b""
+
+    def _message(self, deadline: float) -> dict | None:
+        """The zygote's next message, None past ``deadline``."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            assert chunk, f"the zygote ended (exit code {self.proc.wait()})"
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        message = json.loads(line)
+        if "exit" in message:
+            self.exits[message["exit"]] = message["code"]
+        return message
+
+    def start(self, argv: list[str], environ: dict[str, str], log: Path) -> int:
+        """Fork a server running ``main(argv)``; its pid."""
+        request = {"argv": argv, "env": environ, "log": str(log)}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + 120  # (the first waits for the imports)
+        while True:
+            message = self._message(deadline)
+            assert message is not None, "the zygote did not fork a server within 120 s"
+            if "pid" in message:
+                return message["pid"]
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """``pid``'s exit code (negative: the signal), None past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while pid not in self.exits and self._message(deadline) is not None:
+            pass
+        return self.exits.get(pid)
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # (it leaves at the end of its input)
+        self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
 def servers(
-    out: Path, *args: str, torchrun: bool = False, limit: float = 240.0, others: float = 30.0
+    out: Path,
+    *args: str,
+    zygote: Zygote | None = None,
+    limit: float = 240.0,
+    others: float = 30.0,
 ) -> list[int | None]:
     """Run two servers to the end (rank 0 within ``limit``, the other then
-    within ``others`` seconds); returns their exit codes (None: killed here)."""
+    within ``others`` seconds); returns their exit codes (None: killed here).
+    Forked from ``zygote`` with a manual launch's variables, else each under
+    torchrun."""
     out.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
-    procs = []
+    launched: list[Callable[[float], int | None]] = []
+    killers: list[Callable[[], None]] = []
     for rank in (0, 1):
-        if torchrun:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc-per-node=1",
-                f"--node-rank={rank}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-            ]
-            extra = {}
-        else:
-            cmd = [sys.executable]
+        argv = [str(out), "--nodes", "2", *args]
+        log = out / f"log{rank}.txt"
+        if zygote is not None:
             extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank)}
-        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 (closed below)
-        procs.append(
-            (
-                subprocess.Popen(
-                    [*cmd, str(SCRIPT), str(out), "--nodes", "2", *args],
-                    env={**env(), **extra},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                ),
-                log,
+            pid = zygote.start(argv, {**env(), **extra}, log)
+            launched.append(functools.partial(zygote.wait, pid))
+            killers.append(functools.partial(_kill_forked, zygote, pid))
+            continue
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(SCRIPT),
+            *argv,
+        ]
+        with open(log, "w") as file:
+            proc = subprocess.Popen(
+                cmd, env=env(), stdout=file, stderr=subprocess.STDOUT, start_new_session=True
             )
-        )
+        launched.append(functools.partial(_wait_launched, proc))
+        killers.append(functools.partial(_kill_launched, proc))
     deadline = time.monotonic() + limit
     codes = []
     try:
-        procs[0][0].wait(timeout=max(1.0, deadline - time.monotonic()))
-        for p, _ in procs:
-            try:
-                codes.append(p.wait(timeout=max(1.0, min(others, deadline - time.monotonic()))))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        launched[0](max(1.0, deadline - time.monotonic()))
+        for wait in launched:
+            codes.append(wait(max(1.0, min(others, deadline - time.monotonic()))))
     finally:
-        for p, log in procs:
-            if p.poll() is None:  # a hung or orphaned server (its launcher too)
-                os.killpg(p.pid, 9)
-                p.wait()
-            log.close()
+        for kill in killers:  # a hung or orphaned server (its launcher too)
+            kill()
     return codes
+
+
+def _wait_launched(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _kill_launched(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def _kill_forked(zygote: Zygote, pid: int) -> None:
+    if pid not in zygote.exits:
+        os.killpg(pid, 9)  # (its session: the server forked it first thing)
+        assert zygote.wait(pid, 60) is not None, f"server {pid} was not reaped"
 
 
 def one_server(out: Path, *args: str) -> None:
@@ -138,7 +228,7 @@ def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path
     names its rank); the logged loss is reduced across servers; the
     checkpoint is written once and loads on one server."""
     two = tmp_path / "two"
-    assert servers(two, "--batch-size", "4", "--oom-once", torchrun=True) == [0, 0], logs(two)
+    assert servers(two, "--batch-size", "4", "--oom-once") == [0, 0], logs(two)
     replanned = (two / "log1.txt").read_text()
     assert re.search(
         r"\[rank: 1\] RoundPipe: cpu ran out of memory in stage F\d \(layers \d-\d\) during "
@@ -168,11 +258,13 @@ def test_two_servers_train_exactly_like_one_server_with_twice_the_batch(tmp_path
     )  # one more step ran
 
 
-def test_asynchronous_replicas_stay_identical(tmp_path):
+def test_asynchronous_replicas_stay_identical(tmp_path, zygote):
     """The asynchronous optimizer (one step behind) on each server: every
     replica applies the same updates, to rank 0's weights when the servers
     started from different ones (as DDP's replicas)."""
-    codes = servers(tmp_path, "--batch-size", "4", "--async", "--clip", "0", "--init-by-rank")
+    codes = servers(
+        tmp_path, "--batch-size", "4", "--async", "--clip", "0", "--init-by-rank", zygote=zygote
+    )
     a, b = result(tmp_path, 0), result(tmp_path, 1)
     assert codes == [0, 0]
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
@@ -180,11 +272,11 @@ def test_asynchronous_replicas_stay_identical(tmp_path):
 
 
 # ---------------------------------------------------------------- failures
-def test_a_server_that_raises_is_named_by_the_others(tmp_path):
+def test_a_server_that_raises_is_named_by_the_others(tmp_path, zygote):
     """Server 1 raises in its training step; server 0, waiting in the
     gradient reduction, fails with server 1's error (not a hang)."""
     t0 = time.monotonic()
-    codes = servers(tmp_path, "--fail-at", "2", "--no-log", "--watchdog", "60")
+    codes = servers(tmp_path, "--fail-at", "2", "--no-log", "--watchdog", "60", zygote=zygote)
     assert codes == [1, 1]  # both leave with their exception, neither aborts nor hangs
     message = error(tmp_path, 0)
     assert "ReplicaError" in message and "replica rank 1 failed" in message, message
@@ -193,7 +285,9 @@ def test_a_server_that_raises_is_named_by_the_others(tmp_path):
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_a_server_that_raises_with_an_exception_checkpoint_fails_both_at_once(tmp_path, async_):
+def test_a_server_that_raises_with_an_exception_checkpoint_fails_both_at_once(
+    tmp_path, async_, zygote
+):
     """OnExceptionCheckpoint (and no collective of the loop's thread in the
     steps): the failing server's checkpoint waited at a barrier for the other,
     which waited for its gradients, both until the watchdog (10 minutes by
@@ -204,7 +298,7 @@ def test_a_server_that_raises_with_an_exception_checkpoint_fails_both_at_once(tm
     extra = ["--async"] if async_ else []
     t0 = time.monotonic()
     args = ("--fail-at", "2", "--no-log", "--exception-checkpoint", "--accumulate", "1", *extra)
-    codes = servers(tmp_path, *args, "--watchdog", "120")
+    codes = servers(tmp_path, *args, "--watchdog", "120", zygote=zygote)
     assert codes == [1, 1], logs(tmp_path)
     assert time.monotonic() - t0 < 60, logs(tmp_path)
     assert error(tmp_path, 1).startswith("ValueError: injected failure on the second server")
@@ -218,18 +312,18 @@ def test_a_server_that_raises_with_an_exception_checkpoint_fails_both_at_once(tm
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
 
 
-def test_a_fit_after_a_stopped_one_is_not_failed_by_its_report(tmp_path):
+def test_a_fit_after_a_stopped_one_is_not_failed_by_its_report(tmp_path, zygote):
     """Every server stops a first fit with an exception the script catches;
     the second fit of the same processes trains (the failure reports left in
     the rendezvous store are the first fit's, under their own keys)."""
-    codes = servers(tmp_path, "--stopped-fit-first", "--no-log", "--watchdog", "60")
+    codes = servers(tmp_path, "--stopped-fit-first", "--no-log", "--watchdog", "60", zygote=zygote)
     assert codes == [0, 0], logs(tmp_path)
 
 
-def test_servers_started_with_different_settings_are_refused_naming_it(tmp_path):
+def test_servers_started_with_different_settings_are_refused_naming_it(tmp_path, zygote):
     """Different reduce buckets would reduce mismatched tensors (gloo aborts
     the process without a Python error): refused on every server first."""
-    codes = servers(tmp_path, "--rank1-bucket", "1", "--no-log", "--watchdog", "60")
+    codes = servers(tmp_path, "--rank1-bucket", "1", "--no-log", "--watchdog", "60", zygote=zygote)
     assert codes == [1, 1], logs(tmp_path)
     for rank in (0, 1):
         message = error(tmp_path, rank)
@@ -238,33 +332,35 @@ def test_servers_started_with_different_settings_are_refused_naming_it(tmp_path)
         ), message
 
 
-def test_a_server_that_finished_early_is_named_as_finished(tmp_path):
+def test_a_server_that_finished_early_is_named_as_finished(tmp_path, zygote):
     """Unequal steps (a user error): the server still training says the
     other finished, not that it died or hangs."""
     # (rank 1's checkpoint after its fit then waits for rank 0 in vain)
-    codes = servers(tmp_path, "--rank1-steps", "2", "--no-log", "--watchdog", "15")
+    codes = servers(tmp_path, "--rank1-steps", "2", "--no-log", "--watchdog", "8", zygote=zygote)
     assert codes[0] == 1, logs(tmp_path)
     message = error(tmp_path, 0)
     assert "replica rank 1 finished its fit while this one goes on" in message, message
 
 
-def test_a_killed_server_is_named_by_the_others(tmp_path):
+def test_a_killed_server_is_named_by_the_others(tmp_path, zygote):
     """Server 1 is killed (SIGKILL) between steps; server 0 fails in its next
     collective (the logged loss is reduced across servers) naming rank 1."""
     t0 = time.monotonic()
-    codes = servers(tmp_path, "--kill-at", "2", "--watchdog", "60")
+    codes = servers(tmp_path, "--kill-at", "2", "--watchdog", "60", zygote=zygote)
     assert codes[0] == 1 and codes[1] != 0
     message = error(tmp_path, 0)
     assert "replica rank 1 stopped responding" in message, message
     assert time.monotonic() - t0 < 60
 
 
-def test_a_hung_server_fails_the_others_after_the_watchdog_timeout(tmp_path):
+def test_a_hung_server_fails_the_others_after_the_watchdog_timeout(tmp_path, zygote):
     """Server 1 hangs in its training step (alive: its reducer still beats);
     server 0 fails once its reduction waited watchdog_timeout, naming the
     window server 1 never closed, and leaves with that exception (no abort
     from an all-reduce still in flight at exit)."""
-    codes = servers(tmp_path, "--hang-at", "2", "--no-log", "--watchdog", "8", limit=90, others=1)
+    codes = servers(
+        tmp_path, "--hang-at", "2", "--no-log", "--watchdog", "8", limit=90, others=1, zygote=zygote
+    )
     assert codes[0] == 1
     message = error(tmp_path, 0)
     assert "took more than 8 s (watchdog_timeout)" in message, message
