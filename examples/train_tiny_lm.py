@@ -151,6 +151,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--sentences",
+        type=int,
+        default=4000,
+        help="generated training sentences (validation: a tenth)",
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--sync", action="store_true", help="synchronous optimizer")
     parser.add_argument("--out", type=Path, default=Path("runs/tiny_lm"))
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         async_optimizer=not args.sync, num_microbatches=max(args.microbatches, devices)
     )
     speed = Throughput()
-    data = TinyTextData(seq_len=args.seq_len, batch_size=args.batch_size)
+    data = TinyTextData(seq_len=args.seq_len, batch_size=args.batch_size, sentences=args.sentences)
     data.setup("fit")
     # the epochs the steps take (else the progress bar shows "Epoch 0/-2")
     epochs = -(-args.steps // max(1, len(data.train_dataloader())))

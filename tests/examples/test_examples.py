@@ -50,10 +50,12 @@ def test_main_job_trains_and_reports(tmp_path):
 def test_main_job_runs_steps_past_an_epoch(tmp_path):
     """A batch large enough that the steps take several epochs: it validates
     every third of the steps (it was refused: a validation interval longer
-    than an epoch)."""
+    than an epoch). 400 sentences are 197 sequences, 3 batches of 64: an
+    epoch is shorter than the 4 steps between validations."""
     pytest.importorskip("transformers")
     mod = load("train_tiny_lm")
-    report = mod.main(["--steps", "12", "--batch-size", "512", "--out", str(tmp_path)])
+    argv = ["--steps", "12", "--batch-size", "64", "--sentences", "400", "--out", str(tmp_path)]
+    report = mod.main(argv)
     assert report["steps"] == 12
 
 
