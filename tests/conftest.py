@@ -19,9 +19,9 @@ def pytest_xdist_auto_num_workers(config):
     per core and one more, at most 4. Many tests wait (for child processes
     they started, watchdog timeouts, injected delays) while their process
     holds a core's share; the extra process keeps the cores busy then (on
-    two cores, 2 processes kept them 91% busy and took 11:40 here, 3 took
-    9:42). More would only compete for the cores: many tests run two CPU
-    workers or child processes of their own."""
+    two cores, 2 processes kept them 91% busy and took 11:40 here, 3 kept
+    them 96% busy and took 9:30 to 10:30). More would only compete for the
+    cores: many tests run two CPU workers or child processes of their own."""
     return max(1, min(4, _cores() + 1))
 
 

@@ -29,10 +29,14 @@ from strategy.modules import CausalLM, lm_data, loader
 from lightning_roundpipe import RoundPipeStrategy
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    ),
+    # one test process runs them all, with one zygote (its imports: 10 s of CPU)
+    pytest.mark.xdist_group("servers"),
+]
 
 SCRIPT = Path(__file__).with_name("replica_fit.py")
 
