@@ -8,6 +8,7 @@ or started with the variables a manual launch sets (``MASTER_ADDR``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -191,9 +192,13 @@ def _kill_launched(proc: subprocess.Popen) -> None:
 
 
 def _kill_forked(zygote: Zygote, pid: int) -> None:
-    if pid not in zygote.exits:
-        os.killpg(pid, 9)  # (its session: the server forked it first thing)
-        assert zygote.wait(pid, 60) is not None, f"server {pid} was not reaped"
+    if pid in zygote.exits:
+        return
+    # (its session: the server started it first thing; ProcessLookupError:
+    # it ended, and the zygote's word of it is still on its way)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, 9)
+    assert zygote.wait(pid, 60) is not None, f"server {pid} was not reaped"
 
 
 def one_server(out: Path, *args: str) -> None:
